@@ -1,0 +1,3 @@
+"""FlowSwarm: LLM serving on a peer-to-peer swarm of volunteer GPUs."""
+
+PROTOCOL_VERSION = 1

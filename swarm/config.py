@@ -1,0 +1,24 @@
+"""Environment variables are read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints and identities are cached (FLOWSWARM_CACHE, else ~/.cache/flowswarm)."""
+    env = os.environ.get("FLOWSWARM_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowswarm"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def torch_threads() -> int | None:
+    """Threads for torch per process (FLOWSWARM_THREADS); None keeps torch's default."""
+    env = os.environ.get("FLOWSWARM_THREADS")
+    return int(env) if env else None
+
+
+def log_level() -> str:
+    return os.environ.get("FLOWSWARM_LOG", "INFO").upper()

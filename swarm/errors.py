@@ -1,0 +1,88 @@
+"""The FlowSwarm exception tree. Each error has a stable wire code so it keeps its type across peers.
+
+    SwarmError
+    ├── TransportError        the peer did not answer in time or the connection broke: retry elsewhere
+    ├── ProtocolError         the peer sent or was sent something malformed: ban the peer (or fix the caller)
+    │   └── VersionMismatch   protocol versions differ: fail fast
+    ├── CapacityError         the peer is full (KV cache, sessions): route elsewhere
+    ├── SessionError          unknown or expired session on the peer: reopen and replay
+    ├── NoRouteError          no live peer serves some layers: tell the user which
+    ├── PlanningError         the solver failed or timed out: fall back to a heuristic
+    └── ModelMismatch         the peer holds a different model (weight hash differs)
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    code = "swarm_error"
+
+
+class TransportError(SwarmError):
+    code = "transport"
+
+
+class ProtocolError(SwarmError):
+    code = "protocol"
+
+
+class VersionMismatch(ProtocolError):
+    code = "version_mismatch"
+
+
+class CapacityError(SwarmError):
+    code = "capacity"
+
+
+class SessionError(SwarmError):
+    code = "session"
+
+
+class NoRouteError(SwarmError):
+    code = "no_route"
+
+    def __init__(self, missing_layers: list[int], message: str | None = None) -> None:
+        self.missing_layers = missing_layers
+        super().__init__(message or f"no live peer serves layers {_ranges_text(missing_layers)}")
+
+
+class PlanningError(SwarmError):
+    code = "planning"
+
+
+class ModelMismatch(SwarmError):
+    code = "model_mismatch"
+
+
+_BY_CODE: dict[str, type[SwarmError]] = {
+    cls.code: cls
+    for cls in (
+        SwarmError,
+        TransportError,
+        ProtocolError,
+        VersionMismatch,
+        CapacityError,
+        SessionError,
+        PlanningError,
+        ModelMismatch,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SwarmError:
+    """Rebuild a remote error with its original type (unknown codes become plain SwarmError)."""
+    if code == NoRouteError.code:
+        return NoRouteError([], message)
+    return _BY_CODE.get(code, SwarmError)(message)
+
+
+def _ranges_text(layers: list[int]) -> str:
+    """[3, 4, 5, 9] -> "3:6, 9:10" (half-open ranges)."""
+    parts: list[str] = []
+    for layer in sorted(layers):
+        if parts and int(parts[-1].split(":")[1]) == layer:
+            start = parts[-1].split(":")[0]
+            parts[-1] = f"{start}:{layer + 1}"
+        else:
+            parts.append(f"{layer}:{layer + 1}")
+    return ", ".join(parts)
