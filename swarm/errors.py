@@ -16,6 +16,8 @@ from __future__ import annotations
 
 class SwarmError(Exception):
     code = "swarm_error"
+    # Set on errors that came back over the wire: the peer that failed (to ban), when the remote side knew it.
+    failed_peer_id: str | None = None
 
 
 class TransportError(SwarmError):

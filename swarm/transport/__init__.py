@@ -1,1 +1,25 @@
+"""RPC between clients and peers over hivemind P2P: ``call_<verb>`` for callers, ``serve`` for peers."""
 
+from swarm.transport.calls import (
+    DEFAULT_TIMEOUT_S,
+    call_close,
+    call_forward,
+    call_info,
+    call_probe,
+    call_step,
+    measure_link,
+)
+from swarm.transport.serving import RpcHandler, dispatch, serve
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RpcHandler",
+    "call_close",
+    "call_forward",
+    "call_info",
+    "call_probe",
+    "call_step",
+    "dispatch",
+    "measure_link",
+    "serve",
+]

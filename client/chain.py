@@ -1,0 +1,106 @@
+"""The remote chain: one step of a session goes to the route's first peer, which forwards it peer to peer.
+
+The client sends the hidden states once, to the first stage, with the rest of the route as `route_rest`; each
+peer computes its layers and pushes the result to the next hop itself, and the last hop's output comes back
+the same way. So a decode step costs one round trip from the client plus one hop per stage, not one
+client round trip per stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind.p2p import P2P
+
+from swarm.routing.route import Stage
+from swarm.transport import call_close, call_info, call_step
+from swarm.types import NodeID, SessionID
+from swarm.wire import CloseRequest, Hop, StepRequest
+
+logger = logging.getLogger(__name__)
+
+Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the latest DHT snapshot
+
+
+class RemoteChain:
+    """Runs session steps through real peers over hivemind P2P (see swarm.transport)."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        maddrs: Maddrs,
+        model_hash: str,
+        wire_dtype: torch.dtype,
+        step_timeout_s: float,
+        close_timeout_s: float,
+    ) -> None:
+        self.p2p = p2p
+        self.maddrs = maddrs
+        self.model_hash = model_hash
+        self.wire_dtype = wire_dtype  # hidden states travel in the swarm's dtype, not the client's
+        self.step_timeout_s = step_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self._step_ids = 0
+
+    def _hops(self, stages: Sequence[Stage]) -> tuple[Hop, ...]:
+        return tuple(
+            Hop(str(s.peer_id), self.maddrs(s.peer_id), s.layers.start, s.layers.end) for s in stages
+        )
+
+    async def step(
+        self,
+        session_id: SessionID,
+        stages: Sequence[Stage],
+        position: int,
+        hidden: torch.Tensor,
+        max_length_tokens: int,
+    ) -> torch.Tensor:
+        first, *rest = self._hops(stages)
+        self._step_ids += 1
+        request = StepRequest(
+            session_id=session_id,
+            position=position,
+            hidden=hidden.to(self.wire_dtype),
+            start=first.start,
+            end=first.end,
+            max_length_tokens=max_length_tokens,
+            model_hash=self.model_hash,
+            route_rest=tuple(rest),
+            step_id=self._step_ids,
+        )
+        reply = await call_step(
+            self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+        )
+        return reply.hidden.to(hidden.dtype)
+
+    async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None:
+        if not stages:
+            return
+        first, *rest = self._hops(stages)
+        request = CloseRequest(session_id, tuple(rest))
+        await call_close(
+            self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.close_timeout_s
+        )
+
+    async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None:
+        """The first stage whose peer does not answer a short info call, or None if all answer.
+
+        When a whole step times out, nobody tells us which hop hung; asking each peer directly finds it, so
+        the right peer is banned instead of the healthy first hop.
+        """
+
+        async def silent(stage: Stage) -> bool:
+            try:
+                await call_info(
+                    self.p2p, str(stage.peer_id), maddrs=self.maddrs(stage.peer_id), timeout_s=timeout_s
+                )
+                return False
+            except Exception as error:  # any failure to answer counts: we only want whom to blame
+                logger.info("peer %s did not answer info: %s", str(stage.peer_id)[-8:], error)
+                return True
+
+        answers = await asyncio.gather(*(silent(s) for s in stages))
+        return next((s.peer_id for s, dead in zip(stages, answers, strict=True) if dead), None)

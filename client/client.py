@@ -1,0 +1,358 @@
+"""SwarmClient: generate text with a model whose layers are served by a swarm of peers.
+
+    from client import SwarmClient
+    with SwarmClient(initial_peers=["/ip4/127.0.0.1/tcp/31337/p2p/Qm..."], model="default") as swarm:
+        print(swarm.generate("What is the capital of France?", max_new_tokens=20))
+
+AsyncSwarmClient is the real client (one asyncio loop); SwarmClient is a thin synchronous facade that runs an
+AsyncSwarmClient on a private event loop in a background thread. The client holds the tokenizer, embeddings
+and LM head; every prompt becomes one InferenceSession over a route the swarm's plan picks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from client.chain import RemoteChain
+from client.config import ClientConfig
+from client.generation import GenerationRequest, generate_ids, generate_text
+from client.retry import RetryPolicy
+from client.routes import SwarmRoutes
+from client.session import Chain, Head, InferenceSession, RouteSource
+from swarm.dht import DHTConfig, Directory, SwarmDHT
+from swarm.errors import ModelMismatch, SwarmError
+from swarm.models.head import Sampler, SamplingParams
+from swarm.models.loading import resolve_model
+from swarm.models.spec import torch_dtype
+from swarm.routing import BanConfig
+from swarm.transport import call_info
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Message = dict[str, str]
+
+
+class AsyncSwarmClient:
+    """The asyncio client. Build with `await AsyncSwarmClient.create(...)`; end with `await close()`.
+
+    The constructor takes its parts ready-made (chain, routes, head, tokenizer), so tests can run the same
+    client over in-process blocks; `create` wires the real ones: DHT, P2P, routes from the swarm's plan.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        chain: Chain,
+        routes: RouteSource,
+        head: Head,
+        tokenizer: Any,
+        num_layers: int,
+        dht: SwarmDHT | None = None,
+    ) -> None:
+        self.config = config
+        self.chain = chain
+        self.routes = routes
+        self.head = head
+        self.tokenizer = tokenizer
+        self.num_layers = num_layers
+        self.dht = dht
+        self.policy = RetryPolicy(config.max_retries, config.retry_delay_s)
+        self.eos_ids = _eos_ids(tokenizer)
+        self.last_session: InferenceSession | None = None  # the latest session, for failover counts in tests
+
+    @classmethod
+    async def create(
+        cls, initial_peers: Sequence[str] = (), model: str = "default", config: ClientConfig | None = None
+    ) -> AsyncSwarmClient:
+        """Load the tokenizer and head of `model`, join the swarm's DHT as a client, wait for all layers."""
+        config = replace(config or ClientConfig(), initial_peers=tuple(initial_peers), model=model)
+        if not config.initial_peers:
+            raise ValueError("initial_peers is empty: give the multiaddr of at least one running peer")
+        source = resolve_model(config.model)
+        spec = source.spec
+        head = await asyncio.to_thread(source.load_head, config.device, config.dtype)
+        tokenizer = await asyncio.to_thread(source.tokenizer)
+        dht = await SwarmDHT.create(
+            DHTConfig(initial_peers=config.initial_peers, client_mode=True), spec.weights_hash
+        )
+        try:
+            p2p = await dht.replicate_p2p()
+            await _check_model(
+                p2p, config.initial_peers, spec.weights_hash, spec.name, config.connect_timeout_s
+            )
+            directory = Directory(dht)
+            routes = SwarmRoutes(
+                directory.snapshot,
+                spec.num_layers,
+                cache_high_water=config.cache_high_water,
+                snapshot_max_age_s=config.snapshot_max_age_s,
+                bans=BanConfig(base_s=config.ban_initial_s, max_s=config.ban_max_s),
+            )
+            await routes.wait_for_coverage(config.connect_timeout_s)
+            chain = RemoteChain(
+                p2p,
+                routes.maddrs,
+                spec.weights_hash,
+                torch_dtype(spec.dtype),
+                config.step_timeout_s,
+                config.close_timeout_s,
+            )
+        except BaseException:
+            dht.shutdown()
+            raise
+        logger.info("connected to the swarm serving %s (%d layers)", spec.name, spec.num_layers)
+        return cls(
+            config,
+            chain=chain,
+            routes=routes,
+            head=head,
+            tokenizer=tokenizer,
+            num_layers=spec.num_layers,
+            dht=dht,
+        )
+
+    # --- prompts -------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
+        """Token ids of a plain prompt, or of chat `messages` rendered with the model's chat template."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt= or messages=")
+        if messages is not None:
+            for m in messages:
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(f"each message must be {{'role': str, 'content': str}}, got {m!r}")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this model's tokenizer has no chat template: pass prompt= instead")
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def _request(
+        self, ids: Sequence[int], max_new_tokens: int, stop: str | Sequence[str] | None
+    ) -> GenerationRequest:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return GenerationRequest(tuple(ids), max_new_tokens, self.eos_ids, stops)
+
+    def new_session(self, max_length_tokens: int) -> InferenceSession:
+        """An inference session reserving `max_length_tokens` of KV cache on each peer of its route."""
+        session = InferenceSession(
+            self.chain,
+            self.routes,
+            self.head,
+            self.num_layers,
+            self.policy,
+            self.config.step_timeout_s,
+            max_length_tokens,
+        )
+        self.last_session = session
+        return session
+
+    # --- generation ----------------------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Message] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> AsyncGenerator[str, None]:
+        """Yield pieces of the answer as tokens arrive (whole characters only); stop strings are not yielded."""
+        request = self._request(self.encode(prompt, messages), max_new_tokens, stop)
+        sampler = _sampler(temperature, top_p, top_k, repetition_penalty, seed)
+        session = self.new_session(len(request.prompt_ids) + max_new_tokens)
+        try:
+            async with aclosing(generate_text(session, request, sampler.sample, self.tokenizer)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        finally:
+            await session.close()
+
+    async def generate(
+        self, prompt: str | None = None, messages: Sequence[Message] | None = None, **kwargs: Any
+    ) -> str:
+        """The whole answer as one string; takes the same arguments as `stream`."""
+        return "".join([piece async for piece in self.stream(prompt, messages, **kwargs)])
+
+    async def generate_ids(
+        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
+    ) -> list[int]:
+        """New token ids after `input_ids` (for client.hf); the EOS that ends them is included if `yield_eos`."""
+        request = GenerationRequest(tuple(input_ids), max_new_tokens, self.eos_ids, yield_eos=yield_eos)
+        session = self.new_session(len(input_ids) + max_new_tokens)
+        try:
+            return [t async for t in generate_ids(session, request, Sampler(params).sample)]
+        finally:
+            await session.close()
+
+    async def close(self) -> None:
+        """Leave the swarm: close our P2P connection to the daemon, then stop the DHT child and its p2pd."""
+        if isinstance(self.chain, RemoteChain):
+            await self.chain.p2p.shutdown()
+        if self.dht is not None:
+            dht, self.dht = self.dht, None
+            await asyncio.to_thread(dht.shutdown)
+
+    async def __aenter__(self) -> AsyncSwarmClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class SwarmClient:
+    """Synchronous facade: the same methods as AsyncSwarmClient, run on a private loop in a daemon thread."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = (),
+        model: str = "default",
+        config: ClientConfig | None = None,
+        **config_fields: Any,
+    ) -> None:
+        config = replace(config or ClientConfig(), **config_fields)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-client", daemon=True)
+        self._thread.start()
+        try:
+            self._client = self._run(AsyncSwarmClient.create(initial_peers, model, config))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def wrap(
+        cls, client: AsyncSwarmClient, loop: asyncio.AbstractEventLoop, thread: threading.Thread
+    ) -> SwarmClient:
+        """A facade over an AsyncSwarmClient already running on `loop` in `thread` (tests, embedding)."""
+        self = cls.__new__(cls)
+        self._loop, self._thread, self._client = loop, thread, client
+        return self
+
+    @property
+    def aclient(self) -> AsyncSwarmClient:
+        return self._client
+
+    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(_await(coro), self._loop).result()
+
+    def generate(
+        self, prompt: str | None = None, messages: Sequence[Message] | None = None, **kwargs: Any
+    ) -> str:
+        return self._run(self._client.generate(prompt, messages, **kwargs))
+
+    def stream(
+        self, prompt: str | None = None, messages: Sequence[Message] | None = None, **kwargs: Any
+    ) -> Iterator[str]:
+        pieces = self._client.stream(prompt, messages, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(pieces.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(pieces.aclose())  # type: ignore[attr-defined]
+
+    def generate_ids(
+        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
+    ) -> list[int]:
+        return self._run(self._client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._client.tokenizer
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        # hivemind leaves reader tasks on the loop; cancel and await them so none dies with the loop.
+        self._run(_cancel_leftover_tasks())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _cancel_leftover_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _await(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def _sampler(
+    temperature: float, top_p: float, top_k: int, repetition_penalty: float, seed: int | None
+) -> Sampler:
+    seed = secrets.randbits(63) if seed is None else seed
+    return Sampler(SamplingParams(temperature, top_k, top_p, repetition_penalty, seed))
+
+
+def _eos_ids(tokenizer: Any) -> frozenset[int]:
+    """Token ids that end generation: the tokenizer's EOS (for chat models, the end-of-turn token)."""
+    ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    return frozenset(int(i) for i in ids)
+
+
+async def _check_model(
+    p2p: Any, initial_peers: Sequence[str], weights_hash: str, name: str, timeout_s: float
+) -> None:
+    """ModelMismatch when the initial peers serve other weights than the client loaded.
+
+    Records live under a key derived from the model hash, so a client with the wrong model would just see
+    an empty swarm; asking the initial peers directly turns that into a clear error.
+    """
+    seen: dict[str, str] = {}
+    for maddr in initial_peers:
+        peer_id = maddr.rsplit("/p2p/", 1)[-1] if "/p2p/" in maddr else None
+        if peer_id is None:
+            continue
+        try:
+            info = await call_info(
+                p2p, peer_id, maddrs=[maddr.rsplit("/p2p/", 1)[0]], timeout_s=min(timeout_s, 10.0)
+            )
+        except SwarmError as error:
+            logger.info("initial peer %s did not answer info: %s", peer_id[-8:], error)
+            continue
+        if info.model_hash == weights_hash:
+            return
+        seen[info.model_hash] = info.model_name
+    if seen:
+        theirs = ", ".join(f"{n} ({h[:12]})" for h, n in seen.items())
+        raise ModelMismatch(f"the swarm serves {theirs}, but this client loaded {name} ({weights_hash[:12]})")

@@ -1,0 +1,67 @@
+"""The client's configuration: one frozen dataclass, every field documented, units in the names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a SwarmClient finds the swarm, which model it expects and how hard it tries before giving up."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of peers already in the swarm (as printed by `swarm-peer join`); at least one is needed."""
+
+    model: str = "default"
+    """Model name or path given to swarm.models.resolve_model; its weights hash must match the swarm's."""
+
+    device: str = "cpu"
+    """Torch device of the local embeddings and LM head."""
+
+    dtype: str = "float32"
+    """Torch dtype name of the local embeddings and LM head (float32, bfloat16, float16)."""
+
+    connect_timeout_s: float = 30.0
+    """How long to wait for the DHT to show peers covering every layer before NoRouteError."""
+
+    step_timeout_s: float = 30.0
+    """Deadline of one forward step through the whole route (prefill or one decode token)."""
+
+    close_timeout_s: float = 5.0
+    """Deadline for telling peers to drop a finished session; failures here are only logged."""
+
+    max_retries: int = 4
+    """Failovers per step (ban, re-route, replay) before the error reaches the caller."""
+
+    retry_delay_s: float = 0.2
+    """Pause before a retry after a transport error, doubled each time (gives the DHT time to notice)."""
+
+    ban_initial_s: float = 15.0
+    """How long a failing peer is avoided the first time; doubles on every repeat offence."""
+
+    ban_max_s: float = 300.0
+    """Upper bound of a peer's ban."""
+
+    cache_high_water: float = 0.9
+    """Peers whose KV cache is fuller than this fraction are skipped when routing a new session."""
+
+    max_length_tokens: int = 2048
+    """KV cache the client reserves per session on each peer: prompt plus generated tokens."""
+
+    snapshot_max_age_s: float = 2.0
+    """A DHT snapshot younger than this is reused instead of reading the DHT again."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.initial_peers, str):
+            raise ValueError("initial_peers must be a list of multiaddrs, not one string")
+        for name in ("connect_timeout_s", "step_timeout_s", "close_timeout_s", "ban_initial_s", "ban_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
+        if not 0.0 < self.cache_high_water <= 1.0:
+            raise ValueError(f"ClientConfig.cache_high_water must be in (0, 1], got {self.cache_high_water}")
+        if self.max_length_tokens < 1:
+            raise ValueError(f"ClientConfig.max_length_tokens must be >= 1, got {self.max_length_tokens}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"ClientConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

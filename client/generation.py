@@ -1,0 +1,152 @@
+"""Text generation over an InferenceSession: the decode loop, incremental detokenizing and stop strings.
+
+Nothing here knows about the network; the same loop runs over the remote chain of peers and over the local
+in-process chain the unit tests use, which is how the tests prove it equals transformers' own generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+Pick = Callable[[torch.Tensor, Sequence[int]], int]  # (logits[V], token ids so far) -> next token id
+
+
+class Forward(Protocol):
+    async def forward(self, new_ids: Sequence[int]) -> torch.Tensor: ...  # -> logits[V] after the last id
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt token ids, a length bound, the ids and strings that end generation."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    stop: tuple[str, ...] = ()
+    yield_eos: bool = False  # transformers' generate returns the EOS token; text output leaves it out
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+async def generate_ids(session: Forward, request: GenerationRequest, pick: Pick) -> AsyncGenerator[int, None]:
+    """Yield new token ids as they are sampled; stops at an EOS id or after max_new_tokens.
+
+    The prompt goes through the swarm as one prefill step, then each sampled token as one decode step; the
+    last sampled token is never sent, since nothing would read its output.
+    """
+    if request.max_new_tokens == 0:
+        return
+    history = list(request.prompt_ids)
+    logits = await session.forward(request.prompt_ids)
+    for i in range(request.max_new_tokens):
+        token = pick(logits, history)
+        if token in request.eos_ids:
+            if request.yield_eos:
+                yield token
+            return
+        history.append(token)
+        yield token
+        if i + 1 < request.max_new_tokens:
+            logits = await session.forward([token])
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces without splitting multi-byte characters.
+
+    Byte-level BPE can spread one character over several tokens; decoding them one at a time would give
+    U+FFFD halves. We decode a short window of recent tokens twice, with and without the newest ones, and
+    emit only the new tail once it no longer ends in a replacement character.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: decoding from here gives stable text for ids[prefix:read]
+        self._read = 0  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+class StopMatcher:
+    """Holds back text that could be the start of a stop string; reports when one is complete.
+
+    `push(piece)` returns (text safe to emit, stopped). After a stop, the text up to the stop string is emitted
+    and the stop string itself is dropped, like the OpenAI API does.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(stop)
+        self._held = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        text = self._held + piece
+        if not self.stop:
+            return text, False
+        hits = [(text.find(s), s) for s in self.stop if s in text]
+        if hits:
+            at = min(hits)[0]
+            self._held = ""
+            return text[:at], True
+        keep = max((_overlap(text, s) for s in self.stop), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+async def generate_text(
+    session: Forward, request: GenerationRequest, pick: Pick, tokenizer: Any
+) -> AsyncGenerator[str, None]:
+    """Yield text pieces as tokens arrive; stop strings end generation and are not yielded."""
+    detok = IncrementalDetokenizer(tokenizer)
+    stops = StopMatcher(request.stop)
+    async with aclosing(generate_ids(session, request, pick)) as tokens:
+        async for token in tokens:
+            text, stopped = stops.push(detok.push(token))
+            if text:
+                yield text
+            if stopped:
+                return
+    text, stopped = stops.push(detok.flush())
+    if not stopped:
+        text += stops.flush()
+    if text:
+        yield text

@@ -1,0 +1,73 @@
+"""Every retry decision of the client, in one place: what to do about an error, and whether to try again.
+
+The session calls `decide(error, attempt)` after a failed step and acts on the answer; nothing else in the
+client catches swarm errors to retry them. The mapping follows the tree in swarm/errors.py:
+
+    TransportError  peer silent or connection broken   -> ban the peer, re-route, replay
+    ProtocolError   peer sent something malformed       -> ban the peer, re-route, replay
+    CapacityError   peer's KV cache or sessions full    -> ban the peer (it is skipped a while), re-route
+    SessionError    peer forgot our session             -> keep the route, replay the tokens
+    TimeoutError    our own step deadline passed        -> like TransportError
+    VersionMismatch, ModelMismatch, NoRouteError, other -> give up at once (retrying cannot help)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+from swarm.errors import (
+    CapacityError,
+    ModelMismatch,
+    NoRouteError,
+    ProtocolError,
+    SessionError,
+    TransportError,
+    VersionMismatch,
+)
+from swarm.types import NodeID
+
+
+class Action(enum.Enum):
+    REROUTE = "reroute"  # ban the failed peer, rebuild the route from its stage on, replay the tokens
+    REPLAY = "replay"  # same route, replay the tokens (the peer lost or truncated our KV cache)
+    GIVE_UP = "give_up"  # raise to the caller
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    failed_peer: NodeID | None
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounds on retrying: at most `max_retries` failovers per step, with a doubling pause."""
+
+    max_retries: int
+    retry_delay_s: float
+
+    def decide(self, error: BaseException, attempt: int, fallback_peer: NodeID | None = None) -> Decision:
+        """What to do after `error` on try number `attempt` (0 for the first try).
+
+        `fallback_peer` is the first peer of the route: a local timeout or broken stream cannot tell which
+        hop failed, so the error is pinned on the hop the client talked to unless the error names one.
+        """
+        failed = _failed_peer(error) or fallback_peer
+        if isinstance(error, asyncio.CancelledError) or attempt >= self.max_retries:
+            return Decision(Action.GIVE_UP, failed)
+        if isinstance(error, VersionMismatch | ModelMismatch | NoRouteError):
+            return Decision(Action.GIVE_UP, failed)
+        if isinstance(error, SessionError):
+            return Decision(Action.REPLAY, failed)
+        delay_s = self.retry_delay_s * (2**attempt)
+        if isinstance(error, CapacityError | TransportError | ProtocolError | TimeoutError | ConnectionError):
+            return Decision(Action.REROUTE, failed, delay_s)
+        return Decision(Action.GIVE_UP, failed)
+
+
+def _failed_peer(error: BaseException) -> NodeID | None:
+    peer = getattr(error, "failed_peer_id", None)
+    return NodeID(str(peer)) if peer else None

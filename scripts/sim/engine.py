@@ -1,0 +1,470 @@
+"""The discrete-event serving simulation (one heapq of timed events).
+
+What is modelled, and how:
+* Requests arrive (trace), get a route from swarm.routing's Router over the plan (the same masking the
+  client uses: session tokens = prompt + output against each peer's free KV cache below its high-water
+  mark), reserve that cache on every stage, and wait in FIFO order while no route exists.
+* A prefill travels the route stage by stage; the LM head runs on the client; then every decode step sends
+  one token through all stages again, until the request's output length is reached.
+* Each node runs iterations back to back while it has work (continuous batching): every decode token waiting
+  when an iteration starts joins it, plus prefill jobs up to a token budget. Iteration time comes from the
+  node's timing model (scripts/sim/timing.py).
+* Each directed link is a FIFO pipe: a message waits for the previous one to finish sending, takes
+  bytes / bandwidth to send, then arrives `latency_s` later. A node's outputs for the same next hop travel as
+  one message.
+* Churn (scripts/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
+  is rebuilt with Router.route_from and the client replays the prefix (prompt + generated tokens) into the
+  new stages, as the live client does.
+
+Per event the work is O(log n) for the heap plus O(1) per token carried. Hot loops use plain lists and ints.
+Tokens in flight are tagged with the request's failover epoch (key = request << 8 | epoch), so tokens of a
+session that failed over are dropped wherever they are, in O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from sim.timing import NodeTiming, TimingDefaults
+from sim.trace import Request
+from swarm.errors import NoRouteError
+from swarm.planner.cluster import Cluster
+from swarm.routing import PeerState, Router, RoutingView
+from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
+
+logger = logging.getLogger(__name__)
+
+ARRIVE, NODE_DONE, DELIVER_DECODE, DELIVER_PREFILL, CLIENT_DECODE, CLIENT_PREFILL, TIMER = range(7)
+SRC, SNK = -1, -2  # link endpoints for the client side
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the simulation that are not in CLUSTER.json."""
+
+    prefill_budget_tokens: int = 4096  # prompt tokens one iteration may take in (chunked prefill)
+    max_batch_tokens: int = 1024  # decode tokens one iteration may take in
+    cache_layer_tokens: int = 4_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
+    cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
+    client_step_s: float = 0.0  # LM head + sampling on the client per decode step
+    missing_link_latency_s: float = 0.1  # a hop with no link in CLUSTER.json (fallback routes only)
+    missing_link_bandwidth_bytes_s: float = 12.5e6
+    bucket_s: float = 10.0  # width of the throughput-over-time buckets
+    timing: TimingDefaults = field(default_factory=TimingDefaults)
+
+
+class Node:
+    __slots__ = (
+        "id", "alive", "incarnation", "layers", "timing", "cache_total", "cache_used", "decode_q", "prefill_q",
+        "busy", "cur_decode", "cur_prefill", "busy_s", "sessions",
+    )  # fmt: skip
+
+    def __init__(self, node_id: NodeID) -> None:
+        self.id = node_id
+        self.alive = False
+        self.incarnation = 0
+        self.layers: LayerRange | None = None
+        self.timing: NodeTiming | None = None
+        self.cache_total = 0
+        self.cache_used = 0
+        self.decode_q: list[int] = []
+        self.prefill_q: deque[tuple[int, int]] = deque()
+        self.busy = False
+        self.cur_decode: list[int] = []
+        self.cur_prefill: list[tuple[int, int]] = []
+        self.busy_s = 0.0
+        self.sessions: set[int] = set()
+
+
+class Link:
+    __slots__ = ("bandwidth_bytes_s", "latency_s", "free_at", "wait_s", "messages")
+
+    def __init__(self, bandwidth_bytes_s: float, latency_s: float) -> None:
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self.latency_s = latency_s
+        self.free_at = 0.0
+        self.wait_s = 0.0
+        self.messages = 0
+
+
+RouterFactory = Callable[[Plan], Router]
+
+
+class Simulation:
+    """One run: a cluster, a plan, a way to route, a trace. `run()` returns itself with the results filled in."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        plan: Plan,
+        make_router: RouterFactory,
+        trace: list[Request],
+        config: SimConfig | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.config = config or SimConfig()
+        self.make_router = make_router
+        self.plan = plan
+        self.router = make_router(plan)
+        self.trace = trace
+        self.ids: list[NodeID] = [n.id for n in cluster.nodes]
+        self.index = {n: i for i, n in enumerate(self.ids)}
+        self.nodes = [Node(n) for n in self.ids]
+        self.peers: dict[NodeID, PeerState] = {}
+        self.view = RoutingView(cluster.model.num_layers, self.peers)
+        self.links: dict[tuple[int, int], Link] = {}
+        self.act_bytes = cluster.model.activation_bytes_per_token
+        self.token_bytes = cluster.model.token_id_bytes
+        n = len(trace)
+        self.routes: list[tuple[int, ...]] = [()] * n
+        self.stage_starts: list[tuple[int, ...]] = [()] * n
+        self.stage = [0] * n
+        self.epoch = [0] * n
+        self.generated = [0] * n
+        self.out_len = [req.output_tokens for req in trace]
+        self.first_token_s = [-1.0] * n
+        self.done_s = [-1.0] * n
+        self.failovers = 0
+        self.restarts = 0
+        self.waiting: deque[int] = deque()
+        self.admission_blocked = False
+        self.buckets: list[int] = []
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, int, object]] = []
+        self._seq = 0
+        self._hooks: dict[int, Callable[[], None]] = {}
+        for node_id, layers in plan.placement.items():
+            self.set_layers(self.index[node_id], layers)
+
+    # -- events ----------------------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, a: int, b: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Run `action` at simulated time t (churn events, reloads)."""
+        self._seq += 1
+        self._hooks[self._seq] = action
+        self.push(t, TIMER, self._seq)
+
+    def run(self) -> Simulation:
+        for req in self.trace:
+            self.push(req.arrival_s, ARRIVE, req.index)
+        heap = self._heap
+        while heap:
+            t, _, kind, a, b = heapq.heappop(heap)
+            self.now = t
+            if kind == NODE_DONE:
+                self._node_done(a, b)  # type: ignore[arg-type]
+            elif kind == DELIVER_DECODE:
+                node = self.nodes[a]
+                if node.alive and node.incarnation == b[0]:  # type: ignore[index]
+                    node.decode_q.extend(b[1])  # type: ignore[index]
+                    if not node.busy:
+                        self._start(node, a)
+            elif kind == CLIENT_DECODE:
+                self._client_decode(b)  # type: ignore[arg-type]
+            elif kind == DELIVER_PREFILL:
+                node = self.nodes[a]
+                if node.alive and node.incarnation == b[0]:  # type: ignore[index]
+                    node.prefill_q.extend(b[1])  # type: ignore[index]
+                    if not node.busy:
+                        self._start(node, a)
+            elif kind == CLIENT_PREFILL:
+                self._client_prefill(b)  # type: ignore[arg-type]
+            elif kind == ARRIVE:
+                self.waiting.append(a)
+                self.try_admit()
+            elif kind == TIMER:
+                self._hooks.pop(a)()
+        return self
+
+    # -- nodes -----------------------------------------------------------------------------------------
+
+    def set_layers(self, i: int, layers: LayerRange) -> None:
+        """Node i comes up holding `layers` (joined, or reloaded for a new plan)."""
+        node, spec = self.nodes[i], self.cluster.node_by_id[self.ids[i]]
+        node.alive, node.incarnation, node.layers = True, node.incarnation + 1, layers
+        node.timing = NodeTiming(
+            node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing
+        )
+        node.cache_total = int(spec.extra.get("cache_tokens", self.config.cache_layer_tokens // len(layers)))
+        node.cache_used, node.busy = 0, False
+        node.decode_q, node.prefill_q, node.sessions = [], deque(), set()
+        self._announce(node)
+        self.admission_blocked = False
+
+    def remove(self, i: int) -> list[int]:
+        """Node i leaves (or starts reloading). Returns the sessions that were using it."""
+        node = self.nodes[i]
+        node.alive, node.incarnation, node.busy = False, node.incarnation + 1, False
+        node.decode_q, node.prefill_q, node.cur_decode, node.cur_prefill = [], deque(), [], []
+        self.peers.pop(node.id, None)
+        lost, node.sessions = sorted(node.sessions), set()
+        return lost
+
+    def _announce(self, node: Node) -> None:
+        assert node.layers is not None
+        reserve = int((1.0 - self.config.cache_high_water) * node.cache_total)
+        self.peers[node.id] = PeerState(
+            node.id, node.layers, node.cache_total - node.cache_used, 0.0, 0.0, reserve
+        )
+
+    def _start(self, node: Node, i: int) -> None:
+        if node.prefill_q:
+            budget, jobs, tokens = self.config.prefill_budget_tokens, [], 0
+            while node.prefill_q and (not jobs or tokens + node.prefill_q[0][1] <= budget):
+                job = node.prefill_q.popleft()
+                jobs.append(job)
+                tokens += job[1]
+            node.cur_prefill = jobs
+        elif not node.decode_q:
+            return
+        cap = self.config.max_batch_tokens
+        if len(node.decode_q) > cap:
+            node.cur_decode, node.decode_q = node.decode_q[:cap], node.decode_q[cap:]
+        else:
+            node.cur_decode, node.decode_q = node.decode_q, []
+        timing = node.timing
+        assert timing is not None
+        if node.cur_prefill:
+            dt = timing.prefill_s(sum(t for _, t in node.cur_prefill))
+            if node.cur_decode:  # decode tokens ride along; the fixed per-iteration cost is paid once
+                dt += max(timing.decode_s(len(node.cur_decode)) - timing.decode_s(0), 0.0)
+        else:
+            dt = timing.decode_s(len(node.cur_decode))
+        node.busy = True
+        node.busy_s += dt
+        self.push(self.now + dt, NODE_DONE, i, node.incarnation)
+
+    def _node_done(self, i: int, incarnation: int) -> None:
+        node = self.nodes[i]
+        if not node.alive or node.incarnation != incarnation:
+            return
+        node.busy = False
+        epoch, stage, routes = self.epoch, self.stage, self.routes
+        if node.cur_decode:
+            groups: dict[int, list[int]] = {}
+            for key in node.cur_decode:
+                r = key >> 8
+                if key & 255 != epoch[r] & 255:
+                    continue  # the session failed over while this token was here
+                s = stage[r] + 1
+                route = routes[r]
+                nxt = route[s] if s < len(route) else SNK
+                stage[r] = s
+                group = groups.get(nxt)
+                if group is None:
+                    groups[nxt] = [key]
+                else:
+                    group.append(key)
+            for nxt, keys in groups.items():
+                self._send(i, nxt, len(keys) * self.act_bytes, keys, False)
+            node.cur_decode = []
+        if node.cur_prefill:
+            for key, tokens in node.cur_prefill:
+                r = key >> 8
+                if key & 255 != epoch[r] & 255:
+                    continue
+                s = stage[r] + 1
+                stage[r] = s
+                nxt = routes[r][s] if s < len(routes[r]) else SNK
+                self._send(i, nxt, tokens * self.act_bytes, [(key, tokens)], True)
+            node.cur_prefill = []
+        self._start(node, i)
+
+    # -- links -----------------------------------------------------------------------------------------
+
+    def _link(self, src: int, dst: int) -> Link:
+        link = self.links.get((src, dst))
+        if link is None:
+            a = SOURCE if src == SRC else self.ids[src]
+            b = SINK if dst == SNK else self.ids[dst]
+            spec = self.cluster.link_by_pair.get((a, b))
+            if spec is None or spec.bandwidth_bytes_s <= 0:
+                link = Link(self.config.missing_link_bandwidth_bytes_s, self.config.missing_link_latency_s)
+            else:
+                link = Link(spec.bandwidth_bytes_s, spec.latency_s)
+            self.links[(src, dst)] = link
+        return link
+
+    def _send(
+        self, src: int, dst: int, nbytes: int, payload: list, prefill: bool, delay_s: float = 0.0
+    ) -> None:  # type: ignore[type-arg]
+        link = self._link(src, dst)
+        now = self.now + delay_s
+        start = link.free_at if link.free_at > now else now
+        link.wait_s += start - now
+        link.messages += 1
+        link.free_at = start + nbytes / link.bandwidth_bytes_s
+        arrive = link.free_at + link.latency_s
+        if dst == SNK:
+            self.push(arrive, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
+        else:
+            inc = self.nodes[dst].incarnation
+            self.push(arrive, DELIVER_PREFILL if prefill else DELIVER_DECODE, dst, (inc, payload))
+
+    # -- the client ------------------------------------------------------------------------------------
+
+    def _client_decode(self, keys: list[int]) -> None:
+        epoch, gen, stage, routes = self.epoch, self.generated, self.stage, self.routes
+        out_len = self.out_len
+        groups: dict[int, list[int]] = {}
+        counted = 0
+        for key in keys:
+            r = key >> 8
+            if key & 255 != epoch[r] & 255:
+                continue
+            counted += 1
+            gen[r] += 1
+            if gen[r] >= out_len[r]:
+                self._finish(r)
+                continue
+            stage[r] = 0
+            first = routes[r][0]
+            group = groups.get(first)
+            if group is None:
+                groups[first] = [key]
+            else:
+                group.append(key)
+        self._count(counted)
+        for first, group in groups.items():
+            self._send(SRC, first, len(group) * self.token_bytes, group, False, self.config.client_step_s)
+
+    def _client_prefill(self, jobs: list[tuple[int, int]]) -> None:
+        for key, _ in jobs:
+            r = key >> 8
+            if key & 255 != self.epoch[r] & 255:
+                continue
+            if self.generated[r] == 0:  # the prompt's last position gives the first output token
+                self.generated[r] = 1
+                self.first_token_s[r] = self.now
+                self._count(1)
+                if self.generated[r] >= self.out_len[r]:
+                    self._finish(r)
+                    continue
+            self.stage[r] = 0
+            self._send(SRC, self.routes[r][0], self.token_bytes, [key], False, self.config.client_step_s)
+
+    def _count(self, tokens: int) -> None:
+        b = int(self.now / self.config.bucket_s)
+        while len(self.buckets) <= b:
+            self.buckets.append(0)
+        self.buckets[b] += tokens
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    def session_tokens(self, r: int) -> int:
+        return self.trace[r].prompt_tokens + self.trace[r].output_tokens
+
+    def try_admit(self) -> None:
+        """Start waiting requests in FIFO order until one finds no route (then wait for cache to free up)."""
+        while self.waiting and not self.admission_blocked:
+            r = self.waiting[0]
+            try:
+                route = self.router.build(self.view, self.session_tokens(r))
+            except NoRouteError:
+                self.admission_blocked = True
+                return
+            self.waiting.popleft()
+            self._begin(r, [self.index[s.peer_id] for s in route], [s.layers.start for s in route], 0)
+
+    def _begin(self, r: int, nodes: list[int], starts: list[int], from_stage: int) -> None:
+        """Reserve cache on stages from_stage.. and send the prompt (plus any replayed tokens) into them."""
+        need = self.session_tokens(r)
+        for i in nodes[from_stage:]:
+            node = self.nodes[i]
+            node.cache_used += need
+            node.sessions.add(r)
+            self._announce(node)
+        self.routes[r], self.stage_starts[r] = tuple(nodes), tuple(starts)
+        self.stage[r] = from_stage
+        self.epoch[r] += 1
+        key = r << 8 | (self.epoch[r] & 255)
+        tokens = self.trace[r].prompt_tokens + self.generated[r]
+        per_token = self.token_bytes if from_stage == 0 else self.act_bytes  # mid-route replays hidden states
+        self._send(SRC, nodes[from_stage], tokens * per_token, [(key, tokens)], True)
+
+    def _release(self, r: int, from_stage: int = 0) -> None:
+        need = self.session_tokens(r)
+        for i in self.routes[r][from_stage:]:
+            node = self.nodes[i]
+            if r in node.sessions:
+                node.sessions.discard(r)
+                node.cache_used -= need
+                if node.alive:
+                    self._announce(node)
+        self.admission_blocked = False
+
+    def _finish(self, r: int) -> None:
+        self.done_s[r] = self.now
+        self._release(r)
+        self.try_admit()
+
+    def fail_over(self, r: int, lost: int) -> None:
+        """Node `lost` no longer serves session r: re-route the rest and replay the prefix into it."""
+        if self.done_s[r] >= 0:
+            return
+        self.failovers += 1
+        nodes = list(self.routes[r])
+        k = nodes.index(lost)
+        self.epoch[r] += 1  # tokens of r in flight anywhere are now stale
+        if self.generated[r] > 0:
+            start = self.stage_starts[r][k]
+            prev = self.ids[nodes[k - 1]] if k > 0 else SOURCE
+            self._release(r, k)
+            try:
+                tail = self.router.route_from(self.view, start, prev, self.session_tokens(r))
+            except NoRouteError:
+                pass
+            else:
+                self._begin(
+                    r,
+                    nodes[:k] + [self.index[s.peer_id] for s in tail],
+                    list(self.stage_starts[r][:k]) + [s.layers.start for s in tail],
+                    k,
+                )
+                return
+        # Still prefilling, or no way round the lost node: start over from the prompt when a route frees up.
+        self._release(r)
+        self.restarts += 1
+        self.waiting.appendleft(r)
+        self.try_admit()
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self.router = self.make_router(plan)
+        self.admission_blocked = False
+
+
+def weighted_plan(cluster: Cluster, plan: Plan, weight: Callable[[NodeID], float]) -> Plan:
+    """The plan with a flow on EVERY valid edge of its placement, weighted by weight(dst): baseline routing."""
+    from swarm.planner.graph import valid_edges
+    from swarm.types import EdgeFlow
+
+    flows = tuple(EdgeFlow(u, v, weight(v)) for u, v, _ in valid_edges(cluster, plan.placement) if v != SINK)
+    return replace(plan, flows=flows)
+
+
+def router_factory(cluster: Cluster, scheduling: str, seed: int) -> RouterFactory:
+    """iwrr: the plan's flows, smooth. random: uniform over valid next hops. swarm: by next hop's tokens/s."""
+    if scheduling == "iwrr":
+        return lambda plan: Router(plan)
+    if scheduling == "random":
+        return lambda plan: Router(weighted_plan(cluster, plan, lambda v: 1.0), rng=random.Random(seed))
+    if scheduling == "swarm":
+
+        def make(plan: Plan) -> Router:
+            def speed(v: NodeID) -> float:
+                return max(cluster.node_by_id[v].tokens_s(len(plan.placement[v])), 1e-9)
+
+            return Router(weighted_plan(cluster, plan, speed), rng=random.Random(seed))
+
+        return make
+    raise ValueError(f"unknown scheduling {scheduling!r}: choose from iwrr, random, swarm")

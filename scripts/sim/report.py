@@ -1,0 +1,106 @@
+"""Results of a run as the JSON row of scripts/simulate.py, and plots (matplotlib, when installed)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sim.engine import SNK, SRC, Simulation
+
+logger = logging.getLogger(__name__)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, p50, p99 (nearest rank); zeros for an empty list."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    n = len(ordered)
+    return {
+        "mean": sum(ordered) / n,
+        "p50": ordered[min(n - 1, int(0.50 * n))],
+        "p99": ordered[min(n - 1, int(0.99 * n))],
+    }
+
+
+def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any]:
+    """One row: decode throughput, latencies, lost requests, utilisation, link queueing."""
+    trace = sim.trace
+    done = [r for r in range(len(trace)) if sim.done_s[r] >= 0]
+    start_s = min(req.arrival_s for req in trace)
+    end_s = max((sim.done_s[r] for r in done), default=start_s)
+    span_s = max(end_s - start_s, 1e-9)
+    tokens = sum(sim.generated)
+    prompt = [sim.first_token_s[r] - trace[r].arrival_s for r in done]
+    decode = [
+        (sim.done_s[r] - sim.first_token_s[r]) / (trace[r].output_tokens - 1)
+        for r in done
+        if trace[r].output_tokens > 1
+    ]
+    util = {str(n.id): n.busy_s / span_s for n in sim.nodes if n.busy_s > 0}
+    waits = [(link.wait_s, link.messages, key) for key, link in sim.links.items() if link.messages]
+    total_wait = sum(w for w, _, _ in waits)
+    messages = sum(m for _, m, _ in waits)
+
+    def name(i: int) -> str:
+        return "source" if i == SRC else "sink" if i == SNK else str(sim.ids[i])
+
+    busiest = sorted(waits, key=lambda w: -w[0])[:5]
+    return {
+        "placement": placement,
+        "scheduling": scheduling,
+        "max_flow_tokens_s": sim.plan.max_flow_tokens_s,
+        "decode_tokens_s": tokens / span_s,
+        "prompt_latency_s": percentiles(prompt),
+        "decode_latency_s": percentiles(decode),
+        "completed_requests": len(done),
+        "lost_requests": len(trace) - len(done),
+        "failovers": sim.failovers,
+        "restarts": sim.restarts,
+        "simulated_s": span_s,
+        "node_utilisation": {
+            "mean": sum(util.values()) / len(sim.nodes) if sim.nodes else 0.0,
+            "max": max(util.values(), default=0.0),
+            "per_node": {k: round(v, 4) for k, v in sorted(util.items())},
+        },
+        "link_queueing_s": {
+            "mean_per_message": total_wait / messages if messages else 0.0,
+            "total": total_wait,
+            "busiest": {f"{name(k[0])}->{name(k[1])}": round(w, 4) for w, _, k in busiest},
+        },
+        "throughput_timeline": {
+            "bucket_s": sim.config.bucket_s,
+            "tokens_s": [round(b / sim.config.bucket_s, 2) for b in sim.buckets],
+        },
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> bool:
+    """Bar charts of throughput and latency per (placement, scheduling), plus throughput over time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written to %s", path)
+        return False
+    labels = [f"{r['placement']}\n{r['scheduling']}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, len(rows) * 1.2), 4.5))
+    axes[0].bar(labels, [r["decode_tokens_s"] for r in rows])
+    axes[0].set_title("decode tokens/s")
+    axes[1].bar(labels, [r["decode_latency_s"]["mean"] for r in rows])
+    axes[1].set_title("mean decode latency per token, s")
+    for r in rows:
+        timeline = r["throughput_timeline"]
+        xs = [i * timeline["bucket_s"] for i in range(len(timeline["tokens_s"]))]
+        axes[2].plot(xs, timeline["tokens_s"], label=f"{r['placement']}/{r['scheduling']}")
+    axes[2].set_title("throughput over time, tokens/s")
+    axes[2].set_xlabel("simulated s")
+    axes[2].legend(fontsize=6)
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

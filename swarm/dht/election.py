@@ -1,0 +1,152 @@
+"""Planner election: at most one live planner per model, through a lease kept in the DHT.
+
+Every candidate keeps a LeaseRecord under its own signed subkey, refreshed every lease_s / 3 and expiring
+lease_s after its last refresh. The rule, applied by every candidate to the same records:
+
+  1. If some live record claims the lease (held_since set), the earliest claim holds it (ties: smallest
+     peer id). A holder renews by refreshing, so leadership is sticky: a newcomer never displaces it.
+  2. If nobody holds it, the candidate with the smallest peer id wins, once its candidacy has been around
+     for settle_s (time for everyone's candidacies to reach the DHT before anyone claims).
+
+A dead holder's record expires after at most lease_s; the next candidate reads that within lease_s / 3 and
+claims at once (its candidacy has long settled), so a successor appears within two lease periods. Two nodes
+that claimed while they could not see each other resolve by rule 1 on their next read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swarm.dht.schemas import LeaseRecord
+
+if TYPE_CHECKING:
+    from swarm.dht.directory import Directory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    """Timing of the planner lease."""
+
+    lease_s: float = 30.0  # a holder that stops refreshing loses the lease after this long
+    settle_s: float | None = None  # wait before claiming an empty lease; None = lease_s / 3
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+        if self.settle_s is not None and self.settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
+
+    @property
+    def refresh_s(self) -> float:
+        return self.lease_s / 3
+
+    @property
+    def settle_delay_s(self) -> float:
+        return self.refresh_s if self.settle_s is None else self.settle_s
+
+
+def lease_holder(leases: Mapping[str, LeaseRecord]) -> str | None:
+    """Rule 1: the earliest live claim holds the lease (ties: smallest peer id)."""
+    claims = [r for r in leases.values() if r.held_since is not None and not r.leaving]
+    if not claims:
+        return None
+    return min(claims, key=lambda r: (r.held_since, r.peer_id)).peer_id
+
+
+def decide(leases: Mapping[str, LeaseRecord], now: float, settle_s: float) -> str | None:
+    """Who should hold the lease given the live lease records (pure: same records, same answer)."""
+    holder = lease_holder(leases)
+    if holder is not None:
+        return holder
+    candidates = sorted(pid for pid, r in leases.items() if not r.leaving)
+    if not candidates:
+        return None
+    first = leases[candidates[0]]
+    return first.peer_id if now - first.candidate_since >= settle_s else None
+
+
+class Election:
+    """Runs this peer's candidacy; `is_leader` says whether it holds the planner lease right now."""
+
+    def __init__(self, directory: Directory, config: ElectionConfig | None = None) -> None:
+        self.directory = directory
+        self.config = config or ElectionConfig()
+        self.holder: str | None = None  # the lease holder as of our last read
+        self._held_since: float | None = None
+        self._last_write_ok = 0.0
+        self.became_leader = asyncio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        return self.directory.peer_id
+
+    @property
+    def is_leader(self) -> bool:
+        # A holder that cannot reach the DHT for a whole lease must assume it lost it.
+        fresh = self.directory.dht.now() - self._last_write_ok < self.config.lease_s
+        return self._held_since is not None and fresh
+
+    async def run(self) -> None:
+        candidate_since = self.directory.dht.now()
+        try:
+            while True:
+                await self._tick(candidate_since)
+                await asyncio.sleep(self.config.refresh_s)
+        finally:
+            await self._resign(candidate_since)
+
+    async def _tick(self, candidate_since: float) -> None:
+        now = self.directory.dht.now()
+        try:
+            leases = await self.directory.read_leases()
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not read planner leases: %r", e)
+            return
+        leases[self.peer_id] = self._record(candidate_since, now)  # our own view beats a stale read
+        winner = decide(leases, now, self.config.settle_delay_s)
+        if winner == self.peer_id and self._held_since is None:
+            self._held_since = now
+            logger.info("became the planner (lease holder)")
+        elif winner != self.peer_id and self._held_since is not None:
+            self._held_since = None
+            self.became_leader.clear()
+            logger.info("stepped down as planner: %s holds the lease", winner)
+        self.holder = winner
+        record = self._record(candidate_since, now)
+        try:
+            if await self.directory.write_lease(record, now + self.config.lease_s):
+                self._last_write_ok = now
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not write our planner lease: %r", e)
+        if self.is_leader:
+            self.became_leader.set()
+
+    def _record(self, candidate_since: float, now: float, leaving: bool = False) -> LeaseRecord:
+        return LeaseRecord(
+            peer_id=self.peer_id,
+            candidate_since=candidate_since,
+            held_since=None if leaving else self._held_since,
+            updated_at=now,
+            leaving=leaving,
+        )
+
+    async def _resign(self, candidate_since: float) -> None:
+        """Mark our candidacy leaving so others need not wait for it to expire."""
+        was_leader, self._held_since = self._held_since is not None, None
+        self.became_leader.clear()
+        now = self.directory.dht.now()
+        try:
+            async with asyncio.timeout(5.0):
+                record = self._record(candidate_since, now, leaving=True)
+                # Must outlive our last refresh, or the DHT keeps the older (still claiming) value.
+                await asyncio.shield(self.directory.write_lease(record, now + self.config.lease_s + 1.0))
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not resign the planner lease (%r); it expires on its own", e)
+        if was_leader:
+            logger.info("resigned as planner")

@@ -1,0 +1,179 @@
+"""SwarmDHT: the hivemind DHT of one peer or client, with signed, schema-checked FlowSwarm records.
+
+hivemind.DHT runs its node (and its p2pd daemon) in a child process; calls go through a pipe and come back as
+MPFutures, which we await. hivemind's P2P turns on UPnP/NAT-PMP port mapping, AutoNAT and relays by default,
+which send traffic towards the gateway and the public internet: we pass every one of them explicitly, OFF
+unless a home user opts in through ReachabilityConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_of_public_key
+from swarm.dht.schemas import FlowSwarmSchema, model_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReachabilityConfig:
+    """How a peer behind a home NAT makes itself reachable. Everything off by default (LAN / loopback)."""
+
+    use_relay: bool = False  # libp2p circuit relay: reach and be reached through relays
+    use_auto_relay: bool = False  # look for relays when behind NAT (needs use_relay)
+    nat_port_map: bool = False  # ask the gateway for a port mapping (UPnP / NAT-PMP)
+    auto_nat: bool = False  # AutoNAT service: ask others whether we are reachable
+    announce_maddrs: tuple[str, ...] = ()  # public multiaddrs to announce instead of the listening ones
+
+    def p2p_kwargs(self) -> dict[str, Any]:
+        if self.use_auto_relay and not self.use_relay:
+            raise ValueError("use_auto_relay needs use_relay")
+        kwargs: dict[str, Any] = {
+            "use_relay": self.use_relay,
+            "use_auto_relay": self.use_auto_relay,
+            "nat_port_map": self.nat_port_map,
+            "auto_nat": self.auto_nat,
+            "use_ipfs": False,  # never bootstrap from the public IPFS network
+        }
+        if self.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.announce_maddrs)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Where and how this process joins the swarm's DHT."""
+
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of running peers; empty starts a new swarm
+    host: str = "127.0.0.1"  # address to listen on
+    port: int = 0  # 0 picks a free port
+    identity_path: str | None = None  # persistent libp2p identity (RSA key); None = fresh, temporary one
+    client_mode: bool = False  # a client asks the DHT but stores nothing for others and is not dialled
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    start_timeout_s: float = 60.0  # bootstrap deadline
+    request_timeout_s: float = 3.0  # hivemind's wait_timeout for one DHT RPC
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range 0..65535")
+
+
+class SwarmDHT:
+    """A running hivemind DHT node for one model. Create with `SwarmDHT.create(...)`, end with `shutdown()`."""
+
+    def __init__(
+        self, dht: hivemind.DHT, model_hash: str, identity_path: Path, temporary_identity: bool
+    ) -> None:
+        self._dht = dht
+        self.model_hash = model_hash
+        self._identity_path = identity_path
+        self._temporary_identity = temporary_identity
+        self._private_key = load_private_key(identity_path)
+        self.public_key_marker: bytes = RSASignatureValidator(self._private_key).local_public_key
+        self.peer_id: str = dht.peer_id.to_base58()
+        # The signing key is the libp2p identity, so the id a reader derives from it must be ours.
+        signer_id = peer_id_of_public_key(self._private_key.get_public_key())
+        if signer_id != self.peer_id:
+            raise RuntimeError(f"signing key hashes to {signer_id}, but the libp2p peer id is {self.peer_id}")
+
+    @classmethod
+    async def create(cls, config: DHTConfig, model_hash: str) -> SwarmDHT:
+        """Start the DHT child process and join the swarm (blocks the loop while hivemind bootstraps)."""
+        prefix = model_key(model_hash)
+        identity_path, temporary = ensure_identity_file(config.identity_path)
+        private_key = load_private_key(identity_path)
+        validators = [
+            RSASignatureValidator(private_key),
+            # Unknown keys are allowed: one DHT may host other models whose schemas this node lacks.
+            SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=prefix),
+        ]
+        ip = "ip6" if ":" in config.host else "ip4"
+        host_maddrs = [f"/{ip}/{config.host}/tcp/{config.port}"]
+        try:
+            dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers) or None,
+                start=True,
+                await_ready=False,
+                record_validators=validators,
+                client_mode=config.client_mode,
+                host_maddrs=host_maddrs,
+                identity_path=str(identity_path),
+                check_if_identity_free=not temporary,  # a fresh key cannot be taken; skip the probe
+                wait_timeout=config.request_timeout_s,
+                **config.reachability.p2p_kwargs(),
+            )
+            dht.wait_until_ready(timeout=config.start_timeout_s)
+        except BaseException:
+            if temporary:
+                identity_path.unlink(missing_ok=True)
+            raise
+        self = cls(dht, model_hash, identity_path, temporary)
+        logger.info("joined the DHT as %s (client_mode=%s)", self.peer_id, config.client_mode)
+        return self
+
+    @property
+    def hivemind_dht(self) -> hivemind.DHT:
+        return self._dht
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs others can dial, each ending in /p2p/<peer id>: pass them as initial_peers."""
+        return [str(m) for m in self._dht.get_visible_maddrs()]
+
+    async def replicate_p2p(self) -> P2P:
+        """The hivemind P2P of this node's daemon, for RPC handlers and callers (lives while the DHT does)."""
+        return await self._dht.replicate_p2p()
+
+    async def store(self, key: str, subkey: bytes, value: dict[str, Any], expiration_time: float) -> bool:
+        """Store value under our own signed subkey; True if at least one node accepted it."""
+        if self.public_key_marker not in subkey:
+            raise ValueError("a FlowSwarm subkey must carry this node's owner marker (see own_subkey)")
+        future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
+        return bool(await future)
+
+    async def get(self, key: str, latest: bool = True) -> dict[bytes, tuple[Any, float]]:
+        """All live subkeys of key as {subkey: (value, expiration)}; {} when the key is unknown."""
+        found = await self._dht.get(key, latest=latest, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = get_dht_time()
+        return {
+            subkey: (item.value, item.expiration_time)
+            for subkey, item in found.value.items()
+            if item.expiration_time > now
+        }
+
+    def own_subkey(self) -> bytes:
+        """The subkey that only this node can write (its owner marker)."""
+        return self.public_key_marker
+
+    @staticmethod
+    def now() -> float:
+        """DHT time (unix seconds), the clock expirations are compared against."""
+        return float(get_dht_time())
+
+    def shutdown(self) -> None:
+        """Stop the DHT child and its p2pd daemon; safe to call twice."""
+        started = time.monotonic()
+        try:
+            self._dht.shutdown()
+        finally:
+            if self._temporary_identity:
+                self._identity_path.unlink(missing_ok=True)
+        logger.debug("DHT shut down in %.1f s", time.monotonic() - started)
+
+    async def __aenter__(self) -> SwarmDHT:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,242 @@
+"""``swarm-peer``: join the swarm as a peer, or print the live swarm.
+
+    swarm-peer join [--initial-peers MADDR ...] [--model default|tiny|PATH] [--layers auto|A:B] ...
+    swarm-peer status --initial-peers MADDR ... [--model default] [--json]
+
+uvloop is installed here, at the entry point, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import signal
+import sys
+from collections.abc import Sequence
+
+from swarm import config as swarm_config
+from swarm.dht import DHTConfig, Directory, ReachabilityConfig, SwarmDHT, SwarmSnapshot, coverage
+from swarm.peer.config import PeerConfig
+from swarm.types import LayerRange
+
+logger = logging.getLogger("swarm.peer")
+
+
+def _layers(text: str) -> str:
+    if text != "auto":
+        try:
+            LayerRange.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = PeerConfig()
+    parser = argparse.ArgumentParser(
+        prog="swarm-peer", description="A peer of a FlowSwarm LLM serving swarm."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    join = commands.add_parser("join", help="load layers and serve them to the swarm")
+    join.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="peers to join via")
+    join.add_argument("--model", default=defaults.model, help="default | tiny[:SEED] | checkpoint dir")
+    join.add_argument("--device", default=defaults.device, help="cpu | cuda | cuda:N")
+    join.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    join.add_argument("--host", default=defaults.host, help="address to listen on")
+    join.add_argument("--port", type=int, default=defaults.port, help="port to listen on (0: any free)")
+    join.add_argument("--layers", type=_layers, default="auto", help="auto | A:B for layers [A, B)")
+    join.add_argument("--max-memory-gb", type=_positive_float, default=None, help="memory budget")
+    join.add_argument(
+        "--cache-tokens", type=_positive_int, default=defaults.cache_tokens, help="KV-cache budget"
+    )
+    join.add_argument("--name", default="", help="human-readable name shown in status")
+    join.add_argument("--identity", default=None, metavar="KEYFILE", help="persistent peer identity key")
+    join.add_argument(
+        "--maddr-file", default=None, metavar="FILE", help="write our multiaddrs here once serving"
+    )
+    join.add_argument("--record-ttl-s", type=_positive_float, default=defaults.record_ttl_s)
+    join.add_argument(
+        "--session-idle-timeout-s", type=_positive_float, default=defaults.session_idle_timeout_s
+    )
+    join.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s)
+    join.add_argument("--link-refresh-s", type=_positive_float, default=defaults.link_refresh_s)
+    join.add_argument("--no-plan", action="store_true", help="never stand for planner")
+    reach = join.add_argument_group("reachability (opt-in; off by default)")
+    reach.add_argument("--use-relay", action="store_true", help="use libp2p circuit relays")
+    reach.add_argument("--use-auto-relay", action="store_true", help="find relays when behind NAT")
+    reach.add_argument("--nat-port-map", action="store_true", help="ask the router for a port (UPnP/NAT-PMP)")
+    reach.add_argument("--auto-nat", action="store_true", help="run the AutoNAT service")
+    reach.add_argument("--announce-maddr", nargs="*", default=[], metavar="MADDR", help="public multiaddrs")
+
+    status = commands.add_parser("status", help="print the live swarm")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    status.add_argument("--model", default="default", help="which model's swarm to read")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def peer_config(args: argparse.Namespace) -> PeerConfig:
+    reach = ReachabilityConfig(
+        use_relay=args.use_relay or args.use_auto_relay,
+        use_auto_relay=args.use_auto_relay,
+        nat_port_map=args.nat_port_map,
+        auto_nat=args.auto_nat,
+        announce_maddrs=tuple(args.announce_maddr),
+    )
+    return PeerConfig(
+        initial_peers=tuple(args.initial_peers),
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        layers=args.layers,
+        max_memory_gb=args.max_memory_gb,
+        cache_tokens=args.cache_tokens,
+        name=args.name,
+        identity_path=args.identity,
+        maddr_file=args.maddr_file,
+        reachability=reach,
+        record_ttl_s=args.record_ttl_s,
+        session_idle_timeout_s=args.session_idle_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        link_refresh_s=args.link_refresh_s,
+        plan=not args.no_plan,
+    )
+
+
+async def _join(config: PeerConfig) -> None:
+    from swarm.peer.server import run  # torch and the model code load only for `join`
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run(config, stop)
+
+
+def snapshot_json(snapshot: SwarmSnapshot, num_layers: int) -> dict[str, object]:
+    peers = [
+        {
+            "peer_id": r.peer_id,
+            "name": r.name,
+            "state": r.state,
+            "range": [r.range_start, r.range_end],
+            "decode_tokens_s": r.decode_layer_tokens_s_b1,
+            "decode_tokens_s_b8": r.decode_layer_tokens_s_b8,
+            "prefill_tokens_s": r.prefill_layer_tokens_s,
+            "free_cache_tokens": r.free_cache_tokens,
+            "active_sessions": r.active_sessions,
+            "reachable": r.reachable,
+            "links": {
+                p: {"rtt_s": m.rtt_s, "bandwidth_bytes_s": m.bandwidth_bytes_s} for p, m in r.links.items()
+            },
+        }
+        for r in sorted(snapshot.peers.values(), key=lambda r: (r.range_start, r.peer_id))
+    ]
+    plan = None
+    if snapshot.plan is not None:
+        body = snapshot.plan.plan
+        plan = {
+            "epoch": snapshot.plan.epoch,
+            "max_flow_tokens_s": body.get("max_flow_tokens_s"),
+            "placement": body.get("placement"),
+        }
+    return {
+        "peers": peers,
+        "coverage": coverage(snapshot, num_layers),
+        "planner": snapshot.planner_peer_id,
+        "plan": plan,
+    }
+
+
+def _print_status(data: dict[str, object]) -> None:
+    peers = data["peers"]
+    assert isinstance(peers, list)
+    print(f"{len(peers)} peers; coverage per layer: {data['coverage']}; planner: {data['planner']}")
+    for p in peers:
+        print(
+            f"  {p['name']:>12} {p['peer_id'][-10:]} layers {p['range'][0]}:{p['range'][1]} {p['state']:<8} "
+            f"decode {p['decode_tokens_s']:.0f} tok/s/layer, free cache {p['free_cache_tokens']}, "
+            f"sessions {p['active_sessions']}"
+        )
+    if data["plan"]:
+        print(f"plan: {data['plan']}")
+
+
+async def _status(args: argparse.Namespace) -> None:
+    from swarm.models.loading import resolve_model
+
+    spec = (await asyncio.to_thread(resolve_model, args.model)).spec
+    dht = await SwarmDHT.create(
+        DHTConfig(initial_peers=tuple(args.initial_peers), client_mode=True), spec.weights_hash
+    )
+    try:
+        snapshot = await Directory(dht).snapshot()
+    finally:
+        dht.shutdown()
+    data = snapshot_json(snapshot, spec.num_layers)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_status(data)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=swarm_config.log_level(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("hivemind", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        if args.command == "join":
+            coro = _join(peer_config(args))
+        else:
+            coro = _status(args)
+        import uvloop
+
+        uvloop.run(coro)
+    except ValueError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _reap_children()
+    return 0
+
+
+def _reap_children() -> None:
+    """hivemind's DHT runs in a child process; if its shutdown hung, do not let it keep us from exiting."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(3)
+        if child.is_alive():
+            child.kill()
+            child.join(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The one thread per device that runs torch, fed by a bounded queue, batching concurrent decode steps.
+
+The event loop never runs torch: handlers submit jobs and await their futures. ``run()`` takes the oldest job
+and, when it is a one-token decode step, gathers every other queued decode step of a *different* session (up to
+``max_batch``) into the same ``BlockRange.forward`` call: continuous batching at step granularity. Prefill and
+stateless steps run alone. A full queue is a CapacityError at once, not an unbounded backlog.
+
+Opening and closing sessions also go through the queue, so the KV-cache budget is only ever touched on the
+executor thread; the BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.errors import CapacityError, SwarmError
+from swarm.models.blocks import BlockRange, Step
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Limits of the torch executor of one device."""
+
+    queue_jobs: int = 256  # jobs waiting for the thread; past this, requests get CapacityError
+    max_batch: int = 8  # most decode steps fused into one forward call
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: torch.Tensor
+    queue_s: float  # from submit to the start of its forward call
+    compute_s: float  # the forward call it was part of
+
+
+@dataclass
+class _Job:
+    call: Callable[[], Any] | None  # a plain call (open, close, measure), or
+    step: Step | None  # one forward step (batchable when it is a decode step)
+    future: asyncio.Future[Any]
+    submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.step is not None and self.step.session_id is not None and self.step.hidden.shape[0] == 1
+
+
+class Executor:
+    """Runs ``blocks`` on one worker thread. Start ``run()`` in the owner's TaskGroup before submitting."""
+
+    def __init__(self, blocks: BlockRange, config: ExecutorConfig | None = None, name: str = "torch") -> None:
+        self.blocks = blocks
+        self.config = config or ExecutorConfig()
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue(self.config.queue_jobs)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.batches_run = 0
+        self.steps_run = 0
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def _submit(self, job: _Job) -> asyncio.Future[Any]:
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise CapacityError(f"peer is busy: {self.config.queue_jobs} requests already queued") from None
+        return job.future
+
+    async def call(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the torch thread, in queue order with the steps."""
+        loop = asyncio.get_running_loop()
+        result: _T = await self._submit(_Job(fn, None, loop.create_future()))
+        return result
+
+    async def forward(self, step: Step) -> StepResult:
+        """Run one step (possibly batched with others) and return its output with its timings."""
+        loop = asyncio.get_running_loop()
+        result: StepResult = await self._submit(_Job(None, step, loop.create_future()))
+        return result
+
+    async def open_session(self, session_id: str, max_length_tokens: int) -> None:
+        await self.call(lambda: self.blocks.open_session(session_id, max_length_tokens))
+
+    async def close_session(self, session_id: str) -> None:
+        await self.call(lambda: self.blocks.close_session(session_id))
+
+    async def run(self) -> None:
+        """Serve the queue until cancelled; jobs still queued then fail with CapacityError."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                jobs = self._take_batch(await self._queue.get())
+                await self._execute(loop, jobs)
+        finally:
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if not job.future.done():
+                    job.future.set_exception(CapacityError("peer is shutting down"))
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _take_batch(self, first: _Job) -> list[_Job]:
+        """``first`` plus queued decode steps of other sessions, keeping the rest of the queue in order."""
+        if not first.is_decode:
+            return [first]
+        batch, kept = [first], []
+        sessions = {first.step.session_id if first.step else None}
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if len(batch) < self.config.max_batch and job.is_decode and job.step is not None:
+                if job.step.session_id not in sessions:
+                    sessions.add(job.step.session_id)
+                    batch.append(job)
+                    continue
+            kept.append(job)
+        for job in kept:  # put back what we skipped, in order (the queue had room for them a moment ago)
+            self._queue.put_nowait(job)
+        return batch
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
+        started = time.perf_counter()
+        if jobs[0].call is not None:
+            call = jobs[0].call
+            try:
+                jobs[0].future.set_result(await loop.run_in_executor(self._thread, call))
+            except SwarmError as e:
+                _fail(jobs[0], e)
+            except Exception as e:
+                logger.exception("executor call failed")
+                _fail(jobs[0], e)
+            return
+        steps = [job.step for job in jobs if job.step is not None]
+        try:
+            outputs = await loop.run_in_executor(self._thread, self.blocks.forward, steps)
+        except Exception as e:
+            if len(jobs) == 1:
+                if not isinstance(e, SwarmError):
+                    logger.exception("forward failed")
+                _fail(jobs[0], e)
+                return
+            # One bad step must not fail its batch-mates: run each alone to find whose it was.
+            logger.info("batched forward of %d steps failed (%s); retrying one by one", len(jobs), e)
+            for job in jobs:
+                await self._execute(loop, [job])
+            return
+        compute_s = time.perf_counter() - started
+        self.batches_run += 1
+        self.steps_run += len(jobs)
+        for job, hidden in zip(jobs, outputs, strict=True):
+            if not job.future.done():
+                job.future.set_result(StepResult(hidden, started - job.submitted, compute_s))
+
+
+def _fail(job: _Job, error: BaseException) -> None:
+    if not job.future.done():
+        job.future.set_exception(error)

@@ -1,0 +1,201 @@
+"""What a peer measures about itself: compute speed per layer, how many layers fit, and its links to others.
+
+Compute is measured on the peer's own loaded blocks (one layer, so the numbers are per layer and independent of
+how many it holds): decode at batch 1 and batch 8 through real sessions, prefill as one stateless step. Memory
+gives ``max_layers``: the weights of that many layers plus the KV cache they need for ``cache_tokens``.
+Links are measured with probe RPCs to a bounded set of live peers (the k lowest-RTT ones seen so far plus a
+random sample), refreshed periodically, so the cost stays constant as the swarm grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P
+
+from swarm.dht import LinkMeasure, PeerRecord
+from swarm.models.blocks import BlockRange, Step
+from swarm.models.spec import ModelSpec
+from swarm.transport.calls import measure_link
+from swarm.types import LayerRange
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ComputeMeasure:
+    decode_layer_tokens_s_b1: float  # decode tokens/s through one layer, one session
+    decode_layer_tokens_s_b8: float  # total decode tokens/s of a batch of sessions through one layer
+    prefill_layer_tokens_s: float  # prefill tokens/s through one layer
+
+
+def measure_compute(
+    blocks: BlockRange, *, decode_steps: int = 8, batch: int = 8, prefill_tokens: int = 128
+) -> ComputeMeasure:
+    """Time one layer of ``blocks``. Runs torch: call it on the executor thread."""
+    spec, layer = blocks.spec, blocks.range.start
+    context = 16
+    length = context + decode_steps + 2
+    batch = max(1, min(batch, blocks.free_cache_tokens // length))
+    if batch == 0 or blocks.free_cache_tokens < length:
+        raise ValueError(
+            f"need {length} free cache tokens to measure decode speed, have {blocks.free_cache_tokens}"
+        )
+
+    def hidden(tokens: int) -> torch.Tensor:
+        return torch.randn(tokens, spec.hidden_size, device=blocks.device).to(blocks.dtype) * 0.1
+
+    def decode_rate(n_sessions: int) -> float:
+        ids = [f"measure-{os.getpid()}-{n_sessions}-{i}" for i in range(n_sessions)]
+        for sid in ids:
+            blocks.open_session(sid, length)
+        try:
+            blocks.forward([Step(sid, hidden(context), layer, layer + 1, 0) for sid in ids])
+            blocks.forward([Step(sid, hidden(1), layer, layer + 1, context) for sid in ids])  # warm-up
+            _sync(blocks.device)
+            started = time.perf_counter()
+            for i in range(decode_steps):
+                blocks.forward([Step(sid, hidden(1), layer, layer + 1, context + 1 + i) for sid in ids])
+            _sync(blocks.device)
+            return n_sessions * decode_steps / (time.perf_counter() - started)
+        finally:
+            for sid in ids:
+                blocks.close_session(sid)
+
+    b1 = decode_rate(1)
+    b8 = decode_rate(batch)
+    blocks.forward([Step(None, hidden(prefill_tokens), layer, layer + 1, 0)])  # warm-up
+    _sync(blocks.device)
+    started = time.perf_counter()
+    blocks.forward([Step(None, hidden(prefill_tokens), layer, layer + 1, 0)])
+    _sync(blocks.device)
+    prefill = prefill_tokens / (time.perf_counter() - started)
+    return ComputeMeasure(b1, b8, prefill)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_budget_bytes(device: str, max_memory_gb: float | None) -> int:
+    """The memory this peer may use: the user's cap, else 90% of free GPU memory or 60% of available RAM."""
+    if max_memory_gb is not None:
+        return int(max_memory_gb * 1024**3)
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * 0.9)
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+        return int(fields.get("MemAvailable", 0) * 0.6)
+    except OSError:  # not Linux: assume a modest machine rather than guessing high
+        return 4 * 1024**3
+
+
+def max_layers_within(spec: ModelSpec, dtype: str, budget_bytes: int, cache_tokens: int) -> int:
+    """Most layers whose weights plus a KV cache of ``cache_tokens`` per layer fit in ``budget_bytes``."""
+    per_layer = spec.layer_bytes(dtype) + cache_tokens * spec.kv_bytes_per_token(dtype)
+    return max(0, min(spec.num_layers, budget_bytes // max(per_layer, 1)))
+
+
+def choose_range(coverage: list[int], max_layers: int) -> LayerRange:
+    """Petals-style: the window of ``max_layers`` layers that live peers cover least.
+
+    Windows are compared by their least-covered layer, then by total coverage; ties go to the lowest start.
+    """
+    num_layers = len(coverage)
+    size = max(1, min(max_layers, num_layers))
+    best = min(
+        range(num_layers - size + 1),
+        key=lambda s: (min(coverage[s : s + size]), sum(coverage[s : s + size]), s),
+    )
+    return LayerRange(best, best + size)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    refresh_s: float = 30.0  # how often links are re-measured
+    nearest: int = 4  # the k lowest-RTT peers measured last time are always re-measured
+    sample: int = 2  # plus this many others picked at random
+    payload_bytes: int = 256 * 1024  # bandwidth probe size
+    timeout_s: float = 5.0
+    poll_s: float = 2.0  # how often to look for newly joined peers to measure
+
+
+class LinkMonitor:
+    """Keeps ``links`` (peer id -> LinkMeasure) fresh for the peers in the latest snapshot."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        own_peer_id: str,
+        live_peers: Callable[[], Awaitable[dict[str, PeerRecord]]],
+        config: LinkConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.p2p = p2p
+        self.own_peer_id = own_peer_id
+        self.live_peers = live_peers
+        self.config = config or LinkConfig()
+        self.rng = rng or random.Random()
+        self.links: dict[str, LinkMeasure] = {}
+        self.changed = asyncio.Event()  # set when the set of measured peers changes (worth announcing)
+
+    def pick(self, candidates: list[str]) -> list[str]:
+        """The k nearest by last RTT, plus a random sample of the rest."""
+        known = sorted((p for p in candidates if p in self.links), key=lambda p: self.links[p].rtt_s)
+        nearest = known[: self.config.nearest]
+        rest = [p for p in candidates if p not in nearest]
+        return nearest + self.rng.sample(
+            rest, min(self.config.sample + max(0, self.config.nearest - len(nearest)), len(rest))
+        )
+
+    async def refresh(self, only_new: bool = False) -> None:
+        """Measure a bounded set of peers (``only_new``: just live peers we have no link to yet, within budget)."""
+        peers = await self.live_peers()
+        candidates = [p for p in peers if p != self.own_peer_id]
+        if only_new:
+            budget = self.config.nearest + self.config.sample - len(self.links)
+            targets = [p for p in candidates if p not in self.links][: max(0, budget)]
+        else:
+            targets = self.pick(candidates)
+        fresh: dict[str, LinkMeasure] = {}
+        for peer_id in targets:
+            try:
+                rtt_s, bandwidth = await measure_link(
+                    self.p2p,
+                    peer_id,
+                    maddrs=peers[peer_id].maddrs,
+                    payload_bytes=self.config.payload_bytes,
+                    timeout_s=self.config.timeout_s,
+                )
+            except Exception as e:  # an unreachable peer just has no link entry this round
+                logger.debug("link to %s not measured: %s", peer_id[-8:], e)
+                continue
+            fresh[peer_id] = LinkMeasure(rtt_s=rtt_s, bandwidth_bytes_s=bandwidth)
+        # Keep older measurements of live peers that were not measured now; drop peers that left.
+        before = set(self.links)
+        self.links = {p: m for p, m in self.links.items() if p in peers and p not in fresh} | fresh
+        if set(self.links) != before:
+            self.changed.set()
+
+    async def run(self) -> None:
+        """A full round every refresh_s; in between, every poll_s, measure peers that just joined."""
+        last_full = float("-inf")
+        while True:
+            full = time.monotonic() - last_full >= self.config.refresh_s
+            try:
+                await self.refresh(only_new=not full)
+                if full:
+                    last_full = time.monotonic()
+            except (TimeoutError, OSError, RuntimeError) as e:
+                logger.warning("link measurement failed: %s", e)
+            await asyncio.sleep(self.config.poll_s)

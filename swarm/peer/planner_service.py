@@ -1,0 +1,256 @@
+"""The live planner: while this peer holds the planner lease, keep a good plan published in the DHT.
+
+Each check (every check_interval_s) reads a snapshot and decides, as pure functions of it:
+  1. replan?  the period elapsed, membership changed, or a peer's measured speed / memory moved by more than
+     change_fraction since the last solve;
+  2. publish? only if the new plan's max flow beats the current plan's (re-evaluated on today's cluster) by
+     improve_fraction, or the current plan is broken (a planned peer is gone or cannot hold its range).
+Otherwise the current plan is only refreshed (re-signed by us, same epoch), so clients never see churn.
+The MILP runs in a thread with a time limit; the event loop keeps renewing the lease meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot
+from swarm.errors import PlanningError
+from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems, solve
+from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}  # hidden states on the wire
+PLANNED_STATES = ("loading", "serving")  # a loading peer is following the plan: keep it in the cluster
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """When and how the elected planner re-plans."""
+
+    period_s: float = 60.0  # re-solve at least this often
+    check_interval_s: float = 5.0  # how often to look for membership / measurement changes
+    solve_time_limit_s: float = 20.0  # MILP time limit per solve
+    method: str = "milp"  # swarm.planner.solve method
+    improve_fraction: float = 0.10  # publish only a plan this much faster than the current one
+    change_fraction: float = 0.20  # a measured speed or memory change this large triggers a re-solve
+    reload_cost_tokens_s: float = 0.0  # objective charged per layer a peer must load anew
+    client_bandwidth_bytes_s: float = 12.5e6  # client <-> peer links are unmeasured: assume 100 Mbit/s
+    client_latency_s: float = 0.02
+    unmeasured_bandwidth_bytes_s: float | None = 12.5e6  # peer pairs with no probe yet; None = no link
+
+    def __post_init__(self) -> None:
+        if min(self.period_s, self.check_interval_s, self.solve_time_limit_s) <= 0:
+            raise ValueError("period_s, check_interval_s and solve_time_limit_s must be positive")
+        if self.improve_fraction < 0 or self.change_fraction < 0:
+            raise ValueError("improve_fraction and change_fraction must be >= 0")
+        if self.client_bandwidth_bytes_s <= 0:
+            raise ValueError("client_bandwidth_bytes_s must be positive")
+
+
+def planned_peers(snapshot: SwarmSnapshot) -> dict[str, PeerRecord]:
+    """Peers the planner may place layers on: loading or serving, with a measured speed and some room."""
+    return {
+        pid: r
+        for pid, r in snapshot.peers.items()
+        if r.state in PLANNED_STATES and r.decode_layer_tokens_s_b8 > 0 and r.max_layers > 0
+    }
+
+
+def cluster_from_snapshot(snapshot: SwarmSnapshot, config: PlannerConfig) -> Cluster | None:
+    """The planner's view of the swarm (None when no peer can take layers).
+
+    tokens_s_by_layers[k-1] = decode_layer_tokens_s_b8 / k: a peer holding k layers runs all k per token.
+    Links come from the peers' probes (a direction measured only one way is assumed symmetric).
+    """
+    peers = planned_peers(snapshot)
+    if not peers:
+        return None
+    first = peers[min(peers)]
+    num_layers, hidden_size = first.num_layers, first.hidden_size
+    peers = {p: r for p, r in peers.items() if (r.num_layers, r.hidden_size) == (num_layers, hidden_size)}
+    model = ModelInfo(
+        name=first.model_name,
+        num_layers=num_layers,
+        activation_bytes_per_token=hidden_size * DTYPE_BYTES.get(first.dtype, 2),
+    )
+    nodes = []
+    for pid in sorted(peers):
+        record = peers[pid]
+        cap = min(record.max_layers, num_layers)
+        speeds = tuple(record.decode_layer_tokens_s_b8 / k for k in range(1, cap + 1))
+        nodes.append(ClusterNode(id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds))
+    links: list[ClusterLink] = []
+    for node in nodes:
+        links.append(ClusterLink(SOURCE, node.id, config.client_bandwidth_bytes_s, config.client_latency_s))
+        links.append(ClusterLink(node.id, SINK, config.client_bandwidth_bytes_s, config.client_latency_s))
+        for other in nodes:
+            if other.id == node.id:
+                continue
+            measured = peers[node.id].links.get(other.id) or peers[other.id].links.get(node.id)
+            if measured is not None:
+                links.append(ClusterLink(node.id, other.id, measured.bandwidth_bytes_s, measured.rtt_s / 2))
+            elif config.unmeasured_bandwidth_bytes_s is not None:
+                links.append(ClusterLink(node.id, other.id, config.unmeasured_bandwidth_bytes_s, 0.0))
+    return Cluster(model, tuple(nodes), tuple(links))
+
+
+def measurements_changed(before: Cluster | None, now: Cluster, change_fraction: float) -> str | None:
+    """Why the swarm changed enough to re-solve since `before` (None: it did not)."""
+    if before is None:
+        return "first solve"
+    old, new = before.node_by_id, now.node_by_id
+    if set(old) != set(new):
+        joined, left = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        return f"membership changed (joined {joined}, left {left})"
+    if before.model != now.model:
+        return "model changed"
+    for node_id, node in new.items():
+        prev = old[node_id]
+        if node.max_layers != prev.max_layers:
+            return f"{node_id} can now hold {node.max_layers} layers (was {prev.max_layers})"
+        a, b = prev.tokens_s_by_layers[0], node.tokens_s_by_layers[0]
+        if abs(b - a) > change_fraction * max(a, 1e-9):
+            return f"{node_id} speed moved {a:.0f} -> {b:.0f} tokens/s"
+    return None
+
+
+def current_plan_problem(cluster: Cluster, current: Plan) -> str | None:
+    """Why the published plan cannot serve this cluster any more (None: it still can)."""
+    gone = sorted(n for n in current.placement if n not in cluster.node_by_id)
+    if gone:
+        return f"planned peers gone: {gone}"
+    problems = placement_problems(cluster, current.placement)
+    return "; ".join(problems) if problems else None
+
+
+def should_publish(
+    cluster: Cluster, current: Plan | None, candidate: Plan, improve_fraction: float
+) -> str | None:
+    """Why `candidate` should replace the published plan (None: keep the current one, no thrashing)."""
+    if current is None:
+        return "no plan yet"
+    problem = current_plan_problem(cluster, current)
+    if problem is not None:
+        return problem
+    now_tokens_s = max_flow(cluster, current.placement).max_flow_tokens_s
+    if candidate.max_flow_tokens_s > now_tokens_s * (1.0 + improve_fraction):
+        return f"max flow {now_tokens_s:.1f} -> {candidate.max_flow_tokens_s:.1f} tokens/s"
+    return None
+
+
+class PlannerService:
+    """Runs beside the Election: plans only while `election.is_leader`."""
+
+    def __init__(self, directory: Directory, election: Election, config: PlannerConfig | None = None) -> None:
+        self.directory = directory
+        self.election = election
+        self.config = config or PlannerConfig()
+        self._solved_cluster: Cluster | None = None
+        self._solved_at = float("-inf")
+        self._refreshed_at = float("-inf")
+        self._mine: PlanRecord | None = None  # the newest plan we stored
+        self.published = 0  # plans published with a new epoch by this peer (for tests and status)
+
+    async def run(self) -> None:
+        while True:
+            if self.election.is_leader:
+                try:
+                    await self.check()
+                except (TimeoutError, OSError, RuntimeError) as e:
+                    logger.warning("planner check failed: %r", e)
+            else:
+                self._solved_cluster = None  # a new term starts from a fresh look at the swarm
+            await asyncio.sleep(self.config.check_interval_s)
+
+    async def check(self) -> PlanRecord | None:
+        """One look at the swarm: re-solve if needed, publish if better, else refresh. Returns what was stored."""
+        snapshot = await self.directory.snapshot()
+        live = snapshot.plan
+        if self._mine is not None and (live is None or self._mine.epoch > live.epoch):
+            live = self._mine  # our newest plan may not have reached the nodes we read from yet
+        cluster = cluster_from_snapshot(snapshot, self.config)
+        current = Plan.from_json(live.plan) if live is not None else None
+        epoch = live.epoch if live is not None else 0
+        if cluster is None:
+            logger.info("no peer can hold layers yet; nothing to plan")
+            return None
+        reason = measurements_changed(self._solved_cluster, cluster, self.config.change_fraction)
+        if reason is None and time.monotonic() - self._solved_at >= self.config.period_s:
+            reason = "periodic re-solve"
+        if reason is None and current is not None and current_plan_problem(cluster, current) is not None:
+            reason = "the current plan is broken"
+        if reason is not None:
+            candidate = await self._solve(cluster, snapshot.peers, reason)
+            if candidate is not None:
+                why = should_publish(cluster, current, candidate, self.config.improve_fraction)
+                if why is not None:
+                    return await self._publish(candidate, epoch + 1, why)
+        if live is not None and (
+            live.planner_peer_id != self.directory.peer_id
+            or time.monotonic() - self._refreshed_at >= self.config.period_s
+        ):
+            return await self._refresh(live)
+        return None
+
+    async def _solve(self, cluster: Cluster, peers: Mapping[str, PeerRecord], reason: str) -> Plan | None:
+        # What peers hold now: the solver warm-starts from it and charges reload_cost for layers loaded anew.
+        held = {
+            NodeID(pid): LayerRange(r.range_start, r.range_end)
+            for pid, r in peers.items()
+            if NodeID(pid) in cluster.node_by_id and r.range_end > r.range_start
+        }
+        logger.info("re-planning %d peers: %s", len(cluster.nodes), reason)
+        limit_s = self.config.solve_time_limit_s
+        try:
+            async with asyncio.timeout(limit_s * 2 + 10):  # the solver honours its limit; this is a backstop
+                plan = await asyncio.to_thread(
+                    solve,
+                    cluster,
+                    method=self.config.method,
+                    time_limit_s=limit_s,
+                    current=held or None,
+                    reload_cost=self.config.reload_cost_tokens_s,
+                )
+        except PlanningError as e:
+            logger.warning("cannot plan yet: %s", e)
+            return None
+        finally:
+            self._solved_cluster, self._solved_at = cluster, time.monotonic()
+        return plan
+
+    async def _publish(self, plan: Plan, epoch: int, why: str) -> PlanRecord:
+        plan = Plan(
+            method=plan.method,
+            placement=plan.placement,
+            max_flow_tokens_s=plan.max_flow_tokens_s,
+            flows=plan.flows,
+            upper_bound_tokens_s=plan.upper_bound_tokens_s,
+            solve_s=plan.solve_s,
+            epoch=epoch,
+        )
+        record = PlanRecord(
+            epoch=epoch,
+            planner_peer_id=self.directory.peer_id,
+            plan=plan.to_json(),
+            created_at=self.directory.dht.now(),
+        )
+        if not await self.directory.publish_plan(record):
+            logger.warning("no DHT node accepted plan epoch %d", epoch)
+        self.published += 1
+        self._mine = record
+        self._refreshed_at = time.monotonic()
+        logger.info("published plan epoch %d (%.1f tokens/s): %s", epoch, plan.max_flow_tokens_s, why)
+        return record
+
+    async def _refresh(self, current: PlanRecord) -> PlanRecord:
+        """Re-sign the live plan under our key (same epoch) so it outlives a dead predecessor."""
+        record = current.model_copy(update={"planner_peer_id": self.directory.peer_id})
+        await self.directory.publish_plan(record)
+        self._refreshed_at = time.monotonic()
+        self._mine = record
+        return record

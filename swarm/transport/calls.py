@@ -1,0 +1,193 @@
+"""The caller side of the peer RPCs: ``call_<verb>`` functions used by clients and by peers forwarding a step.
+
+Every call has a deadline. A remote failure comes back as the same ``swarm.errors`` type it was raised with,
+with ``failed_peer_id`` set to the peer that failed (the one called, or a hop further down its route), so the
+caller knows whom to ban. Unreachable or silent peers raise ``TransportError``; malformed replies
+``ProtocolError``.
+
+    reply = await call_step(p2p, hop.peer_id, StepRequest(...), maddrs=hop.maddrs, timeout_s=30)
+    reply.hidden            # [T, H] after the last hop of the route
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import torch
+from hivemind.p2p import P2P
+
+from swarm.errors import ProtocolError
+from swarm.transport.channel import call_raw
+from swarm.wire import (
+    CloseReply,
+    CloseRequest,
+    ErrorReply,
+    ForwardRequest,
+    InfoReply,
+    InfoRequest,
+    ProbeReply,
+    ProbeRequest,
+    Request,
+    StepReply,
+    StepRequest,
+    decode_reply,
+    encode_request,
+)
+
+DEFAULT_TIMEOUT_S = 30.0
+_R = TypeVar("_R")
+
+
+async def _call(
+    p2p: P2P,
+    peer_id: str,
+    request: Request,
+    expected: type[_R],
+    *,
+    maddrs: tuple[str, ...] | list[str],
+    timeout_s: float,
+    reply_bytes_hint: int = 0,
+) -> _R:
+    data = encode_request(request)
+    raw = await call_raw(
+        p2p, peer_id, data, maddrs=maddrs, timeout_s=timeout_s, reply_bytes_hint=reply_bytes_hint
+    )
+    try:
+        reply = decode_reply(raw)
+    except ProtocolError as e:
+        e.failed_peer_id = peer_id
+        raise
+    if isinstance(reply, ErrorReply):
+        error = reply.to_error()
+        error.failed_peer_id = reply.failed_peer_id or peer_id
+        raise error
+    if not isinstance(reply, expected):
+        error = ProtocolError(f"peer {peer_id} answered {type(reply).__name__}, expected {expected.__name__}")
+        error.failed_peer_id = peer_id
+        raise error
+    return reply
+
+
+def _hidden_bytes(hidden: torch.Tensor) -> int:
+    return hidden.numel() * hidden.element_size()
+
+
+async def call_step(
+    p2p: P2P,
+    peer_id: str,
+    request: StepRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> StepReply:
+    """Run one step of a session on ``peer_id`` and, through it, on every hop of ``request.route_rest``.
+
+    The first step for a new ``session_id`` opens the session on each hop (with ``max_length_tokens``).
+    Returns the last hop's hidden states and one HopTiming per hop. ``timeout_s`` covers the whole chain.
+    Raises CapacityError (peer full), SessionError (unknown/expired session: reopen and replay),
+    ModelMismatch, ProtocolError, TransportError.
+    """
+    return await _call(
+        p2p,
+        peer_id,
+        request,
+        StepReply,
+        maddrs=maddrs,
+        timeout_s=timeout_s,
+        reply_bytes_hint=_hidden_bytes(request.hidden),
+    )
+
+
+async def call_forward(
+    p2p: P2P,
+    peer_id: str,
+    request: ForwardRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> StepReply:
+    """A stateless forward pass (no session, no KV cache) through ``peer_id`` and ``request.route_rest``."""
+    return await _call(
+        p2p,
+        peer_id,
+        request,
+        StepReply,
+        maddrs=maddrs,
+        timeout_s=timeout_s,
+        reply_bytes_hint=_hidden_bytes(request.hidden),
+    )
+
+
+async def call_close(
+    p2p: P2P,
+    peer_id: str,
+    request: CloseRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = 10.0,
+) -> bool:
+    """Close a session on ``peer_id`` and every hop of ``request.route_rest``; True if this peer knew it.
+
+    Closing an unknown or expired session is not an error (returns False).
+    """
+    reply = await _call(p2p, peer_id, request, CloseReply, maddrs=maddrs, timeout_s=timeout_s)
+    return reply.closed
+
+
+async def call_info(
+    p2p: P2P,
+    peer_id: str,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = 10.0,
+) -> InfoReply:
+    """What ``peer_id`` serves right now: model, held range, free cache tokens, active sessions, version."""
+    return await _call(p2p, peer_id, InfoRequest(), InfoReply, maddrs=maddrs, timeout_s=timeout_s)
+
+
+async def call_probe(
+    p2p: P2P,
+    peer_id: str,
+    request: ProbeRequest | None = None,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = 10.0,
+) -> ProbeReply:
+    """Send a probe (empty by default: an RTT ping). See ProbeRequest for payloads and dial-back."""
+    request = request or ProbeRequest()
+    return await _call(
+        p2p,
+        peer_id,
+        request,
+        ProbeReply,
+        maddrs=maddrs,
+        timeout_s=timeout_s,
+        reply_bytes_hint=request.reply_bytes,
+    )
+
+
+async def measure_link(
+    p2p: P2P,
+    peer_id: str,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    payload_bytes: int = 1024**2,
+    pings: int = 3,
+    timeout_s: float = 10.0,
+) -> tuple[float, float]:
+    """(rtt_s, bandwidth_bytes_s) to ``peer_id``: the best of ``pings`` empty probes, then one payload probe.
+
+    Bandwidth is payload / (payload time - rtt), so loopback gives large but finite numbers.
+    """
+    rtt_s = float("inf")
+    for _ in range(max(1, pings)):
+        t0 = time.perf_counter()
+        await call_probe(p2p, peer_id, maddrs=maddrs, timeout_s=timeout_s)
+        rtt_s = min(rtt_s, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    await call_probe(
+        p2p, peer_id, ProbeRequest(payload=bytes(payload_bytes)), maddrs=maddrs, timeout_s=timeout_s
+    )
+    transfer_s = max(time.perf_counter() - t0 - rtt_s, 1e-6)
+    return rtt_s, payload_bytes / transfer_s

@@ -1,0 +1,78 @@
+"""The receiving side: decode a request, hand it to the matching ``rpc_<verb>`` method, encode what it returns.
+
+Nothing a remote sends can crash the peer: undecodable input becomes an ErrorReply with the ProtocolError's
+message, a SwarmError raised by a handler keeps its code, and any other exception is logged and reported as a
+plain SwarmError naming this peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from hivemind.p2p import P2P
+
+from swarm.errors import SwarmError
+from swarm.transport.channel import serve_raw
+from swarm.wire import (
+    CloseReply,
+    CloseRequest,
+    ErrorReply,
+    ForwardRequest,
+    InfoReply,
+    InfoRequest,
+    ProbeReply,
+    ProbeRequest,
+    Reply,
+    StepReply,
+    StepRequest,
+    decode_request,
+    encode_reply,
+    request_verb,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RpcHandler(Protocol):
+    """What a peer implements to serve requests (see swarm.peer.handlers)."""
+
+    peer_id: str
+
+    async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply: ...
+
+    async def rpc_forward(self, request: ForwardRequest, remote_id: str) -> StepReply: ...
+
+    async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply: ...
+
+    async def rpc_info(self, request: InfoRequest, remote_id: str) -> InfoReply: ...
+
+    async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply: ...
+
+
+async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
+    """Decode, call ``handler.rpc_<verb>``, encode; every failure becomes an encoded ErrorReply."""
+    reply: Reply
+    try:
+        request = decode_request(data)
+        method = getattr(handler, f"rpc_{request_verb(request)}")
+        reply = await method(request, remote_id)
+    except SwarmError as e:
+        logger.info("request from %s failed: %s: %s", remote_id[-8:], e.code, e)
+        reply = ErrorReply.from_error(e, handler.peer_id)
+    except Exception as e:  # a bug in a handler must not take the peer down; report it, keep serving
+        logger.exception("handler failed on a request from %s", remote_id[-8:])
+        reply = ErrorReply.from_error(e, handler.peer_id)
+    try:
+        return encode_reply(reply)
+    except SwarmError as e:  # e.g. a reply tensor in a dtype the wire does not carry
+        return encode_reply(ErrorReply.from_error(e, handler.peer_id))
+
+
+async def serve(p2p: P2P, handler: RpcHandler) -> None:
+    """Start answering requests to ``p2p`` with ``handler`` (unary calls and streams alike)."""
+
+    async def on_request(data: bytes, remote_id: str) -> bytes:
+        return await dispatch(handler, data, remote_id)
+
+    await serve_raw(p2p, on_request)

@@ -1,0 +1,560 @@
+"""Every message that crosses the network between a client and a peer, or between two peers.
+
+A message on the wire is a msgpack array ``[protocol_version, kind, body]`` where ``body`` is a map. Tensors are
+maps ``{"dtype", "shape", "data"}`` with the raw little-endian bytes in ``data`` (never pickle); a model that runs
+in 16-bit sends 16-bit hidden states. ``decode_*`` validates everything at the boundary and raises
+``ProtocolError`` (or ``VersionMismatch``) with a message that says what was wrong, so a handler never sees
+malformed input and a peer never crashes on it.
+
+Requests and their replies:
+
+    StepRequest    -> StepReply     one inference step of a session, forwarded along ``route_rest``
+    ForwardRequest -> StepReply     a stateless forward pass (no KV cache), forwarded the same way
+    CloseRequest   -> CloseReply    close a session on this peer and every hop in ``route_rest``
+    InfoRequest    -> InfoReply     what the peer serves right now
+    ProbeRequest   -> ProbeReply    link measurement (payload for bandwidth, empty for RTT) and dial-back
+    any request    -> ErrorReply    a SwarmError with its code, so it keeps its type across the wire
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import ProtocolError, SwarmError, VersionMismatch, error_from_code
+
+# Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
+MAX_MESSAGE_BYTES = 256 * 1024**2  # whole encoded message, streams included
+MAX_TENSOR_BYTES = 192 * 1024**2  # one tensor's raw data
+MAX_TOKENS = 65_536  # tokens in one step (the T of hidden[T, H])
+MAX_HIDDEN_SIZE = 65_536
+MAX_LENGTH_TOKENS = 1 << 20  # a session longer than this is absurd for any model we serve
+MAX_POSITION = MAX_LENGTH_TOKENS
+MAX_LAYER = 10_000
+MAX_ROUTE_HOPS = 256
+MAX_MADDRS = 32
+MAX_TEXT_CHARS = 4096
+MAX_PROBE_BYTES = 64 * 1024**2
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One remaining hop of a route: the peer and the layers [start, end) it must compute."""
+
+    peer_id: str
+    maddrs: tuple[str, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    """Where the time of one hop went, for benchmarks (seconds, measured on that peer)."""
+
+    peer_id: str
+    start: int
+    end: int
+    queue_s: float  # waiting for the executor thread
+    compute_s: float  # inside BlockRange.forward
+    total_s: float  # from request decoded to reply ready, downstream hops included
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step of session ``session_id``: hidden[T, H] at token ``position`` through layers [start, end).
+
+    The first step a peer sees for an unknown session opens it with room for ``max_length_tokens``; later steps
+    reuse it. The same session id is used on every hop. ``route_rest`` are the hops after this one: the peer
+    pushes its output to ``route_rest[0]`` itself and returns what the last hop computed.
+    """
+
+    session_id: str
+    position: int
+    hidden: torch.Tensor
+    start: int
+    end: int
+    max_length_tokens: int
+    model_hash: str
+    route_rest: tuple[Hop, ...] = ()
+    step_id: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """A stateless forward pass of hidden[T, H] through layers [start, end), then through ``route_rest``."""
+
+    hidden: torch.Tensor
+    start: int
+    end: int
+    model_hash: str
+    route_rest: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """The hidden states after the last hop, and one timing per hop (this one first)."""
+
+    hidden: torch.Tensor
+    timings: tuple[HopTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class CloseRequest:
+    """Close ``session_id`` here and on every hop of ``route_rest`` (freeing their KV cache)."""
+
+    session_id: str
+    route_rest: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class CloseReply:
+    closed: bool  # False when this peer did not know the session (already expired): not an error
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    """What a peer serves right now."""
+
+    peer_id: str
+    name: str
+    model_name: str
+    model_hash: str
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    range_start: int
+    range_end: int
+    cache_tokens_total: int
+    free_cache_tokens: int
+    active_sessions: int
+    state: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Link measurement. ``payload`` is echoed as a byte count only (upload bandwidth); ``reply_bytes`` asks for
+    that many bytes back (download bandwidth). With ``dial_back_peer_id`` set, the receiver first tries to reach
+    that peer at ``dial_back_maddrs`` with a tiny probe of its own and reports whether it could."""
+
+    payload: bytes = b""
+    reply_bytes: int = 0
+    dial_back_peer_id: str = ""
+    dial_back_maddrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    peer_id: str
+    received_bytes: int
+    payload: bytes = b""
+    dial_back_ok: bool | None = None  # None when no dial-back was asked
+    dial_back_error: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A failure, with ``swarm.errors`` code so it is re-raised with its type; ``failed_peer_id`` names the peer
+    that failed (this one, or a downstream hop that timed out or broke) so the client knows whom to ban."""
+
+    code: str
+    message: str
+    failed_peer_id: str | None = None
+
+    def to_error(self) -> SwarmError:
+        error = error_from_code(self.code, self.message)
+        error.failed_peer_id = self.failed_peer_id
+        return error
+
+    @classmethod
+    def from_error(cls, error: BaseException, peer_id: str | None) -> ErrorReply:
+        if isinstance(error, SwarmError):
+            failed = error.failed_peer_id or peer_id
+            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed)
+        return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
+
+
+Request = StepRequest | ForwardRequest | CloseRequest | InfoRequest | ProbeRequest
+Reply = StepReply | CloseReply | InfoReply | ProbeReply | ErrorReply
+
+_REQUEST_KINDS: dict[type, str] = {
+    StepRequest: "step",
+    ForwardRequest: "forward",
+    CloseRequest: "close",
+    InfoRequest: "info",
+    ProbeRequest: "probe",
+}
+_REPLY_KINDS: dict[type, str] = {
+    StepReply: "step_reply",
+    CloseReply: "close_reply",
+    InfoReply: "info_reply",
+    ProbeReply: "probe_reply",
+    ErrorReply: "error",
+}
+# The reply each request verb expects (besides ErrorReply).
+REPLY_FOR: dict[type, type] = {
+    StepRequest: StepReply,
+    ForwardRequest: StepReply,
+    CloseRequest: CloseReply,
+    InfoRequest: InfoReply,
+    ProbeRequest: ProbeReply,
+}
+
+
+def request_verb(request: Request) -> str:
+    """ "step", "forward", "close", "info" or "probe": the rpc_<verb> that handles this request."""
+    return _REQUEST_KINDS[type(request)]
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """(dtype, shape, raw bytes); the tensor is moved to CPU and made contiguous, its dtype is kept."""
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise ProtocolError(f"cannot send a {tensor.dtype} tensor: wire dtypes are {sorted(WIRE_DTYPES)}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes()
+    return {"dtype": name, "shape": list(tensor.shape), "data": data}
+
+
+def decode_tensor(obj: object, what: str = "tensor") -> torch.Tensor:
+    body = _map(obj, what)
+    name = _str(body, "dtype", what)
+    dtype = WIRE_DTYPES.get(name)
+    if dtype is None:
+        raise ProtocolError(f"{what}: unsupported dtype {name!r}; expected one of {sorted(WIRE_DTYPES)}")
+    shape = body.get("shape")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
+        raise ProtocolError(f"{what}: shape must be a list of 1 to 4 dimensions, got {shape!r}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_TOKENS * 16 for d in shape):
+        raise ProtocolError(f"{what}: every dimension must be a positive int, got shape {shape}")
+    data = body.get("data")
+    if not isinstance(data, bytes):
+        raise ProtocolError(f"{what}: data must be bytes")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if expected > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"{what}: {expected} bytes is over the {MAX_TENSOR_BYTES}-byte tensor limit")
+    if len(data) != expected:
+        raise ProtocolError(f"{what}: shape {shape} of {name} needs {expected} bytes, got {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+    return flat.reshape(shape)
+
+
+def _hidden(body: dict[str, Any]) -> torch.Tensor:
+    hidden = decode_tensor(body.get("hidden"), "hidden")
+    if hidden.dim() != 2:
+        raise ProtocolError(f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")
+    tokens, size = hidden.shape
+    if tokens > MAX_TOKENS or size > MAX_HIDDEN_SIZE:
+        raise ProtocolError(
+            f"hidden shape {list(hidden.shape)} is past the limits [{MAX_TOKENS}, {MAX_HIDDEN_SIZE}]"
+        )
+    if not torch.isfinite(hidden).all():
+        raise ProtocolError("hidden contains NaN or infinity")
+    return hidden
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _map(obj: object, what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise ProtocolError(f"{what} must be a map with string keys, got {type(obj).__name__}")
+    return obj
+
+
+def _int(body: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{what}.{key} must be an int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ProtocolError(f"{what}.{key} = {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _float(body: dict[str, Any], key: str, what: str) -> float:
+    value = body.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ProtocolError(f"{what}.{key} must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+def _str(body: dict[str, Any], key: str, what: str, max_chars: int = MAX_TEXT_CHARS) -> str:
+    value = body.get(key)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{what}.{key} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise ProtocolError(f"{what}.{key} is {len(value)} characters, over the {max_chars} limit")
+    return value
+
+
+def _layers(body: dict[str, Any], what: str) -> tuple[int, int]:
+    start = _int(body, "start", what, 0, MAX_LAYER)
+    end = _int(body, "end", what, 1, MAX_LAYER)
+    if end <= start:
+        raise ProtocolError(f"{what}: empty layer range [{start}, {end})")
+    return start, end
+
+
+def _maddrs(value: object, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_MADDRS:
+        raise ProtocolError(f"{what}.maddrs must be a list of at most {MAX_MADDRS} strings")
+    if not all(isinstance(m, str) and len(m) <= 512 for m in value):
+        raise ProtocolError(f"{what}.maddrs must hold multiaddr strings")
+    return tuple(value)
+
+
+def _route(body: dict[str, Any]) -> tuple[Hop, ...]:
+    value = body.get("route_rest", [])
+    if not isinstance(value, list) or len(value) > MAX_ROUTE_HOPS:
+        raise ProtocolError(f"route_rest must be a list of at most {MAX_ROUTE_HOPS} hops")
+    hops = []
+    for i, item in enumerate(value):
+        hop = _map(item, f"route_rest[{i}]")
+        start, end = _layers(hop, f"route_rest[{i}]")
+        hops.append(Hop(_str(hop, "peer_id", "hop", 128), _maddrs(hop.get("maddrs"), "hop"), start, end))
+    return tuple(hops)
+
+
+def _encode_route(route: tuple[Hop, ...]) -> list[dict[str, Any]]:
+    return [{"peer_id": h.peer_id, "maddrs": list(h.maddrs), "start": h.start, "end": h.end} for h in route]
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def _encode_body(msg: Request | Reply) -> dict[str, Any]:
+    if isinstance(msg, StepRequest):
+        return {
+            "session_id": msg.session_id,
+            "position": msg.position,
+            "hidden": encode_tensor(msg.hidden),
+            "start": msg.start,
+            "end": msg.end,
+            "max_length_tokens": msg.max_length_tokens,
+            "model_hash": msg.model_hash,
+            "route_rest": _encode_route(msg.route_rest),
+            "step_id": msg.step_id,
+        }
+    if isinstance(msg, ForwardRequest):
+        return {
+            "hidden": encode_tensor(msg.hidden),
+            "start": msg.start,
+            "end": msg.end,
+            "model_hash": msg.model_hash,
+            "route_rest": _encode_route(msg.route_rest),
+        }
+    if isinstance(msg, StepReply):
+        timings = [[t.peer_id, t.start, t.end, t.queue_s, t.compute_s, t.total_s] for t in msg.timings]
+        return {"hidden": encode_tensor(msg.hidden), "timings": timings}
+    if isinstance(msg, CloseRequest):
+        return {"session_id": msg.session_id, "route_rest": _encode_route(msg.route_rest)}
+    if isinstance(msg, ProbeRequest | ProbeReply):
+        body = {k: getattr(msg, k) for k in msg.__dataclass_fields__}
+        if isinstance(msg, ProbeRequest):
+            body["dial_back_maddrs"] = list(msg.dial_back_maddrs)
+        return body
+    # CloseReply, InfoRequest, InfoReply, ErrorReply: flat fields of plain types.
+    return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
+
+
+def _decode_timings(value: object) -> tuple[HopTiming, ...]:
+    if not isinstance(value, list) or len(value) > MAX_ROUTE_HOPS:
+        raise ProtocolError("timings must be a list of hop timings")
+    timings = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 6:
+            raise ProtocolError("each timing must be [peer_id, start, end, queue_s, compute_s, total_s]")
+        t = dict(zip(("peer_id", "start", "end", "queue_s", "compute_s", "total_s"), item, strict=True))
+        timings.append(
+            HopTiming(
+                _str(t, "peer_id", "timing", 128),
+                _int(t, "start", "timing", 0, MAX_LAYER),
+                _int(t, "end", "timing", 0, MAX_LAYER),
+                _float(t, "queue_s", "timing"),
+                _float(t, "compute_s", "timing"),
+                _float(t, "total_s", "timing"),
+            )
+        )
+    return tuple(timings)
+
+
+def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
+    w = kind
+    if kind == "step":
+        start, end = _layers(body, w)
+        position = _int(body, "position", w, 0, MAX_POSITION)
+        max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
+        hidden = _hidden(body)
+        if position + hidden.shape[0] > max_length:
+            raise ProtocolError(
+                f"step: position {position} + {hidden.shape[0]} tokens is past max_length_tokens {max_length}"
+            )
+        return StepRequest(
+            session_id=_str(body, "session_id", w, 128),
+            position=position,
+            hidden=hidden,
+            start=start,
+            end=end,
+            max_length_tokens=max_length,
+            model_hash=_str(body, "model_hash", w, 256),
+            route_rest=_route(body),
+            step_id=_int(body, "step_id", w),
+        )
+    if kind == "forward":
+        start, end = _layers(body, w)
+        return ForwardRequest(_hidden(body), start, end, _str(body, "model_hash", w, 256), _route(body))
+    if kind == "step_reply":
+        return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))
+    if kind == "close":
+        return CloseRequest(_str(body, "session_id", w, 128), _route(body))
+    if kind == "close_reply":
+        closed = body.get("closed")
+        if not isinstance(closed, bool):
+            raise ProtocolError("close_reply.closed must be a bool")
+        return CloseReply(closed)
+    if kind == "info":
+        return InfoRequest()
+    if kind == "info_reply":
+        ints = (
+            *("num_layers", "hidden_size", "range_start", "range_end", "cache_tokens_total"),
+            *("free_cache_tokens", "active_sessions", "protocol_version"),
+        )
+        strs = ("peer_id", "name", "model_name", "model_hash", "dtype", "state")
+        fields: dict[str, Any] = {k: _int(body, k, w) for k in ints}
+        fields.update({k: _str(body, k, w) for k in strs})
+        return InfoReply(**fields)
+    if kind == "probe":
+        payload = body.get("payload", b"")
+        if not isinstance(payload, bytes) or len(payload) > MAX_PROBE_BYTES:
+            raise ProtocolError(f"probe.payload must be at most {MAX_PROBE_BYTES} bytes")
+        return ProbeRequest(
+            payload=payload,
+            reply_bytes=_int(body, "reply_bytes", w, 0, MAX_PROBE_BYTES),
+            dial_back_peer_id=_str(body, "dial_back_peer_id", w, 128),
+            dial_back_maddrs=_maddrs(body.get("dial_back_maddrs", []), w),
+        )
+    if kind == "probe_reply":
+        payload = body.get("payload", b"")
+        ok = body.get("dial_back_ok")
+        if not isinstance(payload, bytes) or not (ok is None or isinstance(ok, bool)):
+            raise ProtocolError("probe_reply: payload must be bytes and dial_back_ok a bool or nil")
+        return ProbeReply(
+            peer_id=_str(body, "peer_id", w, 128),
+            received_bytes=_int(body, "received_bytes", w, 0, MAX_PROBE_BYTES),
+            payload=payload,
+            dial_back_ok=ok,
+            dial_back_error=_str(body, "dial_back_error", w),
+        )
+    if kind == "error":
+        failed = body.get("failed_peer_id")
+        if failed is not None and not isinstance(failed, str):
+            raise ProtocolError("error.failed_peer_id must be a string or nil")
+        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed)
+    raise ProtocolError(f"unknown message kind {kind!r}")
+
+
+# ---------------------------------------------------------------- envelopes
+
+
+def _encode(kind: str, msg: Request | Reply) -> bytes:
+    data: bytes = msgpack.packb([PROTOCOL_VERSION, kind, _encode_body(msg)], use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+    return data
+
+
+def _decode(data: bytes, kinds: set[str]) -> Request | Reply:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        envelope = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_TENSOR_BYTES + MAX_PROBE_BYTES
+        )
+    except Exception as e:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError(f"not a valid msgpack message: {type(e).__name__}: {e}") from None
+    if not isinstance(envelope, list) or len(envelope) != 3:
+        raise ProtocolError("a message must be a msgpack array [protocol_version, kind, body]")
+    version, kind, body = envelope
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(f"protocol version must be an int, got {version!r}")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version} received, this side speaks {PROTOCOL_VERSION}")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ProtocolError(f"unexpected message kind {kind!r}; expected one of {sorted(kinds)}")
+    return _decode_body(kind, _map(body, kind))
+
+
+def encode_request(request: Request) -> bytes:
+    kind = _REQUEST_KINDS.get(type(request))
+    if kind is None:
+        raise TypeError(f"not a request: {type(request).__name__}")
+    return _encode(kind, request)
+
+
+def decode_request(data: bytes) -> Request:
+    msg = _decode(data, set(_REQUEST_KINDS.values()))
+    return msg  # type: ignore[return-value]
+
+
+def encode_reply(reply: Reply) -> bytes:
+    kind = _REPLY_KINDS.get(type(reply))
+    if kind is None:
+        raise TypeError(f"not a reply: {type(reply).__name__}")
+    return _encode(kind, reply)
+
+
+def decode_reply(data: bytes) -> Reply:
+    msg = _decode(data, set(_REPLY_KINDS.values()))
+    return msg  # type: ignore[return-value]
+
+
+__all__ = [
+    "CloseReply",
+    "CloseRequest",
+    "ErrorReply",
+    "ForwardRequest",
+    "Hop",
+    "HopTiming",
+    "InfoReply",
+    "InfoRequest",
+    "ProbeReply",
+    "ProbeRequest",
+    "REPLY_FOR",
+    "Reply",
+    "Request",
+    "StepReply",
+    "StepRequest",
+    "decode_reply",
+    "decode_request",
+    "decode_tensor",
+    "encode_reply",
+    "encode_request",
+    "encode_tensor",
+    "request_verb",
+]

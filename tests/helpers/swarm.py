@@ -1,0 +1,197 @@
+"""Start real ``swarm-peer join`` processes on 127.0.0.1 for integration tests, and always reap them.
+
+    from tests.helpers.swarm import LocalSwarm, swarm_client
+
+    def test_something(tmp_path):
+        with LocalSwarm(tmp_path, model="tiny") as swarm:
+            first = swarm.start_peer(layers="0:2")           # starts a new swarm
+            swarm.start_peer(layers="2:4"); swarm.start_peer(layers="4:6")
+            swarm.wait_all_ready(timeout_s=60)               # every peer serving and announced
+            asyncio.run(my_check(swarm.initial_peers))      # e.g. with swarm_client(...) below
+        # leaving the block: SIGTERM, then SIGKILL after a grace, then the whole process group (p2pd too)
+
+Every peer runs in its own session/process group (so its hivemind DHT child and p2pd daemon can be killed with
+it even after a SIGKILL of the peer), with FLOWSWARM_THREADS=1 and logs in ``tmp_path/<name>.log``. A peer is
+ready when it wrote its ``--maddr-file``, which ``swarm-peer`` does only once it is serving and announced.
+On timeout or early exit the error message carries the tail of the peer's log.
+
+``swarm_client`` is an async context manager giving a client-mode SwarmDHT, its Directory (for snapshots) and a
+P2P instance to pass to ``swarm.transport.call_*``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+REPO = Path(__file__).resolve().parents[2]
+SWARM_PEER = [sys.executable, "-m", "swarm.peer.cli"]
+
+
+@dataclass
+class PeerProcess:
+    """One running ``swarm-peer join``."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    maddr_file: Path
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+    maddrs: list[str] = field(default_factory=list)
+    ready_after_s: float | None = None  # seconds from process start to serving (set by wait_ready)
+
+    @property
+    def peer_id(self) -> str:
+        if not self.maddrs:
+            raise RuntimeError(f"peer {self.name} is not ready yet")
+        return self.maddrs[0].rsplit("/p2p/", 1)[1]
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def is_ready(self) -> bool:
+        if self.maddrs:
+            return True
+        if self.maddr_file.exists():
+            lines = [m for m in self.maddr_file.read_text().split() if m]
+            if lines:
+                self.maddrs = lines
+                self.ready_after_s = time.monotonic() - self.started_at
+                return True
+        return False
+
+    def wait_ready(self, timeout_s: float = 60.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"peer {self.name} exited with {self.proc.returncode} before serving:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"peer {self.name} not serving after {timeout_s:.0f} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+        return self.maddrs
+
+    def kill(self) -> None:
+        """SIGKILL the peer and everything in its process group (a crash, for failure tests)."""
+        _killpg(self.proc, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, grace_s: float = 20.0) -> int:
+        """SIGTERM, wait up to grace_s for a clean exit, then SIGKILL; always reaps the whole group."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _killpg(self.proc, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        _killpg(self.proc, signal.SIGKILL)  # the DHT child and p2pd, if they outlived the peer
+        return self.proc.returncode
+
+
+def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class LocalSwarm:
+    """Peers of one test, all on 127.0.0.1; use as a context manager so they are always reaped."""
+
+    def __init__(self, tmp_path: Path, model: str = "tiny", env: dict[str, str] | None = None) -> None:
+        self.dir = tmp_path
+        self.model = model
+        self.env = {**os.environ, "FLOWSWARM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.peers: list[PeerProcess] = []
+
+    @property
+    def initial_peers(self) -> list[str]:
+        """Multiaddrs of the first ready peer (what later peers and clients join with)."""
+        for peer in self.peers:
+            if peer.is_ready():
+                return peer.maddrs[:1]
+        raise RuntimeError("no peer is ready yet: start one and wait_ready() first")
+
+    def start_peer(
+        self,
+        layers: str = "auto",
+        *,
+        name: str | None = None,
+        initial_peers: Sequence[str] | None = None,
+        extra_args: Sequence[str] = (),
+        wait: bool = True,
+        timeout_s: float = 90.0,
+    ) -> PeerProcess:
+        """Start ``swarm-peer join``; joins the first ready peer unless ``initial_peers`` is given.
+
+        With ``wait`` (default) returns once the peer is serving; otherwise call ``wait_ready`` yourself.
+        """
+        name = name or f"peer{len(self.peers)}"
+        if initial_peers is None:
+            initial_peers = self.initial_peers if self.peers else []
+        maddr_file = self.dir / f"{name}.maddrs"
+        maddr_file.unlink(missing_ok=True)
+        log_path = self.dir / f"{name}.log"
+        args = [*SWARM_PEER, "join", "--model", self.model, "--layers", layers, "--name", name]
+        args += ["--maddr-file", str(maddr_file), "--host", "127.0.0.1"]
+        if initial_peers:
+            args += ["--initial-peers", *initial_peers]
+        args += list(extra_args)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
+            )
+        peer = PeerProcess(name, proc, maddr_file, log_path)
+        self.peers.append(peer)
+        if wait:
+            peer.wait_ready(timeout_s)
+        return peer
+
+    def wait_all_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for peer in self.peers:
+            peer.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop every peer (in parallel: SIGTERM all, then wait), reaping their process groups."""
+        for peer in self.peers:
+            if peer.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    peer.proc.send_signal(signal.SIGTERM)
+        for peer in self.peers:
+            peer.stop(grace_s=20.0)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@contextlib.asynccontextmanager
+async def swarm_client(initial_peers: Sequence[str], model_hash: str) -> AsyncIterator[tuple]:  # type: ignore[type-arg]
+    """(SwarmDHT, Directory, P2P) of a client-mode DHT node joined to ``initial_peers``; shut down on exit."""
+    from swarm.dht import DHTConfig, Directory, SwarmDHT
+
+    dht = await SwarmDHT.create(DHTConfig(initial_peers=tuple(initial_peers), client_mode=True), model_hash)
+    try:
+        p2p = await dht.replicate_p2p()
+        yield dht, Directory(dht), p2p
+    finally:
+        dht.shutdown()

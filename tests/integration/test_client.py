@@ -1,0 +1,131 @@
+"""SwarmClient against real `swarm-peer join` processes on 127.0.0.1, checked against local transformers.
+
+One default-model swarm (layers 0:10, 10:20, 20:30) serves the exactness, streaming and concurrency tests; a
+replica of 10:20 then joins and the middle peer of a live session is SIGKILLed mid-answer. A small tiny-model
+swarm with a gap checks the errors a user gets for missing layers and for the wrong model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from client import SwarmClient
+from swarm.errors import ModelMismatch, NoRouteError
+from swarm.models import ModelSource
+from tests.helpers.swarm import LocalSwarm
+
+pytestmark = pytest.mark.integration
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def expected_answer(default_source: ModelSource) -> str:
+    """What local transformers answers, greedily."""
+    tokenizer, model = default_source.tokenizer(), default_source.load_reference_model()
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    answer = str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    assert "Paris" in answer
+    return answer
+
+
+@pytest.fixture(scope="module")
+def default_swarm(tmp_path_factory: pytest.TempPathFactory, default_source: ModelSource) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tmp_path_factory.mktemp("default_swarm"), model="default") as swarm:
+        swarm.start_peer(layers="0:10", name="first")
+        swarm.start_peer(layers="10:20", name="middle", wait=False)
+        swarm.start_peer(layers="20:30", name="last", wait=False)
+        swarm.wait_all_ready(timeout_s=180)
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def client(default_swarm: LocalSwarm) -> Iterator[SwarmClient]:
+    with SwarmClient(default_swarm.initial_peers, model="default", step_timeout_s=20.0) as swarm_client:
+        yield swarm_client
+
+
+@pytest.mark.timeout(300)
+def test_three_peers_answer_exactly_like_transformers(client: SwarmClient, expected_answer: str) -> None:
+    assert client.generate(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS) == expected_answer
+    session = client.aclient.last_session
+    assert session is not None and len(session.stages) == 3 and session.failovers == 0
+
+
+@pytest.mark.timeout(120)
+def test_stream_yields_the_same_text_piece_by_piece(client: SwarmClient, expected_answer: str) -> None:
+    pieces = list(client.stream(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS))
+    assert len(pieces) > 3
+    assert "".join(pieces) == expected_answer
+
+
+@pytest.mark.timeout(180)
+def test_two_clients_generate_concurrently(
+    default_swarm: LocalSwarm, client: SwarmClient, expected_answer: str
+) -> None:
+    prompts = [QUESTION, [{"role": "user", "content": "What is 2 + 2?"}]]
+    with SwarmClient(default_swarm.initial_peers, model="default") as other:
+        alone = [client.generate(messages=p, max_new_tokens=MAX_NEW_TOKENS) for p in prompts]
+        results: dict[str, str] = {}
+        errors: list[BaseException] = []
+
+        def run(name: str, swarm_client: SwarmClient, messages: list[dict[str, str]]) -> None:
+            try:
+                results[name] = swarm_client.generate(messages=messages, max_new_tokens=MAX_NEW_TOKENS)
+            except BaseException as e:  # re-raised below, in the test's thread
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=run, args=("one", client, prompts[0])),
+            threading.Thread(target=run, args=("two", other, prompts[1])),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+    assert not errors, errors
+    assert results == {"one": expected_answer, "two": alone[1]}
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_middle_peer_mid_answer_gives_the_same_text(
+    default_swarm: LocalSwarm, client: SwarmClient, expected_answer: str
+) -> None:
+    default_swarm.start_peer(layers="10:20", name="middle_replica", timeout_s=180)
+    by_id = {p.peer_id: p for p in default_swarm.peers}
+    pieces = []
+    killed = None
+    for piece in client.stream(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS):
+        pieces.append(piece)
+        if killed is None:
+            session = client.aclient.last_session
+            assert session is not None
+            killed = by_id[str(session.stages[1].peer_id)]
+            killed.kill()  # SIGKILL, with its DHT child and p2pd
+    assert "".join(pieces) == expected_answer
+    session = client.aclient.last_session
+    assert session is not None and session.failovers >= 1
+    assert killed is not None and str(session.stages[1].peer_id) != killed.peer_id
+    assert [str(s.peer_id) for s in session.stages][0] == default_swarm.peers[0].peer_id  # upstream kept
+
+
+@pytest.mark.timeout(240)
+def test_missing_layers_and_wrong_model_get_clear_errors(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        swarm.start_peer(layers="0:2")
+        swarm.start_peer(layers="4:6")
+        with pytest.raises(NoRouteError) as info:
+            SwarmClient(swarm.initial_peers, model="tiny", connect_timeout_s=8.0)
+        assert info.value.missing_layers == [2, 3]
+        assert "2:4" in str(info.value)
+        with pytest.raises(ModelMismatch, match="tiny-0"):
+            SwarmClient(swarm.initial_peers, model="tiny:1", connect_timeout_s=8.0)

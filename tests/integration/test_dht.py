@@ -1,0 +1,297 @@
+"""The directory on a real hivemind DHT over 127.0.0.1: visibility, forgery, expiry, plans.
+
+Announcing peers run as separate processes (`python -m tests.integration.test_dht ...`) started in their own
+process group, so a SIGKILL takes their DHT child and p2pd daemon with them and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.dht import (
+    Announcer,
+    DHTConfig,
+    Directory,
+    DirectoryConfig,
+    Election,
+    ElectionConfig,
+    PlanRecord,
+    SwarmDHT,
+    SwarmSnapshot,
+    coverage,
+)
+from swarm.dht.schemas import peers_key
+from swarm.types import LayerRange, NodeID, Plan
+from tests.unit.dht.records import MODEL_HASH, peer_record
+
+REPO = Path(__file__).resolve().parents[2]
+TTL_S = 4.0  # short for fast tests, long enough that a loaded 2-core machine still refreshes in time
+
+
+# ---- child process: one announcing (and optionally election-running) peer --------------------------------
+
+
+async def _child_main(initial_peers: list[str], start: int, end: int, ttl_s: float, elect: bool) -> None:
+    dht = await SwarmDHT.create(DHTConfig(initial_peers=tuple(initial_peers)), MODEL_HASH)
+    try:
+        directory = Directory(dht, DirectoryConfig(ttl_s=ttl_s))
+        print(json.dumps({"peer_id": dht.peer_id, "maddrs": dht.visible_maddrs()}), flush=True)
+        record = peer_record(dht.peer_id, start, end)
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(Announcer(directory, lambda: record).run())
+            if elect:
+                tasks.create_task(Election(directory, ElectionConfig(lease_s=ttl_s)).run())
+    finally:
+        dht.shutdown()
+
+
+def _child_entry() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--range", default="0:4")
+    parser.add_argument("--ttl-s", type=float, default=TTL_S)
+    parser.add_argument("--elect", action="store_true")
+    args = parser.parse_args()
+    layers = LayerRange.parse(args.range)
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await _child_main(args.initial_peers, layers.start, layers.end, args.ttl_s, args.elect)
+
+    asyncio.run(main())
+
+
+class Child:
+    """A peer process in its own process group; `kill()` takes its DHT child and p2pd with it."""
+
+    def __init__(self, initial_peers: list[str], layers: str, elect: bool = False) -> None:
+        cmd = [sys.executable, "-m", "tests.integration.test_dht", "--range", layers, "--ttl-s", str(TTL_S)]
+        cmd += ["--initial-peers", *initial_peers] + (["--elect"] if elect else [])
+        env = dict(os.environ, FLOWSWARM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, start_new_session=True)
+        self.layers = layers
+        self.peer_id = ""
+
+    def wait_joined(self) -> None:
+        """Block until the child printed its peer id (it joined the DHT) or died."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child for {self.layers} exited with {self.proc.wait()}")
+        self.peer_id = json.loads(line)["peer_id"]
+
+    def kill(self) -> None:
+        """SIGKILL the whole group: no withdraw, no shutdown, the record must expire on its own."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Graceful stop, then a hard kill of whatever is left of the group."""
+        if self.proc.poll() is None:
+            # SIGTERM to the peer only: its DHT child and p2pd must live on while it withdraws and shuts down.
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        self.kill()
+
+
+@contextlib.contextmanager
+def children(*specs: tuple[list[str], str, bool]) -> Iterator[list[Child]]:
+    started: list[Child] = []
+    try:
+        for initial_peers, layers, elect in specs:  # all start at once: imports take seconds each
+            started.append(Child(initial_peers, layers, elect))
+        for child in started:
+            child.wait_joined()
+        yield started
+    finally:
+        for child in started:
+            child.stop()
+
+
+@contextlib.asynccontextmanager
+async def observer(**config: object) -> AsyncIterator[SwarmDHT]:
+    """A DHT node in the test process that bootstraps the swarm and reads it."""
+    dht = await SwarmDHT.create(DHTConfig(**config), MODEL_HASH)  # type: ignore[arg-type]
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+async def wait_for(
+    read: Callable[[], Awaitable[SwarmSnapshot]], ok: Callable[[SwarmSnapshot], bool], timeout_s: float
+) -> tuple[SwarmSnapshot, float]:
+    """Poll until ok(snapshot); return it and the seconds it took."""
+    started = time.monotonic()
+    while True:
+        snapshot = await read()
+        if ok(snapshot):
+            return snapshot, time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not reached within {timeout_s} s: peers={sorted(snapshot.peers)}")
+        await asyncio.sleep(0.2)
+
+
+# ---- tests --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_three_nodes_see_each_others_records() -> None:
+    asyncio.run(_test_three_nodes_see_each_others_records())
+
+
+async def _test_three_nodes_see_each_others_records() -> None:
+    async with observer() as boot:
+        peers = boot.visible_maddrs()
+        with children((peers, "0:4", False), (peers, "4:8", False)) as kids:
+            directory = Directory(boot, DirectoryConfig(ttl_s=TTL_S))
+            await directory.announce(peer_record(boot.peer_id, 2, 6))
+            expected = {boot.peer_id, *(k.peer_id for k in kids)}
+            snapshot, took_s = await wait_for(directory.snapshot, lambda s: set(s.peers) >= expected, 15.0)
+            assert coverage(snapshot, 8) == [1, 1, 2, 2, 2, 2, 1, 1]
+            ranges = {pid: (r.range_start, r.range_end) for pid, r in snapshot.peers.items()}
+            assert ranges[kids[1].peer_id] == (4, 8)
+            print(f"3 nodes visible after {took_s:.2f} s")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_forged_unsigned_and_invalid_records_are_rejected() -> None:
+    asyncio.run(_test_forged_unsigned_and_invalid_records_are_rejected())
+
+
+async def _test_forged_unsigned_and_invalid_records_are_rejected() -> None:
+    async with observer() as boot:
+        async with observer(initial_peers=tuple(boot.visible_maddrs())) as evil:
+            honest = Directory(boot, DirectoryConfig(ttl_s=30.0))
+            assert await honest.announce(peer_record(boot.peer_id, 0, 4))
+            raw, key = evil.hivemind_dht, peers_key(MODEL_HASH)
+            expiration = evil.now() + 60
+            forged = peer_record(boot.peer_id, 0, 8).to_dht()  # claims to be boot, with more layers
+            # Into the honest peer's subkey: evil cannot sign for that key.
+            assert not raw.store(key, forged, expiration, subkey=boot.own_subkey())
+            # Unprotected subkey: the schema demands an owner marker.
+            assert not raw.store(key, forged, expiration, subkey=b"anonymous")
+            # Its own subkey but schema-invalid: signed, still refused.
+            bad = peer_record(evil.peer_id, 0, 4).to_dht() | {"range_end": 99}
+            assert not raw.store(key, bad, expiration, subkey=evil.own_subkey())
+            # Its own subkey, valid shape, but naming the honest peer: stored, yet dropped on read.
+            assert raw.store(key, forged, expiration, subkey=evil.own_subkey())
+            for reader in (Directory(boot), Directory(evil)):
+                snapshot = await reader.snapshot()
+                assert set(snapshot.peers) == {boot.peer_id}
+                assert snapshot.peers[boot.peer_id].range_end == 4
+            with pytest.raises(ValueError, match="this node is"):
+                await Directory(evil).announce(peer_record(boot.peer_id))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_record_expires_after_its_writer_is_killed() -> None:
+    asyncio.run(_test_record_expires_after_its_writer_is_killed())
+
+
+async def _test_record_expires_after_its_writer_is_killed() -> None:
+    async with observer() as boot:
+        directory = Directory(boot)
+        peers = boot.visible_maddrs()
+        with children((peers, "0:8", False), (peers, "0:4", False)) as (victim, quitter):
+            both = {victim.peer_id, quitter.peer_id}
+            await wait_for(directory.snapshot, lambda s: both <= set(s.peers), 15.0)
+            # Heartbeats keep live records well past one TTL.
+            await asyncio.sleep(2 * TTL_S)
+            assert both <= set((await directory.snapshot()).serving())
+
+            quitter.stop()  # graceful: the Announcer marks its record leaving on the way out
+            snapshot = await directory.snapshot()
+            assert quitter.peer_id not in snapshot.peers or snapshot.peers[quitter.peer_id].state == "leaving"
+
+            victim.kill()
+            killed_at = time.monotonic()
+            _, took_s = await wait_for(
+                directory.snapshot, lambda s: victim.peer_id not in s.peers, TTL_S + 3.0
+            )
+            print(f"record gone {time.monotonic() - killed_at:.2f} s after SIGKILL (ttl {TTL_S} s)")
+            assert took_s <= TTL_S + 3.0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_withdraw_marks_the_record_leaving() -> None:
+    asyncio.run(_test_withdraw_marks_the_record_leaving())
+
+
+async def _test_withdraw_marks_the_record_leaving() -> None:
+    async with observer() as boot:
+        directory = Directory(boot, DirectoryConfig(ttl_s=TTL_S))
+        assert await directory.announce(peer_record(boot.peer_id))
+        await directory.withdraw()
+        snapshot = await directory.snapshot()
+        assert snapshot.peers[boot.peer_id].state == "leaving"
+        assert snapshot.serving() == {}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_plan_round_trip() -> None:
+    asyncio.run(_test_plan_round_trip())
+
+
+async def _test_plan_round_trip() -> None:
+    async with observer() as boot:
+        async with observer(initial_peers=tuple(boot.visible_maddrs()), client_mode=True) as client:
+            plan = Plan(
+                method="milp",
+                placement={NodeID(boot.peer_id): LayerRange(0, 8)},
+                max_flow_tokens_s=123.5,
+                epoch=4,
+            )
+            record = PlanRecord(
+                epoch=4, planner_peer_id=boot.peer_id, plan=plan.to_json(), created_at=boot.now()
+            )
+            assert await Directory(boot).publish_plan(record)
+            snapshot, _ = await wait_for(Directory(client).snapshot, lambda s: s.plan is not None, 15.0)
+            assert snapshot.plan == record
+            assert Plan.from_json(snapshot.plan.plan) == plan
+            with pytest.raises(ValueError, match="names planner"):
+                await Directory(client).publish_plan(record)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_identity_file_keeps_the_peer_id(tmp_path: Path) -> None:
+    asyncio.run(_test_identity_file_keeps_the_peer_id(tmp_path))
+
+
+async def _test_identity_file_keeps_the_peer_id(tmp_path: Path) -> None:
+    path = tmp_path / "peer.key"
+    ids = []
+    for _ in range(2):
+        async with observer(identity_path=str(path)) as dht:
+            ids.append(dht.peer_id)
+            assert dht.visible_maddrs()[0].endswith(f"/p2p/{dht.peer_id}")
+            assert "/ip4/127.0.0.1/" in dht.visible_maddrs()[0]
+    assert ids[0] == ids[1]
+    assert path.exists()
+
+
+if __name__ == "__main__":
+    _child_entry()

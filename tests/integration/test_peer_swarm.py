@@ -1,0 +1,265 @@
+"""Three real ``swarm-peer`` processes (tiny model) on 127.0.0.1: announcements, forwarding, bad input, crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import ModelMismatch, ProtocolError, SessionError
+from swarm.models.loading import ModelSource, resolve_model
+from swarm.transport import call_close, call_info, call_step
+from swarm.transport.channel import call_raw
+from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply, encode_request, encode_tensor
+from tests.helpers.swarm import LocalSwarm, PeerProcess, swarm_client
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+RANGES = ("0:2", "2:4", "4:6")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelSource:
+    torch.set_num_threads(1)
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tmp_path_factory.mktemp("swarm"), model="tiny") as local:
+        local.start_peer(RANGES[0], name="a")
+        local.start_peer(RANGES[1], name="b", wait=False)
+        local.start_peer(RANGES[2], name="c", wait=False)
+        local.wait_all_ready(timeout_s=120)
+        yield local
+
+
+def _hops(peers: list[PeerProcess]) -> list[Hop]:
+    hops = []
+    for peer, text in zip(peers, RANGES, strict=True):
+        start, end = (int(x) for x in text.split(":"))
+        hops.append(Hop(peer.peer_id, tuple(peer.maddrs), start, end))
+    return hops
+
+
+def test_peers_see_each_other_with_measured_speed_and_links(swarm: LocalSwarm, tiny: ModelSource) -> None:
+    ids = {p.peer_id for p in swarm.peers}
+
+    async def check() -> dict[str, object]:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, directory, _p2p):
+            deadline = time.monotonic() + 15
+            while True:
+                peers = (await directory.snapshot()).serving()
+                complete = set(peers) == ids and all(
+                    r.decode_layer_tokens_s_b1 > 0
+                    and r.decode_layer_tokens_s_b8 > 0
+                    and r.prefill_layer_tokens_s > 0
+                    and set(r.links) == ids - {pid}
+                    for pid, r in peers.items()
+                )
+                if complete or time.monotonic() > deadline:
+                    return dict(peers)
+                await asyncio.sleep(0.5)
+
+    peers = asyncio.run(check())
+    assert set(peers) == ids
+    for pid, record in peers.items():
+        assert record.decode_layer_tokens_s_b1 > 0 and record.prefill_layer_tokens_s > 0, record
+        assert set(record.links) == ids - {pid}, f"{pid} links: {record.links}"
+        for link in record.links.values():
+            assert 0 < link.rtt_s < 1.0 and link.bandwidth_bytes_s > 0
+        assert [record.range_start, record.range_end] in ([0, 2], [2, 4], [4, 6])
+        assert record.free_cache_tokens > 0 and record.max_layers >= 1
+
+
+def test_three_hop_session_matches_local_model(swarm: LocalSwarm, tiny: ModelSource) -> None:
+    head = tiny.load_head()
+    local = tiny.load_blocks(0, 6)
+    reference = tiny.load_reference_model()
+    tokens = torch.randint(0, tiny.spec.vocab_size, (7,), generator=torch.Generator().manual_seed(0))
+    first, *rest = _hops(swarm.peers)
+    session = uuid.uuid4().hex
+
+    async def run() -> None:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            local.open_session(session, 32)
+            ids, position, step_input = tokens, 0, head.embed(tokens)
+            for step in range(4):  # a prefill of 7 tokens, then 3 greedy decode steps
+                request = StepRequest(
+                    session,
+                    position,
+                    step_input,
+                    first.start,
+                    first.end,
+                    32,
+                    tiny.spec.weights_hash,
+                    tuple(rest),
+                )
+                reply = await call_step(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=30)
+                expected = local.forward([local_step(session, step_input, position)])[0]
+                assert torch.equal(reply.hidden, expected), f"step {step} differs from the local blocks"
+                assert [t.peer_id for t in reply.timings] == [first.peer_id, *[h.peer_id for h in rest]]
+                with torch.inference_mode():
+                    ref_logits = reference(input_ids=ids[None]).logits[0, -1]
+                torch.testing.assert_close(head.logits(reply.hidden)[-1], ref_logits, atol=1e-4, rtol=1e-4)
+                position += step_input.shape[0]
+                next_id = head.logits(reply.hidden)[-1].argmax()[None]
+                ids = torch.cat([ids, next_id])
+                step_input = head.embed(next_id)
+            assert await call_close(p2p, first.peer_id, _close(session, rest), maddrs=first.maddrs)
+            stale = StepRequest(session, position, step_input, 0, 2, 32, tiny.spec.weights_hash, tuple(rest))
+            with pytest.raises(SessionError) as error:
+                await call_step(p2p, first.peer_id, stale, maddrs=first.maddrs, timeout_s=30)
+            assert error.value.failed_peer_id == first.peer_id
+            for hop in (first, *rest):
+                info = await call_info(p2p, hop.peer_id, maddrs=hop.maddrs)
+                assert info.active_sessions == 0 and info.free_cache_tokens == info.cache_tokens_total
+
+    asyncio.run(run())
+
+
+def local_step(session: str, hidden: torch.Tensor, position: int):  # type: ignore[no-untyped-def]
+    from swarm.models.blocks import Step
+
+    return Step(session, hidden, 0, 6, position)
+
+
+def _close(session: str, rest: list[Hop]):  # type: ignore[no-untyped-def]
+    from swarm.wire import CloseRequest
+
+    return CloseRequest(session, tuple(rest))
+
+
+def _raw_step(**overrides: object) -> bytes:
+    body: dict[str, object] = {
+        "session_id": "s",
+        "position": 0,
+        "hidden": encode_tensor(torch.zeros(1, 64)),
+        "start": 0,
+        "end": 2,
+        "max_length_tokens": 16,
+        "model_hash": "x",
+        "route_rest": [],
+        "step_id": 0,
+    }
+    body.update(overrides)
+    return msgpack.packb([PROTOCOL_VERSION, "step", body], use_bin_type=True)
+
+
+def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
+    swarm: LocalSwarm, tiny: ModelSource
+) -> None:
+    peer = swarm.peers[0]
+    model_hash = tiny.spec.weights_hash
+    h = tiny.spec.hidden_size
+    bad: dict[str, tuple[bytes, str, str]] = {
+        "garbage": (b"\x00\xffnot msgpack at all", "protocol", "msgpack"),
+        "wrong version": (msgpack.packb([PROTOCOL_VERSION + 9, "info", {}]), "version_mismatch", "version"),
+        "wrong dtype": (
+            _raw_step(
+                hidden={"dtype": "int64", "shape": [1, h], "data": b"\0" * 8 * h}, model_hash=model_hash
+            ),
+            "protocol",
+            "dtype",
+        ),
+        "wrong shape": (
+            _raw_step(hidden=encode_tensor(torch.zeros(1, h + 3)), model_hash=model_hash),
+            "protocol",
+            "hidden size",
+        ),
+        "bytes short of shape": (
+            _raw_step(
+                hidden={"dtype": "float32", "shape": [4, h], "data": b"\0" * 12}, model_hash=model_hash
+            ),
+            "protocol",
+            "needs",
+        ),
+        "oversize tensor": (
+            _raw_step(
+                hidden={"dtype": "float32", "shape": [60000, 60000], "data": b""}, model_hash=model_hash
+            ),
+            "protocol",
+            "limit",
+        ),
+        "negative length": (_raw_step(max_length_tokens=-3, model_hash=model_hash), "protocol", "max_length"),
+        "negative position": (_raw_step(position=-1, model_hash=model_hash), "protocol", "position"),
+        "unknown session": (
+            _raw_step(position=5, hidden=encode_tensor(torch.zeros(1, h)), model_hash=model_hash),
+            "session",
+            "unknown session",
+        ),
+        "layers not held": (
+            _raw_step(start=3, end=5, hidden=encode_tensor(torch.zeros(1, h)), model_hash=model_hash),
+            "protocol",
+            "holds 0:2",
+        ),
+        "wrong model": (
+            _raw_step(hidden=encode_tensor(torch.zeros(1, h)), model_hash="other"),
+            "model_mismatch",
+            "",
+        ),
+    }
+
+    async def run() -> None:
+        async with swarm_client(swarm.initial_peers, model_hash) as (_dht, _directory, p2p):
+            for what, (data, code, text) in bad.items():
+                reply = decode_reply(
+                    await call_raw(p2p, peer.peer_id, data, maddrs=peer.maddrs, timeout_s=10)
+                )
+                assert isinstance(reply, ErrorReply), what
+                assert reply.code == code, f"{what}: {reply}"
+                assert text.lower() in reply.message.lower(), f"{what}: {reply.message}"
+                assert reply.failed_peer_id == peer.peer_id
+            # Errors keep their type through call_*; the peer still answers afterwards.
+            hidden = torch.zeros(1, h)
+            with pytest.raises(ModelMismatch):
+                await call_step(
+                    p2p, peer.peer_id, StepRequest("z", 0, hidden, 0, 2, 8, "other"), timeout_s=10
+                )
+            with pytest.raises(ProtocolError):
+                await call_step(
+                    p2p, peer.peer_id, StepRequest("z", 0, hidden, 0, 4, 8, model_hash), timeout_s=10
+                )
+            info = await call_info(p2p, peer.peer_id, maddrs=peer.maddrs)
+            assert info.state == "serving" and info.active_sessions == 0
+        assert peer.proc.poll() is None
+
+    asyncio.run(run())
+
+
+def test_killed_peer_disappears_after_its_ttl_and_sigterm_exits_cleanly(
+    swarm: LocalSwarm, tiny: ModelSource, tmp_path: Path
+) -> None:
+    ttl_s = 6.0
+    doomed = swarm.start_peer("0:6", name="doomed", extra_args=["--record-ttl-s", str(ttl_s)])
+    leaver = swarm.start_peer("0:6", name="leaver", extra_args=["--shutdown-grace-s", "1"])
+
+    async def ids_in_snapshot(directory) -> set[str]:  # type: ignore[no-untyped-def]
+        return set((await directory.snapshot()).peers)
+
+    async def run() -> float:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, directory, _p2p):
+            deadline = time.monotonic() + 15
+            while doomed.peer_id not in await ids_in_snapshot(directory):
+                assert time.monotonic() < deadline, "the new peer never appeared"
+                await asyncio.sleep(0.5)
+            doomed.kill()
+            killed = time.monotonic()
+            while doomed.peer_id in await ids_in_snapshot(directory):
+                assert time.monotonic() - killed < ttl_s + 10, "the killed peer's record outlived its TTL"
+                await asyncio.sleep(0.5)
+            gone_after = time.monotonic() - killed
+            assert leaver.stop(grace_s=30) == 0, leaver.log_tail()
+            peers = (await directory.snapshot()).peers
+            assert leaver.peer_id not in peers or peers[leaver.peer_id].state == "leaving"
+            return gone_after
+
+    gone_after = asyncio.run(run())
+    assert gone_after <= ttl_s + 10

@@ -1,0 +1,203 @@
+"""The client's session, failover and generation logic over in-process BlockRanges, against transformers.
+
+The same AsyncSwarmClient that talks to peers runs here over client.local (BlockRanges behind the remote
+chain's interface), so these tests check the client's own logic exactly, without any network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from client.client import AsyncSwarmClient
+from client.config import ClientConfig
+from client.local import LocalChain, LocalRoutes
+from swarm.errors import NoRouteError
+from swarm.models.head import Sampler, SamplingParams
+from swarm.models.loading import ModelSource, resolve_model
+from swarm.types import NodeID
+
+pytestmark = pytest.mark.timeout(120)
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_client(source: ModelSource, ranges: dict[str, tuple[int, int]]) -> tuple[AsyncSwarmClient, LocalChain]:
+    blocks = {NodeID(p): source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
+    chain = LocalChain(blocks)
+    n = source.spec.num_layers
+    client = AsyncSwarmClient(
+        ClientConfig(retry_delay_s=0.0),
+        chain=chain,
+        routes=LocalRoutes(chain, n),
+        head=source.load_head(),
+        tokenizer=source.tokenizer(),
+        num_layers=n,
+    )
+    return client, chain
+
+
+def greedy_reference(model: Any, ids: list[int], steps: int) -> list[int]:
+    """Greedy decoding by full forward passes of the plain transformers model (no cache at all)."""
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(steps):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+# --- tiny random model: token ids -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelSource:
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny: ModelSource) -> Any:
+    return tiny.load_reference_model()
+
+
+TINY_SPLIT = {"a": (0, 2), "b": (2, 4), "c": (4, 6)}
+PROMPT_IDS = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+def test_greedy_ids_equal_transformers(tiny: ModelSource, tiny_reference: Any) -> None:
+    client, chain = make_client(tiny, TINY_SPLIT)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 12, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 12)
+    # one prefill of 8 tokens, then 11 decode steps of one token, each through the three stages
+    assert [c for c in chain.calls if c[0] == "a"] == [("a", 0, 8)] + [("a", 8 + i, 1) for i in range(11)]
+    # the session was closed on every peer
+    assert all(not block.active_sessions for block in chain.blocks.values())
+
+
+def test_seeded_sampling_equals_the_same_sampler_over_transformers(tiny: ModelSource, tiny_reference: Any) -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=1234)
+    client, _ = make_client(tiny, TINY_SPLIT)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, params))
+    sampler, history = Sampler(params), list(PROMPT_IDS)
+    with torch.inference_mode():
+        for _ in range(10):
+            history.append(sampler.sample(tiny_reference(torch.tensor([history])).logits[0, -1], history))
+    assert got == history[len(PROMPT_IDS) :]
+
+
+def test_killed_middle_peer_fails_over_to_replica_with_identical_output(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)})
+    expected = greedy_reference(tiny_reference, PROMPT_IDS, 12)
+    state: dict[str, NodeID] = {}
+
+    def kill_middle_at_step_5(step: int) -> None:
+        if step == 5:
+            assert client.last_session is not None
+            state["victim"] = client.last_session.stages[1].peer_id
+            chain.dead.add(state["victim"])
+
+    chain.on_step = kill_middle_at_step_5
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 12, SamplingParams()))
+    assert got == expected
+    session = client.last_session
+    assert session is not None and session.failovers == 1
+    survivor = "b2" if state["victim"] == "b" else "b"
+    assert [s.peer_id for s in session.stages] == ["a", survivor, "c"]
+    # the replay sent all 8 + 4 tokens from position 0 through the whole new route
+    assert ("a", 0, 12) in chain.calls and (survivor, 0, 12) in chain.calls
+    assert client.routes.bans.is_banned(state["victim"])  # type: ignore[attr-defined]
+
+
+def test_missing_layers_give_no_route_error_naming_them(tiny: ModelSource) -> None:
+    client, _ = make_client(tiny, {"a": (0, 2), "b": (2, 4)})
+    with pytest.raises(NoRouteError) as info:
+        asyncio.run(client.generate_ids(PROMPT_IDS, 3, SamplingParams()))
+    assert info.value.missing_layers == [4, 5]
+    assert "4:6" in str(info.value)
+
+
+def test_failover_gives_up_with_no_route_when_the_only_holder_dies(tiny: ModelSource) -> None:
+    client, chain = make_client(tiny, TINY_SPLIT)
+    chain.on_step = lambda step: chain.dead.add(NodeID("c")) if step == 3 else None
+    with pytest.raises(NoRouteError) as info:
+        asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert info.value.missing_layers == [4, 5]
+
+
+# --- default model: text ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default() -> ModelSource:
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="module")
+def default_client(default: ModelSource) -> AsyncSwarmClient:
+    return make_client(default, {"a": (0, 10), "b": (10, 20), "c": (20, 30)})[0]
+
+
+@pytest.fixture(scope="module")
+def transformers_answer(default: ModelSource) -> str:
+    tokenizer, model = default.tokenizer(), default.load_reference_model()
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+@pytest.mark.slow
+def test_chat_generate_and_stream_equal_transformers_greedy(
+    default_client: AsyncSwarmClient, transformers_answer: str
+) -> None:
+    async def run() -> tuple[str, list[str]]:
+        text = await default_client.generate(messages=QUESTION, max_new_tokens=24)
+        pieces = [p async for p in default_client.stream(messages=QUESTION, max_new_tokens=24)]
+        return text, pieces
+
+    text, pieces = asyncio.run(run())
+    assert "Paris" in transformers_answer
+    assert text == transformers_answer
+    assert "".join(pieces) == transformers_answer and len(pieces) > 3
+
+
+@pytest.mark.slow
+def test_stop_string_ends_the_answer_before_it(default_client: AsyncSwarmClient, transformers_answer: str) -> None:
+    stop = "Paris"
+    text = asyncio.run(default_client.generate(messages=QUESTION, max_new_tokens=24, stop=stop))
+    assert text == transformers_answer[: transformers_answer.index(stop)]
+
+
+def test_multibyte_characters_are_never_split(default: ModelSource) -> None:
+    from client.generation import IncrementalDetokenizer
+
+    tokenizer = default.tokenizer()
+    text = "Café 東京 🚀 naïve — ok"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_bad_prompts_get_clear_errors(default_client: AsyncSwarmClient) -> None:
+    with pytest.raises(ValueError, match="exactly one of prompt= or messages="):
+        default_client.encode()
+    with pytest.raises(ValueError, match="role"):
+        default_client.encode(messages=[{"text": "hi"}])
+    with pytest.raises(ValueError, match="prompt must be a string"):
+        default_client.encode(prompt=123)  # type: ignore[arg-type]

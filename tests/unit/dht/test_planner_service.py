@@ -1,0 +1,96 @@
+"""The live planner's decisions, as pure functions of a snapshot (no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.dht import LinkMeasure, SwarmSnapshot
+from swarm.peer.planner_service import (
+    PlannerConfig,
+    cluster_from_snapshot,
+    current_plan_problem,
+    measurements_changed,
+    should_publish,
+)
+from swarm.planner import max_flow, solve
+from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
+from tests.unit.dht.records import peer_record
+
+pytestmark = pytest.mark.timeout(30)
+
+CONFIG = PlannerConfig(client_bandwidth_bytes_s=1e9, unmeasured_bandwidth_bytes_s=5e8)
+
+
+def snapshot(*records) -> SwarmSnapshot:  # type: ignore[no-untyped-def]
+    return SwarmSnapshot(
+        peers={r.peer_id: r for r in records}, plan=None, planner_peer_id=None, fetched_at=0.0
+    )
+
+
+def test_cluster_from_snapshot_nodes_and_links():
+    a = peer_record("QmA", 0, 4, max_layers=4, links={"QmB": LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=2e8)})
+    b = peer_record("QmB", 4, 8, max_layers=20, links={})
+    c = peer_record("QmC", 0, 8, max_layers=8, links={})
+    gone = peer_record("QmD", 0, 8, state="leaving")
+    unmeasured = peer_record("QmE", 0, 8, decode_layer_tokens_s_b8=0.0)
+    cluster = cluster_from_snapshot(snapshot(a, b, c, gone, unmeasured), CONFIG)
+    assert cluster is not None
+    assert [n.id for n in cluster.nodes] == ["QmA", "QmB", "QmC"]
+    node_a, node_b = cluster.node_by_id[NodeID("QmA")], cluster.node_by_id[NodeID("QmB")]
+    assert node_a.tokens_s_by_layers == (2000.0, 1000.0, 2000.0 / 3, 500.0)  # b8 / k
+    assert node_b.max_layers == 8  # clipped to the model
+    assert cluster.model.num_layers == 8 and cluster.model.activation_bytes_per_token == 64 * 4
+    # Measured one way, assumed symmetric; unmeasured pairs get the configured default.
+    assert cluster.bandwidth_bytes_s(NodeID("QmA"), NodeID("QmB")) == 2e8
+    assert cluster.bandwidth_bytes_s(NodeID("QmB"), NodeID("QmA")) == 2e8
+    assert cluster.bandwidth_bytes_s(NodeID("QmB"), NodeID("QmC")) == 5e8
+    assert cluster.bandwidth_bytes_s(SOURCE, NodeID("QmC")) == 1e9
+    assert cluster.bandwidth_bytes_s(NodeID("QmC"), SINK) == 1e9
+
+
+def test_no_plannable_peers_gives_no_cluster():
+    assert cluster_from_snapshot(snapshot(peer_record("QmA", state="leaving")), CONFIG) is None
+
+
+def test_replan_triggers():
+    base = cluster_from_snapshot(snapshot(peer_record("QmA"), peer_record("QmB")), CONFIG)
+    assert base is not None
+    assert measurements_changed(None, base, 0.2) == "first solve"
+    same = cluster_from_snapshot(
+        snapshot(peer_record("QmA", decode_layer_tokens_s_b8=2100.0), peer_record("QmB")), CONFIG
+    )
+    assert same is not None and measurements_changed(base, same, 0.2) is None
+    slower = cluster_from_snapshot(
+        snapshot(peer_record("QmA", decode_layer_tokens_s_b8=1000.0), peer_record("QmB")), CONFIG
+    )
+    assert slower is not None and "speed moved" in (measurements_changed(base, slower, 0.2) or "")
+    joined = cluster_from_snapshot(
+        snapshot(peer_record("QmA"), peer_record("QmB"), peer_record("QmC")), CONFIG
+    )
+    assert joined is not None and "membership" in (measurements_changed(base, joined, 0.2) or "")
+
+
+def test_publish_only_when_better_or_broken():
+    cluster = cluster_from_snapshot(snapshot(peer_record("QmA"), peer_record("QmB")), CONFIG)
+    assert cluster is not None
+    best = solve(cluster, method="greedy", time_limit_s=5.0)
+    assert should_publish(cluster, None, best, 0.1) == "no plan yet"
+    assert should_publish(cluster, best, best, 0.1) is None  # equal: keep, no thrashing
+    # b8 = 2000 tokens/s per layer: a 4+4 chain runs 500 tokens/s, one peer holding all 8 only 250.
+    chain = max_flow(cluster, {NodeID("QmA"): LayerRange(0, 4), NodeID("QmB"): LayerRange(4, 8)})
+    lopsided = max_flow(cluster, {NodeID("QmA"): LayerRange(0, 8), NodeID("QmB"): LayerRange(0, 1)})
+    assert chain.max_flow_tokens_s == pytest.approx(500.0)
+    assert lopsided.max_flow_tokens_s == pytest.approx(250.0)
+    assert "max flow" in (should_publish(cluster, lopsided, chain, 0.1) or "")
+    assert should_publish(cluster, chain, lopsided, 0.1) is None
+    assert should_publish(cluster, lopsided, chain, 1.5) is None  # better, but not by the margin
+    stale = Plan(method="milp", placement={NodeID("QmGone"): LayerRange(0, 8)}, max_flow_tokens_s=1.0)
+    assert "gone" in (current_plan_problem(cluster, stale) or "")
+    assert "gone" in (should_publish(cluster, stale, best, 0.1) or "")
+
+
+def test_config_checks():
+    with pytest.raises(ValueError):
+        PlannerConfig(period_s=0.0)
+    with pytest.raises(ValueError):
+        PlannerConfig(improve_fraction=-1.0)

@@ -1,0 +1,176 @@
+"""Records, the hivemind validators that guard them, and the signer check on read (no network)."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import P2P
+
+from swarm.dht.directory import SwarmSnapshot, coverage, parse_records, pick_plan
+from swarm.dht.identity import load_private_key, owner_peer_id, peer_id_of_public_key
+from swarm.dht.schemas import FlowSwarmSchema, PeerRecord, PlanRecord, model_key, peers_key
+from tests.unit.dht.records import MODEL_HASH, peer_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Signer:
+    """One identity as a DHT node would hold it: key, marker, validators."""
+
+    def __init__(self, tmp_path, name: str) -> None:
+        path = tmp_path / f"{name}.key"
+        P2P.generate_identity(str(path))
+        self.key = load_private_key(path)
+        self.rsa = RSASignatureValidator(self.key)
+        self.validator = CompositeValidator(
+            [self.rsa, SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=model_key(MODEL_HASH))]
+        )
+        self.peer_id = peer_id_of_public_key(self.key.get_public_key())
+        self.subkey = self.rsa.local_public_key
+
+    def record(self, key: str, subkey: bytes, value: object, sign: bool = True) -> DHTRecord:
+        ser = DHTProtocol.serializer
+        record = DHTRecord(
+            key=DHTID.generate(source=key).to_bytes(),
+            subkey=ser.dumps(subkey),
+            value=ser.dumps(value),
+            expiration_time=1e10,
+        )
+        if sign:
+            record = DHTRecord(
+                record.key, record.subkey, self.validator.sign_value(record), record.expiration_time
+            )
+        return record
+
+
+@pytest.fixture(scope="module")
+def signers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keys")
+    return Signer(tmp, "a"), Signer(tmp, "b")
+
+
+def test_identity_file_key_gives_the_libp2p_peer_id(tmp_path):
+    from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
+
+    path = tmp_path / "id.key"
+    P2P.generate_identity(str(path))
+    expected = PeerID.from_identity(path.read_bytes()).to_base58()
+    assert peer_id_of_public_key(load_private_key(path).get_public_key()) == expected
+
+
+def test_own_signed_valid_record_is_accepted(signers):
+    a, _ = signers
+    record = a.record(peers_key(MODEL_HASH), a.subkey, peer_record(a.peer_id).to_dht())
+    assert a.validator.validate(record)
+
+
+def test_record_under_another_peers_subkey_is_rejected(signers):
+    a, b = signers
+    # b writes into a's subkey: b's validator does not sign it (not its key), and a's signature is missing.
+    forged = b.record(peers_key(MODEL_HASH), a.subkey, peer_record(a.peer_id).to_dht())
+    assert not a.validator.validate(forged)
+    assert not b.validator.validate(forged)
+
+
+def test_unsigned_record_is_rejected(signers):
+    a, _ = signers
+    unsigned = a.record(peers_key(MODEL_HASH), a.subkey, peer_record(a.peer_id).to_dht(), sign=False)
+    assert not a.validator.validate(unsigned)
+
+
+def test_schema_invalid_record_is_rejected(signers):
+    a, _ = signers
+    bad = peer_record(a.peer_id).to_dht() | {"range_end": 99}  # past the last layer
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, bad))
+    wrong_type = peer_record(a.peer_id).to_dht() | {"num_layers": 8.0}
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, wrong_type))
+    extra = peer_record(a.peer_id).to_dht() | {"surprise": 1}
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, extra))
+
+
+def test_subkey_without_owner_marker_is_rejected(signers):
+    a, _ = signers
+    record = a.record(peers_key(MODEL_HASH), b"no-owner", peer_record(a.peer_id).to_dht())
+    assert not a.validator.validate(record)
+
+
+def test_other_models_keys_pass_through(signers):
+    a, _ = signers
+    assert a.validator.validate(a.record("someothermodel_peers", b"x", {"anything": 1}, sign=False))
+
+
+def test_read_drops_records_naming_another_peer(signers):
+    a, b = signers
+    raw = {
+        a.subkey: (peer_record(a.peer_id).to_dht(), 1e10),
+        b.subkey: (peer_record(a.peer_id, 4, 8).to_dht(), 1e10),  # b signs, but claims to be a
+        b"junk": (peer_record(b.peer_id).to_dht(), 1e10),
+    }
+    peers = parse_records(raw, PeerRecord, "peer")
+    assert list(peers) == [a.peer_id]
+    assert peers[a.peer_id].range_end == 4
+    assert owner_peer_id(b.subkey) == b.peer_id
+
+
+def test_peer_record_checks():
+    record = peer_record("QmA")
+    assert PeerRecord.from_dht(record.to_dht()) == record
+    assert peer_record("QmA", maddrs=("a",), load=0).maddrs == ["a"]  # built locally: lax
+    with pytest.raises(pydantic.ValidationError):
+        PeerRecord.from_dht(record.to_dht() | {"num_layers": 8.0})  # read from the network: strict
+    with pytest.raises(pydantic.ValidationError):
+        peer_record("QmA", 5, 3)
+    with pytest.raises(pydantic.ValidationError):
+        peer_record("QmA", free_cache_tokens=10**6)
+    with pytest.raises(pydantic.ValidationError):
+        peer_record("QmA", state="sleeping")
+    with pytest.raises(pydantic.ValidationError):
+        peer_record("QmA", load=1.5)
+    with pytest.raises(ValueError, match="bad model hash"):
+        model_key("a/b")
+
+
+def test_coverage_counts_serving_peers_only():
+    peers = {
+        "a": peer_record("a", 0, 4),
+        "b": peer_record("b", 2, 8),
+        "c": peer_record("c", 0, 8, state="loading"),
+        "d": peer_record("d", 0, 8, state="leaving"),
+    }
+    snapshot = SwarmSnapshot(peers=peers, plan=None, planner_peer_id=None, fetched_at=0.0)
+    assert coverage(snapshot, 8) == [1, 1, 2, 2, 1, 1, 1, 1]
+    assert set(snapshot.serving()) == {"a", "b"}
+
+
+def test_pick_plan_prefers_newest_epoch_then_current_planner():
+    def plan(pid: str, epoch: int, created_at: float) -> PlanRecord:
+        return PlanRecord(epoch=epoch, planner_peer_id=pid, plan={}, created_at=created_at)
+
+    plans = {"a": plan("a", 3, 10.0), "b": plan("b", 3, 5.0), "c": plan("c", 2, 50.0)}
+    assert pick_plan(plans, "b") == plans["b"]
+    assert pick_plan(plans, None) == plans["a"]
+    assert pick_plan({}, None) is None
+
+
+def test_reachability_is_off_unless_opted_in():
+    from swarm.dht import ReachabilityConfig
+
+    kwargs = ReachabilityConfig().p2p_kwargs()
+    assert kwargs == {
+        "use_relay": False,
+        "use_auto_relay": False,
+        "nat_port_map": False,
+        "auto_nat": False,
+        "use_ipfs": False,
+    }
+    home = ReachabilityConfig(
+        use_relay=True, use_auto_relay=True, announce_maddrs=("/ip4/1.2.3.4/tcp/31337",)
+    )
+    assert home.p2p_kwargs()["announce_maddrs"] == ["/ip4/1.2.3.4/tcp/31337"]
+    with pytest.raises(ValueError, match="needs use_relay"):
+        ReachabilityConfig(use_auto_relay=True).p2p_kwargs()

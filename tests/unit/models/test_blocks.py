@@ -1,0 +1,187 @@
+"""BlockRange on the tiny seeded Llama: exactness vs transformers, sessions, batching, replay, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from swarm.errors import CapacityError, ProtocolError, SessionError
+from swarm.models import LocalPipeline, Step
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_source):  # type: ignore[no-untyped-def]
+    return tiny_source.load_reference_model()
+
+
+@pytest.fixture()
+def head(tiny_source):  # type: ignore[no-untyped-def]
+    return tiny_source.load_head()
+
+
+@pytest.fixture()
+def split(tiny_source):  # type: ignore[no-untyped-def]
+    return [tiny_source.load_blocks(a, b, cache_tokens=1000) for a, b in [(0, 2), (2, 4), (4, 6)]]
+
+
+@pytest.fixture()
+def whole(tiny_source):  # type: ignore[no-untyped-def]
+    return tiny_source.load_blocks(0, 6, cache_tokens=1000)
+
+
+def test_hidden_states_match_transformers(split, head, reference) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        out = reference(ids[None], output_hidden_states=True)
+    hidden = head.embed(ids)
+    for block in split:
+        hidden = block.forward([Step(None, hidden, block.range.start, block.range.end, 0)])[0]
+        if block.range.end < 6:
+            assert (hidden - out.hidden_states[block.range.end][0]).abs().max().item() <= 1e-5
+    assert (head.logits(hidden) - out.logits[0]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_generation_matches_transformers(split, head, reference, use_cache) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([PROMPT])
+    greedy = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+    got = list(LocalPipeline(head, split).generate(PROMPT, 32, use_cache=use_cache))
+    assert got == expected[0, len(PROMPT) :].tolist()
+    assert all(block.active_sessions == [] for block in split)  # the pipeline closed its sessions
+
+
+def _prefill_and_decode(block, head, session: str, prompt: list[int], steps: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Run one session alone: prefill, then greedy decode; returns each step's last hidden state."""
+    block.open_session(session, len(prompt) + steps)
+    out = block.forward([Step(session, head.embed(torch.tensor(prompt)), 0, 6, 0)])[0]
+    hiddens = [out[-1]]
+    for i in range(steps):
+        token = int(head.logits(hiddens[-1]).argmax())
+        out = block.forward([Step(session, head.embed(torch.tensor([token])), 0, 6, len(prompt) + i)])[0]
+        hiddens.append(out[-1])
+    return hiddens
+
+
+def test_batched_decode_equals_separate_runs(tiny_source, head, whole) -> None:  # type: ignore[no-untyped-def]
+    prompts = {"a": PROMPT[:2], "b": PROMPT, "c": PROMPT[:5]}
+    alone = tiny_source.load_blocks(0, 6, cache_tokens=1000)
+    expected = {s: _prefill_and_decode(alone, head, s, p, 6) for s, p in prompts.items()}
+
+    last = {}
+    for session, prompt in prompts.items():
+        whole.open_session(session, len(prompt) + 6)
+        last[session] = whole.forward([Step(session, head.embed(torch.tensor(prompt)), 0, 6, 0)])[0][-1]
+    for i in range(6):
+        steps = [
+            Step(s, head.embed(torch.tensor([int(head.logits(last[s]).argmax())])), 0, 6, len(p) + i)
+            for s, p in prompts.items()
+        ]
+        for step, out in zip(steps, whole.forward(steps), strict=True):
+            assert step.session_id is not None
+            last[step.session_id] = out[-1]
+            assert (out[-1] - expected[step.session_id][i + 1]).abs().max().item() <= 1e-5
+    assert all(whole.session_length(s, 5) == len(p) + 6 for s, p in prompts.items())
+
+
+def test_sub_range_steps_inside_a_block(head, whole, split) -> None:  # type: ignore[no-untyped-def]
+    """A session run as [0,3) then [3,6) through one 0:6 block equals the 0:2/2:4/4:6 split."""
+    pipeline = LocalPipeline(head, split)
+    whole.open_session("s", 20)
+    for block in split:
+        block.open_session("s", 20)
+    hidden = head.embed(torch.tensor(PROMPT))
+    mid = whole.forward([Step("s", hidden, 0, 3, 0)])[0]
+    assert whole.session_length("s", 2) == len(PROMPT) and whole.session_length("s", 3) == 0
+    got = whole.forward([Step("s", mid, 3, 6, 0)])[0]
+    expected = pipeline.hidden(hidden, "s", 0)
+    assert (got - expected).abs().max().item() <= 1e-5
+    # a decode step, again split at a different layer
+    token = head.embed(torch.tensor([int(head.logits(got[-1]).argmax())]))
+    mid = whole.forward([Step("s", token, 0, 4, len(PROMPT))])[0]
+    got = whole.forward([Step("s", mid, 4, 6, len(PROMPT))])[0]
+    assert (got - pipeline.hidden(token, "s", len(PROMPT))).abs().max().item() <= 1e-5
+
+
+def test_replay_from_an_earlier_position_truncates_the_cache(head, whole) -> None:  # type: ignore[no-untyped-def]
+    whole.open_session("s", 32)
+    hidden = head.embed(torch.tensor(PROMPT))
+    first = whole.forward([Step("s", hidden, 0, 6, 0)])[0]
+    extra = head.embed(torch.tensor([1, 2, 3]))
+    after = whole.forward([Step("s", extra, 0, 6, len(PROMPT))])[0]
+    # retry the same step (idempotent), then replay everything from scratch
+    again = whole.forward([Step("s", extra, 0, 6, len(PROMPT))])[0]
+    assert torch.equal(after, again)
+    replay = whole.forward([Step("s", hidden, 0, 6, 0)])[0]
+    assert (replay - first).abs().max().item() <= 1e-6
+    assert whole.session_length("s", 0) == len(PROMPT)
+    with pytest.raises(SessionError, match="holds only"):
+        whole.forward([Step("s", extra, 0, 6, len(PROMPT) + 1)])
+
+
+def test_session_budget(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    block = tiny_source.load_blocks(0, 2, cache_tokens=100)
+    block.open_session("a", 60)
+    assert block.free_cache_tokens == 40 and block.active_sessions == ["a"]
+    with pytest.raises(CapacityError, match="KV cache full"):
+        block.open_session("b", 41)
+    block.open_session("b", 40)
+    block.close_session("a")
+    assert block.free_cache_tokens == 60 and block.active_sessions == ["b"]
+    with pytest.raises(SessionError):
+        block.close_session("a")
+    with pytest.raises(SessionError, match="already open"):
+        block.open_session("b", 1)
+
+
+def test_bad_steps_raise_clear_errors(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    block = tiny_source.load_blocks(2, 4, cache_tokens=100)
+    block.open_session("s", 4)
+    good = head.embed(torch.tensor([1, 2]))
+    with pytest.raises(ProtocolError, match="hidden size"):
+        block.forward([Step("s", torch.zeros(2, 65), 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="dtype"):
+        block.forward([Step("s", good.double(), 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="T >= 1"):
+        block.forward([Step("s", good[None], 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="not inside"):
+        block.forward([Step("s", good, 1, 4, 0)])
+    with pytest.raises(ProtocolError, match="not inside"):
+        block.forward([Step("s", good, 3, 3, 0)])
+    with pytest.raises(SessionError, match="unknown session"):
+        block.forward([Step("nope", good, 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="max length"):
+        block.forward([Step("s", head.embed(torch.tensor([1, 2, 3, 4, 5])), 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="twice"):
+        block.forward([Step("s", good, 2, 4, 0), Step("s", good, 2, 4, 0)])
+    with pytest.raises(ProtocolError, match="stateless"):
+        block.forward([Step(None, good, 2, 4, 3)])
+    assert block.session_length("s", 2) == 0  # failed calls changed nothing
+
+
+def test_bad_load_arguments(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="invalid layer range"):
+        tiny_source.load_blocks(3, 3)
+    with pytest.raises(ValueError, match="past the last layer"):
+        tiny_source.load_blocks(4, 8)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        tiny_source.load_blocks(0, 2, dtype="int8")
+    with pytest.raises(ValueError, match="unknown device"):
+        tiny_source.load_head(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            tiny_source.load_blocks(0, 2, device="cuda")
+
+
+def test_bfloat16_blocks_run_close_to_float32(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    block = tiny_source.load_blocks(0, 6, dtype="bfloat16")
+    hidden = head.embed(torch.tensor(PROMPT))
+    low = block.forward([Step(None, hidden.bfloat16(), 0, 6, 0)])[0]
+    full = tiny_source.load_blocks(0, 6).forward([Step(None, hidden, 0, 6, 0)])[0]
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - full).abs().max().item() <= 0.1 * full.abs().max().item()
