@@ -236,7 +236,7 @@ class SwarmClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-client", daemon=True)
         self._thread.start()
         try:
-            self._client = self._run(AsyncSwarmClient.create(initial_peers, model, config))
+            self._client = self.run(AsyncSwarmClient.create(initial_peers, model, config))
         except BaseException:
             self._stop_loop()
             raise
@@ -254,13 +254,14 @@ class SwarmClient:
     def aclient(self) -> AsyncSwarmClient:
         return self._client
 
-    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        """Run a coroutine on the client's loop and wait for its result (for AsyncSwarmClient calls)."""
         return asyncio.run_coroutine_threadsafe(_await(coro), self._loop).result()
 
     def generate(
         self, prompt: str | None = None, messages: Sequence[Message] | None = None, **kwargs: Any
     ) -> str:
-        return self._run(self._client.generate(prompt, messages, **kwargs))
+        return self.run(self._client.generate(prompt, messages, **kwargs))
 
     def stream(
         self, prompt: str | None = None, messages: Sequence[Message] | None = None, **kwargs: Any
@@ -269,16 +270,16 @@ class SwarmClient:
         try:
             while True:
                 try:
-                    yield self._run(pieces.__anext__())
+                    yield self.run(pieces.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(pieces.aclose())  # type: ignore[attr-defined]
+            self.run(pieces.aclose())  # type: ignore[attr-defined]
 
     def generate_ids(
         self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
     ) -> list[int]:
-        return self._run(self._client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
+        return self.run(self._client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
 
     @property
     def tokenizer(self) -> Any:
@@ -288,13 +289,13 @@ class SwarmClient:
         if self._loop.is_closed():
             return
         try:
-            self._run(self._client.close())
+            self.run(self._client.close())
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
         # hivemind leaves reader tasks on the loop; cancel and await them so none dies with the loop.
-        self._run(_cancel_leftover_tasks())
+        self.run(_cancel_leftover_tasks())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

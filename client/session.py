@@ -127,14 +127,20 @@ class InferenceSession:
                 logger.warning(
                     "session %s step failed at peer %s (%s: %s); %s, try %d",
                     self.session_id[:8],
-                    (decision.failed_peer or "?")[:12],
+                    (decision.failed_peer or "?")[-8:],
                     type(error).__name__,
                     error,
                     decision.action.value,
                     attempt + 1,
                 )
                 if decision.action is Action.REROUTE:
-                    await self._reroute(await self._blame(error, decision.failed_peer))
+                    failed = await self._blame(error, decision.failed_peer)
+                    self.routes.ban(failed)
+                    await self._reroute(failed)
+                elif decision.failed_peer is not None:
+                    # REPLAY: the peer lost our cache (it restarted, or moved to other layers and dropped
+                    # the session): no ban, but route afresh from it, in case it no longer holds its stage.
+                    await self._reroute(decision.failed_peer)
                 await asyncio.sleep(decision.delay_s)
                 replay = True
                 attempt += 1
@@ -154,8 +160,7 @@ class InferenceSession:
         return named if named is not None else self.stages[0].peer_id
 
     async def _reroute(self, failed: NodeID) -> None:
-        """Ban `failed` and replace the stages from its stage on; the stages before it are kept."""
-        self.routes.ban(failed)
+        """Replace the stages from `failed`'s stage on; the stages before it are kept."""
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
         kept = self.stages[:index]
         start, prev = (kept[-1].layers.end, kept[-1].peer_id) if kept else (0, SOURCE)

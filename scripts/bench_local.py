@@ -75,12 +75,12 @@ class Stamps:
 
 
 def run_local(reference, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:  # type: ignore[no-untyped-def]
-    from transformers import GenerationConfig
-
-    greedy = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference.generation_config.eos_token_id = None  # generate all new_tokens, like the split run
     stamps = Stamps()
     x = torch.tensor([ids])
-    reference.generate(x, attention_mask=torch.ones_like(x), generation_config=greedy, streamer=stamps)
+    reference.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False, streamer=stamps
+    )
     prefill_s = stamps.times[1] - stamps.times[0]
     decode_s = stamps.times[-1] - stamps.times[1]
     return prefill_s, decode_s, stamps.tokens

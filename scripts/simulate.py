@@ -23,8 +23,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim.churn import Churn, initially_absent, load_schedule, present_cluster  # noqa: E402
-from sim.engine import SimConfig, Simulation, router_factory  # noqa: E402
+from sim.engine import SimConfig, Simulation  # noqa: E402
 from sim.report import plot, summarize  # noqa: E402
+from sim.scheduling import router_factory  # noqa: E402
 from sim.trace import TraceConfig, make_trace  # noqa: E402
 
 from swarm.planner import synthetic  # noqa: E402
@@ -83,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         default=SimConfig.cache_layer_tokens,
         help="KV cache of nodes without cache_tokens, in tokens x layers (split over the layers they hold)",
     )
+    p.add_argument(
+        "--decode-quantum",
+        type=int,
+        default=1,
+        help="decode tokens per simulated pass (1 = exact; larger is faster and coarser, for huge runs)",
+    )
     p.add_argument("--json", dest="json_out", help="write the result JSON here too")
     p.add_argument("--png", help="plot the results here (needs matplotlib)")
     p.add_argument("--churn", help="SCHEDULE.json of joins and leaves")
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_cfg = TraceConfig()
     rate = args.load * best_flow / trace_cfg.mean_output_tokens if args.mode == "online" else None
     trace = make_trace(args.requests, rate, args.seed, trace_cfg)
-    config = SimConfig(cache_layer_tokens=args.cache_layer_tokens)
+    config = SimConfig(cache_layer_tokens=args.cache_layer_tokens, decode_quantum_tokens=args.decode_quantum)
 
     rows: list[dict[str, Any]] = []
     for method in placements:

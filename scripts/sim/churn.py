@@ -5,7 +5,8 @@ Every node named must be in CLUSTER.json; a node whose first event is a join sta
 
 On each event the planner re-solves on the nodes present, warm-started from the live placement
 (swarm.planner.solve(..., current=...)). Nodes whose layers change reload for `reload_s_per_layer` per
-layer, and their sessions fail over meanwhile; a leaving node's sessions fail over at once.
+layer; they keep serving their old layers meanwhile (make before break), and their sessions fail over
+when they switch. A leaving node's sessions fail over at once.
 """
 
 from __future__ import annotations
@@ -97,13 +98,12 @@ class Churn:
             return
         self.replans += 1
         sim.set_plan(plan)
+        sim.try_admit()
         for node_id, layers in plan.placement.items():
             j = sim.index[node_id]
             if sim.nodes[j].alive and sim.nodes[j].layers == layers:
                 continue
-            if sim.nodes[j].alive:
-                for r in sim.remove(j):
-                    sim.fail_over(r, j)
+            # Make before break: the node keeps serving its old layers while it loads the new ones.
             ready_s = sim.now + self.reload_s_per_layer * len(layers)
             sim.at(ready_s, lambda j=j, node_id=node_id, layers=layers: self._ready(j, node_id, layers))  # type: ignore[misc]
         logger.info(
@@ -117,6 +117,12 @@ class Churn:
     def _ready(self, j: int, node_id: NodeID, layers: LayerRange) -> None:
         sim = self.sim
         # A later re-plan or a departure may have changed our mind while the layers loaded.
-        if node_id in self.present and sim.plan.placement.get(node_id) == layers and not sim.nodes[j].alive:
-            sim.set_layers(j, layers)
-            sim.try_admit()
+        if node_id not in self.present or sim.plan.placement.get(node_id) != layers:
+            return
+        if sim.nodes[j].alive and sim.nodes[j].layers == layers:
+            return
+        lost = sim.remove(j) if sim.nodes[j].alive else []
+        sim.set_layers(j, layers)
+        for r in lost:  # sessions on the old layers move on, possibly to this node's new ones
+            sim.fail_over(r, j)
+        sim.try_admit()

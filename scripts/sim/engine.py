@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from sim.timing import NodeTiming, TimingDefaults
 from sim.trace import Request
@@ -48,13 +47,19 @@ class SimConfig:
     """Knobs of the simulation that are not in CLUSTER.json."""
 
     prefill_budget_tokens: int = 4096  # prompt tokens one iteration may take in (chunked prefill)
-    max_batch_tokens: int = 1024  # decode tokens one iteration may take in
-    cache_layer_tokens: int = 4_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
+    max_batch_tokens: int = (
+        32  # decode tokens per iteration: a micro-batch, so several are in flight in a pipeline
+    )
+    cache_layer_tokens: int = 20_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
     cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
     client_step_s: float = 0.0  # LM head + sampling on the client per decode step
     missing_link_latency_s: float = 0.1  # a hop with no link in CLUSTER.json (fallback routes only)
     missing_link_bandwidth_bytes_s: float = 12.5e6
     bucket_s: float = 10.0  # width of the throughput-over-time buckets
+    # Decode tokens a session advances per pass through its route. 1 is exact; K > 1 simulates K consecutive
+    # steps as one (K x compute, K x link latency and bytes, batch membership fixed for the K steps), which
+    # cuts events K-fold for large runs at the price of coarser interleaving.
+    decode_quantum_tokens: int = 1
     timing: TimingDefaults = field(default_factory=TimingDefaults)
 
 
@@ -119,6 +124,10 @@ class Simulation:
         self.view = RoutingView(cluster.model.num_layers, self.peers)
         self.links: dict[tuple[int, int], Link] = {}
         self.act_bytes = cluster.model.activation_bytes_per_token
+        if self.config.decode_quantum_tokens < 1:
+            raise ValueError(f"decode_quantum_tokens must be >= 1, got {self.config.decode_quantum_tokens}")
+        self.quantum = self.config.decode_quantum_tokens
+        self.client_s = self.config.client_step_s * self.quantum
         self.token_bytes = cluster.model.token_id_bytes
         n = len(trace)
         self.routes: list[tuple[int, ...]] = [()] * n
@@ -218,7 +227,8 @@ class Simulation:
 
     def _start(self, node: Node, i: int) -> None:
         if node.prefill_q:
-            budget, jobs, tokens = self.config.prefill_budget_tokens, [], 0
+            budget, tokens = self.config.prefill_budget_tokens, 0
+            jobs: list[tuple[int, int]] = []
             while node.prefill_q and (not jobs or tokens + node.prefill_q[0][1] <= budget):
                 job = node.prefill_q.popleft()
                 jobs.append(job)
@@ -236,9 +246,9 @@ class Simulation:
         if node.cur_prefill:
             dt = timing.prefill_s(sum(t for _, t in node.cur_prefill))
             if node.cur_decode:  # decode tokens ride along; the fixed per-iteration cost is paid once
-                dt += max(timing.decode_s(len(node.cur_decode)) - timing.decode_s(0), 0.0)
+                dt += max(timing.decode_s(len(node.cur_decode)) - timing.decode_s(0), 0.0) * self.quantum
         else:
-            dt = timing.decode_s(len(node.cur_decode))
+            dt = timing.decode_s(len(node.cur_decode)) * self.quantum
         node.busy = True
         node.busy_s += dt
         self.push(self.now + dt, NODE_DONE, i, node.incarnation)
@@ -265,7 +275,7 @@ class Simulation:
                 else:
                     group.append(key)
             for nxt, keys in groups.items():
-                self._send(i, nxt, len(keys) * self.act_bytes, keys, False)
+                self._send(i, nxt, len(keys) * self.act_bytes * self.quantum, keys, False)
             node.cur_decode = []
         if node.cur_prefill:
             for key, tokens in node.cur_prefill:
@@ -303,7 +313,7 @@ class Simulation:
         link.wait_s += start - now
         link.messages += 1
         link.free_at = start + nbytes / link.bandwidth_bytes_s
-        arrive = link.free_at + link.latency_s
+        arrive = link.free_at + (link.latency_s if prefill else link.latency_s * self.quantum)
         if dst == SNK:
             self.push(arrive, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
         else:
@@ -321,8 +331,9 @@ class Simulation:
             r = key >> 8
             if key & 255 != epoch[r] & 255:
                 continue
-            counted += 1
-            gen[r] += 1
+            step = min(self.quantum, out_len[r] - gen[r])
+            counted += step
+            gen[r] += step
             if gen[r] >= out_len[r]:
                 self._finish(r)
                 continue
@@ -335,7 +346,7 @@ class Simulation:
                 group.append(key)
         self._count(counted)
         for first, group in groups.items():
-            self._send(SRC, first, len(group) * self.token_bytes, group, False, self.config.client_step_s)
+            self._send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, self.client_s)
 
     def _client_prefill(self, jobs: list[tuple[int, int]]) -> None:
         for key, _ in jobs:
@@ -350,7 +361,7 @@ class Simulation:
                     self._finish(r)
                     continue
             self.stage[r] = 0
-            self._send(SRC, self.routes[r][0], self.token_bytes, [key], False, self.config.client_step_s)
+            self._send(SRC, self.routes[r][0], self.token_bytes * self.quantum, [key], False, self.client_s)
 
     def _count(self, tokens: int) -> None:
         b = int(self.now / self.config.bucket_s)
@@ -441,30 +452,3 @@ class Simulation:
         self.plan = plan
         self.router = self.make_router(plan)
         self.admission_blocked = False
-
-
-def weighted_plan(cluster: Cluster, plan: Plan, weight: Callable[[NodeID], float]) -> Plan:
-    """The plan with a flow on EVERY valid edge of its placement, weighted by weight(dst): baseline routing."""
-    from swarm.planner.graph import valid_edges
-    from swarm.types import EdgeFlow
-
-    flows = tuple(EdgeFlow(u, v, weight(v)) for u, v, _ in valid_edges(cluster, plan.placement) if v != SINK)
-    return replace(plan, flows=flows)
-
-
-def router_factory(cluster: Cluster, scheduling: str, seed: int) -> RouterFactory:
-    """iwrr: the plan's flows, smooth. random: uniform over valid next hops. swarm: by next hop's tokens/s."""
-    if scheduling == "iwrr":
-        return lambda plan: Router(plan)
-    if scheduling == "random":
-        return lambda plan: Router(weighted_plan(cluster, plan, lambda v: 1.0), rng=random.Random(seed))
-    if scheduling == "swarm":
-
-        def make(plan: Plan) -> Router:
-            def speed(v: NodeID) -> float:
-                return max(cluster.node_by_id[v].tokens_s(len(plan.placement[v])), 1e-9)
-
-            return Router(weighted_plan(cluster, plan, speed), rng=random.Random(seed))
-
-        return make
-    raise ValueError(f"unknown scheduling {scheduling!r}: choose from iwrr, random, swarm")

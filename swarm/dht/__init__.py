@@ -1,16 +1,16 @@
 """The only code that touches hivemind's DHT: signed records, the directory, the planner election.
 
-    dht = await SwarmDHT.create(DHTConfig(initial_peers=(...,)), model_hash)   # blocks while joining
-    try:
-        p2p = await dht.replicate_p2p()               # for RPC; dht.peer_id, dht.visible_maddrs()
-        directory = Directory(dht, DirectoryConfig(ttl_s=30.0))
-        snapshot = await directory.snapshot()         # SwarmSnapshot: peers, plan, planner_peer_id, fetched_at
-        coverage(snapshot, num_layers)                # serving peers per layer
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(Announcer(directory, current_record).run())   # refresh every ttl/3, withdraw on exit
-            tg.create_task(Election(directory, ElectionConfig()).run())  # then PlannerService (swarm.peer)
-    finally:
-        dht.shutdown()                                # stops the DHT child and its p2pd
+dht = await SwarmDHT.create(DHTConfig(initial_peers=(...,)), model_hash)   # blocks while joining
+try:
+    p2p = await dht.replicate_p2p()               # for RPC; dht.peer_id, dht.visible_maddrs()
+    directory = Directory(dht, DirectoryConfig(ttl_s=30.0))
+    snapshot = await directory.snapshot()         # SwarmSnapshot: peers, plan, planner_peer_id, fetched_at
+    coverage(snapshot, num_layers)                # serving peers per layer
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(Announcer(directory, current_record).run())   # refresh every ttl/3, withdraw on exit
+        tg.create_task(Election(directory, ElectionConfig()).run())  # then PlannerService (swarm.peer)
+finally:
+    dht.shutdown()                                # stops the DHT child and its p2pd
 """
 
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_of_public_key
 from swarm.dht.schemas import FlowSwarmSchema, model_key
+from swarm.errors import TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class SwarmDHT:
         ]
         ip = "ip6" if ":" in config.host else "ip4"
         host_maddrs = [f"/{ip}/{config.host}/tcp/{config.port}"]
+        dht: hivemind.DHT | None = None
         try:
             dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers) or None,
@@ -113,12 +115,20 @@ class SwarmDHT:
                 wait_timeout=config.request_timeout_s,
                 **config.reachability.p2p_kwargs(),
             )
-            dht.wait_until_ready(timeout=config.start_timeout_s)
+            try:
+                dht.wait_until_ready(timeout=config.start_timeout_s)
+            except Exception as e:
+                where = (
+                    f"via {', '.join(config.initial_peers)}" if config.initial_peers else "as the first node"
+                )
+                raise TransportError(f"could not join the DHT {where}: {type(e).__name__}: {e}") from e
+            self = cls(dht, model_hash, identity_path, temporary)
         except BaseException:
+            if dht is not None:
+                dht.shutdown()
             if temporary:
                 identity_path.unlink(missing_ok=True)
             raise
-        self = cls(dht, model_hash, identity_path, temporary)
         logger.info("joined the DHT as %s (client_mode=%s)", self.peer_id, config.client_mode)
         return self
 

@@ -93,11 +93,20 @@ class BlockRange:
         self.rotary = rotary_class(config=config).to(device)
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
+        # We attend over the whole context; a sliding-window model (Mistral v0.1) would see less past that window,
+        # so sessions longer than the window are refused rather than silently computed differently.
+        window = getattr(config, "sliding_window", None)
+        self.max_context_tokens: int | None = int(window) if window else None
 
     # --- sessions -----------------------------------------------------------------------------------------
 
     def open_session(self, session_id: str, max_length_tokens: int) -> None:
         """Reserve max_length_tokens of cache (CapacityError when the budget would be exceeded)."""
+        if self.max_context_tokens is not None and max_length_tokens > self.max_context_tokens:
+            raise ProtocolError(
+                f"max_length_tokens {max_length_tokens} exceeds the sliding window of {self.spec.name} "
+                f"({self.max_context_tokens} tokens), which FlowSwarm does not implement"
+            )
         self.cache.open(session_id, max_length_tokens)
 
     def close_session(self, session_id: str) -> None:
@@ -137,6 +146,8 @@ class BlockRange:
         if step.position < 0:
             raise ProtocolError(f"position must be >= 0, got {step.position}")
         if step.session_id is None:
+            if self.max_context_tokens is not None and hidden.shape[0] > self.max_context_tokens:
+                raise ProtocolError(f"{hidden.shape[0]} tokens exceed the sliding window of {self.spec.name}")
             if step.position != 0:
                 raise ProtocolError(
                     f"a stateless step (no session) must start at position 0, got {step.position}"
@@ -155,7 +166,7 @@ class BlockRange:
                 f"{session.max_length_tokens}"
             )
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers may modify outputs in place
     def forward(self, steps: Sequence[Step]) -> list[torch.Tensor]:
         """Run every step; returns one hidden tensor [T, hidden_size] per step, in order, on self.device."""
         seen: set[str] = set()

@@ -29,7 +29,7 @@ class ClientHead:
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] (int64) -> hidden [T, H] in the head's dtype."""
         if token_ids.dtype not in (torch.int64, torch.int32) or token_ids.ndim != 1:
@@ -40,7 +40,7 @@ class ClientHead:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
         return F.embedding(token_ids.to(self.device), self.embed_weight)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (output of the last layer) -> logits [..., V] in float32."""
         if hidden.shape[-1] != self.spec.hidden_size:

@@ -16,11 +16,14 @@ import multiprocessing
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from swarm import config as swarm_config
-from swarm.dht import DHTConfig, Directory, ReachabilityConfig, SwarmDHT, SwarmSnapshot, coverage
 from swarm.peer.config import PeerConfig
 from swarm.types import LayerRange
+
+if TYPE_CHECKING:  # hivemind and torch load only when a command runs, so argument errors come back fast
+    from swarm.dht import SwarmSnapshot
 
 logger = logging.getLogger("swarm.peer")
 
@@ -79,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s)
     join.add_argument("--link-refresh-s", type=_positive_float, default=defaults.link_refresh_s)
     join.add_argument("--no-plan", action="store_true", help="never stand for planner")
+    join.add_argument("--planner-lease-s", type=_positive_float, default=defaults.planner_lease_s)
+    join.add_argument("--plan-check-s", type=_positive_float, default=defaults.plan_check_s)
+    join.add_argument("--handover-timeout-s", type=_positive_float, default=defaults.handover_timeout_s)
+    join.add_argument(
+        "--no-follow-plan", action="store_true", help="keep our layers whatever the published plan says"
+    )
     reach = join.add_argument_group("reachability (opt-in; off by default)")
     reach.add_argument("--use-relay", action="store_true", help="use libp2p circuit relays")
     reach.add_argument("--use-auto-relay", action="store_true", help="find relays when behind NAT")
@@ -94,13 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:
-    reach = ReachabilityConfig(
-        use_relay=args.use_relay or args.use_auto_relay,
-        use_auto_relay=args.use_auto_relay,
-        nat_port_map=args.nat_port_map,
-        auto_nat=args.auto_nat,
-        announce_maddrs=tuple(args.announce_maddr),
-    )
     return PeerConfig(
         initial_peers=tuple(args.initial_peers),
         model=args.model,
@@ -114,12 +116,20 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
         name=args.name,
         identity_path=args.identity,
         maddr_file=args.maddr_file,
-        reachability=reach,
+        use_relay=args.use_relay,
+        use_auto_relay=args.use_auto_relay,
+        nat_port_map=args.nat_port_map,
+        auto_nat=args.auto_nat,
+        announce_maddrs=tuple(args.announce_maddr),
         record_ttl_s=args.record_ttl_s,
         session_idle_timeout_s=args.session_idle_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         link_refresh_s=args.link_refresh_s,
         plan=not args.no_plan,
+        planner_lease_s=args.planner_lease_s,
+        plan_check_s=args.plan_check_s,
+        handover_timeout_s=args.handover_timeout_s,
+        follow_plan=not args.no_follow_plan,
     )
 
 
@@ -134,6 +144,9 @@ async def _join(config: PeerConfig) -> None:
 
 
 def snapshot_json(snapshot: SwarmSnapshot, num_layers: int) -> dict[str, object]:
+    """The ``status --json`` document."""
+    from swarm.dht import coverage
+
     peers = [
         {
             "peer_id": r.peer_id,
@@ -183,6 +196,7 @@ def _print_status(data: dict[str, object]) -> None:
 
 
 async def _status(args: argparse.Namespace) -> None:
+    from swarm.dht import DHTConfig, Directory, SwarmDHT
     from swarm.models.loading import resolve_model
 
     spec = (await asyncio.to_thread(resolve_model, args.model)).spec

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from swarm.dht import ReachabilityConfig
 from swarm.types import LayerRange
 
 
@@ -24,13 +23,21 @@ class PeerConfig:
     name: str = ""  # human name in status output; default: the last characters of the peer id
     identity_path: str | None = None  # persistent libp2p key (stable peer id across restarts)
     maddr_file: str | None = None  # write our multiaddrs here once serving and announced
-    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    # Reachability behind NAT, all opt-in (see swarm.dht.ReachabilityConfig; kept plain so the CLI starts fast).
+    use_relay: bool = False  # reach and be reached through libp2p circuit relays
+    use_auto_relay: bool = False  # look for relays when behind NAT
+    nat_port_map: bool = False  # ask the router for a port mapping (UPnP / NAT-PMP)
+    auto_nat: bool = False  # run the AutoNAT service
+    announce_maddrs: tuple[str, ...] = ()  # public multiaddrs to announce instead of the listening ones
     record_ttl_s: float = 30.0  # our DHT record expires this long after we stop refreshing it
     session_idle_timeout_s: float = 120.0  # close sessions with no step for this long
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, how long open sessions may finish
     link_refresh_s: float = 30.0  # how often links to other peers are re-measured
-    threads: int | None = None  # torch threads; None keeps FLOWSWARM_THREADS / torch's default
     plan: bool = True  # stand as a planner candidate (run the planner service when elected)
+    planner_lease_s: float = 30.0  # planner election lease: a dead planner is replaced within two of these
+    plan_check_s: float = 5.0  # how often the planner checks the swarm and peers check for a new plan
+    follow_plan: bool = True  # move to the layers the published plan gives this peer (swarm.peer.follow)
+    handover_timeout_s: float = 60.0  # longest wait for others to take layers we drop when moving
 
     def __post_init__(self) -> None:
         if self.layers != "auto":
@@ -45,7 +52,14 @@ class PeerConfig:
             raise ValueError(f"max_memory_gb must be positive, got {self.max_memory_gb}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range 0..65535")
-        for name in ("record_ttl_s", "session_idle_timeout_s", "link_refresh_s"):
+        for name in (
+            "record_ttl_s",
+            "session_idle_timeout_s",
+            "link_refresh_s",
+            "planner_lease_s",
+            "plan_check_s",
+            "handover_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.shutdown_grace_s < 0:

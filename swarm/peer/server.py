@@ -27,7 +27,9 @@ from swarm.dht import (
     Directory,
     DirectoryConfig,
     Election,
+    ElectionConfig,
     PeerRecord,
+    ReachabilityConfig,
     SwarmDHT,
     coverage,
 )
@@ -35,6 +37,7 @@ from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import Executor
+from swarm.peer.follow import FollowConfig, PlanFollower
 from swarm.peer.handlers import HandlerConfig, PeerHandlers
 from swarm.peer.measure import (
     ComputeMeasure,
@@ -45,7 +48,7 @@ from swarm.peer.measure import (
     measure_compute,
     memory_budget_bytes,
 )
-from swarm.peer.planner_service import PlannerService
+from swarm.peer.planner_service import PlannerConfig, PlannerService
 from swarm.transport import call_probe, serve
 from swarm.types import LayerRange
 from swarm.wire import ProbeRequest
@@ -88,7 +91,13 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
         host=config.host,
         port=config.port,
         identity_path=config.identity_path,
-        reachability=config.reachability,
+        reachability=ReachabilityConfig(
+            use_relay=config.use_relay or config.use_auto_relay,
+            use_auto_relay=config.use_auto_relay,
+            nat_port_map=config.nat_port_map,
+            auto_nat=config.auto_nat,
+            announce_maddrs=config.announce_maddrs,
+        ),
     )
     logger.info("joining the DHT (%s)", "new swarm" if not config.initial_peers else "via initial peers")
     dht = await SwarmDHT.create(dht_config, spec.weights_hash)
@@ -151,8 +160,8 @@ async def _serve(
             dtype=dtype,
             memory_bytes=budget,
             state=peer.state,  # type: ignore[arg-type]
-            range_start=held.start,
-            range_end=held.end,
+            range_start=handlers.held.start,  # the follower moves it to the plan's range
+            range_end=handlers.held.end,
             decode_layer_tokens_s_b1=peer.compute.decode_layer_tokens_s_b1,
             decode_layer_tokens_s_b8=peer.compute.decode_layer_tokens_s_b8,
             prefill_layer_tokens_s=peer.compute.prefill_layer_tokens_s,
@@ -185,6 +194,10 @@ async def _serve(
             tg.create_task(links.run())
             tg.create_task(_announce_link_changes(directory, links, record))
             _start_planner(tg, config, directory)
+            if config.follow_plan:
+                tg.create_task(
+                    _follower(config, directory, source, executor, handlers, max_layers, record).run()
+                )
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
             logger.info("serving layers %s as %s after %.1f s", held, dht.peer_id, time.monotonic() - began)
@@ -277,9 +290,41 @@ def _start_planner(tg: asyncio.TaskGroup, config: PeerConfig, directory: Directo
     """Stand for planner: the election runs always, the planner service plans while we hold the lease."""
     if not config.plan:
         return
-    election = Election(directory)
+    election = Election(directory, ElectionConfig(lease_s=config.planner_lease_s))
     tg.create_task(election.run())
-    tg.create_task(PlannerService(directory, election).run())
+    tg.create_task(
+        PlannerService(directory, election, PlannerConfig(check_interval_s=config.plan_check_s)).run()
+    )
+
+
+def _follower(
+    config: PeerConfig,
+    directory: Directory,
+    source: ModelSource,
+    executor: Executor,
+    handlers: PeerHandlers,
+    max_layers: int,
+    record: Callable[[], PeerRecord],
+) -> PlanFollower:
+    """Move to the layers the published plan gives us (announcing each change at once)."""
+
+    async def announce() -> bool:
+        return await directory.announce(record())
+
+    follow = FollowConfig(
+        check_interval_s=config.plan_check_s,
+        handover_timeout_s=config.handover_timeout_s,
+        session_grace_s=config.shutdown_grace_s,
+    )
+    return PlanFollower(
+        directory=directory,
+        source=source,
+        executor=executor,
+        handlers=handlers,
+        max_layers=max_layers,
+        announce=announce,
+        config=follow,
+    )
 
 
 def _write_atomic(path: Path, text: str) -> None:

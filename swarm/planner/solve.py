@@ -1,13 +1,19 @@
 """The planner's entry point: cluster (+ the live placement) -> Plan, by any method, always valid.
 
-"milp" is the full pipeline: the three heuristics (and the current placement, if any) seed a simulated
-annealing search scored by max flow; the Helix MILP then starts from the best placement and tries to
-improve it until the time limit. The best placement found by ANY method wins, judged by
+"milp" is the full pipeline, each phase starting from the best placement so far:
 
-    max flow (networkx preflow-push on the full cluster) - reload_cost_tokens_s * layers loaded anew,
+  1. the three heuristics (and the current placement, if any) -> best start;
+  2. coverage phase, per region (the whole cluster when it has one region): simulated annealing on the
+     coverage score, then the coverage integer program over node kinds (coverage_ip.py) warm-started from it;
+  3. across regions: annealing scored by the exact max flow, from the best joined placement;
+  4. the per-node Helix MILP (milp.py), warm-started, for whatever time is left.
 
-and the Plan carries the best upper bound we can prove: the cluster bound of graph.upper_bound, tightened by
-the MILP's dual bound when that bound is valid for the real problem (no links pruned, no reload term).
+"search" runs phases 1-3 without the integer programs. The best placement found by ANY phase wins, judged by
+
+    max flow (networkx preflow-push on the full cluster) - reload_cost * layers loaded anew,
+
+and the Plan carries the best upper bound we can prove: graph.upper_bound, tightened by the integer
+programs' dual bounds where those bound the real problem (see each module).
 """
 
 from __future__ import annotations
@@ -15,15 +21,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
+from swarm.planner.coverage_ip import solve_coverage_ip
 from swarm.planner.graph import max_flow, upper_bound
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
 from swarm.planner.milp import MilpConfig, solve_milp
 from swarm.planner.placement import Placement, check_feasible, check_placement, new_layers, repair
 from swarm.planner.search import SearchConfig, anneal
-from swarm.types import Plan
+from swarm.types import SINK, SOURCE, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +41,55 @@ HEURISTICS: dict[str, Callable[[Cluster], Placement]] = {
     "swarm": swarm_stages,
     "separate": separate_pipelines,
 }
-# Share of the time limit that method "milp" gives the annealer before the MILP. Small clusters leave the
-# MILP half (it can prove optimality there); on large ones it rarely improves a good start, search does.
-SMALL_CLUSTER_NODES = 16
+SMALL_CLUSTER_NODES = 16  # up to here the Helix MILP can still prove optimality, so it gets more time
 
 
-def _search_share(cluster: Cluster) -> float:
-    return 0.5 if len(cluster.nodes) <= SMALL_CLUSTER_NODES else 0.8
+@dataclass(frozen=True)
+class _Shares:
+    """Fractions of the time limit per phase (they sum to 1)."""
+
+    coverage_anneal: float
+    coverage_ip: float
+    exact_anneal: float
+    helix_milp: float
+
+
+def _shares(cluster: Cluster, method: str, regional: bool) -> _Shares:
+    if method == "search":
+        return _Shares(0.3, 0.0, 0.7, 0.0) if regional else _Shares(1.0, 0.0, 0.0, 0.0)
+    small = len(cluster.nodes) <= SMALL_CLUSTER_NODES
+    if regional:
+        return _Shares(0.15, 0.15, 0.3, 0.4) if small else _Shares(0.2, 0.2, 0.4, 0.2)
+    return _Shares(0.2, 0.3, 0.0, 0.5) if small else _Shares(0.35, 0.45, 0.0, 0.2)
+
+
+class _Best:
+    """The best placement so far under the objective, plus what each phase reached (for Plan.extra)."""
+
+    def __init__(self, cluster: Cluster, held: Placement | None, reload_cost: float) -> None:
+        self.cluster, self.held, self.reload_cost = cluster, held, reload_cost
+        self.score = float("-inf")
+        self.plan: Plan | None = None
+        self.extra: dict[str, float] = {}
+
+    def offer(self, placement: Placement | None, phase: str | None = None) -> None:
+        if placement is None:
+            return
+        try:
+            placement = repair(self.cluster, placement)
+        except PlanningError:
+            return
+        plan = max_flow(self.cluster, placement)
+        score = plan.max_flow_tokens_s - self.reload_cost * new_layers(self.held, placement)
+        if phase is not None:
+            self.extra[f"{phase}_tokens_s"] = plan.max_flow_tokens_s
+        if score > self.score + 1e-9:
+            self.score, self.plan = score, plan
+
+    @property
+    def placement(self) -> Placement:
+        assert self.plan is not None  # offer() has accepted at least the heuristics by now
+        return self.plan.placement
 
 
 def solve(
@@ -53,88 +103,123 @@ def solve(
 ) -> Plan:
     """Plan a placement of the cluster's model.
 
-    method: "milp" (search + MILP, the default), "search" (annealing only), or a single heuristic
+    method: "milp" (the full pipeline, default), "search" (annealing only), or a single heuristic
     ("greedy", "swarm", "separate"). current: the live placement, to warm-start from and to charge
     reload_cost (tokens/s of objective per layer a node must load anew) against. prune_k: hop links kept per
-    node in the MILP. Raises PlanningError only when no valid placement exists.
+    node in the Helix MILP. Raises PlanningError only when no valid placement exists.
     """
     if method not in METHODS:
         raise ValueError(f"unknown planning method {method!r}: choose from {', '.join(METHODS)}")
-    if time_limit_s <= 0:
+    if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
     started = time.perf_counter()
     check_feasible(cluster)
     # Reload is charged against what nodes really hold now; the repaired copy is only a candidate start.
     held = {n: r for n, r in (current or {}).items() if n in cluster.node_by_id} or None
-    live = _usable_current(cluster, current)
-
-    def objective(placement: Placement) -> tuple[float, Plan]:
-        plan = max_flow(cluster, placement)
-        return plan.max_flow_tokens_s - reload_cost * new_layers(held, placement), plan
-
+    best = _Best(cluster, held, reload_cost)
+    bound = upper_bound(cluster)
     if method in HEURISTICS:
-        best_plan = objective(HEURISTICS[method](cluster))[1]
-        bound = upper_bound(cluster)
-        extra: dict[str, float] = {}
+        best.offer(HEURISTICS[method](cluster))
     else:
-        candidates = [h(cluster) for h in HEURISTICS.values()]
-        if live is not None:
-            candidates.insert(0, live)
-        scored = sorted((objective(p) for p in candidates), key=lambda sp: -sp[0])
-        best_score, best_plan = scored[0]
-        search_s = time_limit_s * (_search_share(cluster) if method == "milp" else 1.0)
-        search_s = max(0.0, min(search_s, time_limit_s - (time.perf_counter() - started)))
-        found = anneal(
-            cluster,
-            best_plan.placement,
-            SearchConfig(time_limit_s=search_s, seed=seed, reload_cost_tokens_s=reload_cost),
-            current=held,
-        )
-        found_score, found_plan = objective(found)
-        if found_score > best_score:
-            best_score, best_plan = found_score, found_plan
-        bound = upper_bound(cluster)
-        extra = {"search_tokens_s": found_plan.max_flow_tokens_s}
+        for heuristic in HEURISTICS.values():
+            best.offer(heuristic(cluster))
+        best.offer(_usable_current(cluster, current), "current" if current else None)
+        regional = len(cluster.regions) > 1
+        shares = _shares(cluster, method, regional)
+
+        def budget(share: float) -> float:
+            left = time_limit_s - (time.perf_counter() - started)
+            return max(0.0, min(share * time_limit_s, left))
+
+        if not regional:
+            config = SearchConfig(
+                time_limit_s=budget(shares.coverage_anneal), seed=seed, reload_cost_tokens_s=reload_cost
+            )
+            best.offer(anneal(cluster, best.placement, config, current=held), "search")
+            if shares.coverage_ip > 0:
+                result = solve_coverage_ip(cluster, budget(shares.coverage_ip), best.placement, held, seed)
+                best.offer(result.placement, "coverage_ip")
+                if result.bound_valid:
+                    bound = min(bound, result.dual_bound_tokens_s)
+        else:
+            if held is None:
+                # Place each region on its own first (fast, ignores links), then search jointly from there.
+                joined = _per_region(
+                    cluster, budget(shares.coverage_anneal), budget(shares.coverage_ip), seed
+                )
+                best.offer(joined, "regional")
+            config = SearchConfig(
+                time_limit_s=budget(shares.exact_anneal + (0.0 if held is None else shares.coverage_anneal)),
+                seed=seed,
+                reload_cost_tokens_s=reload_cost,
+            )
+            best.offer(anneal(cluster, best.placement, config, current=held), "search")
         if method == "milp":
-            left_s = time_limit_s - (time.perf_counter() - started)
-            result = solve_milp(
+            result_milp = solve_milp(
                 cluster,
-                MilpConfig(time_limit_s=max(left_s, 0.1), prune_k=prune_k, reload_cost_tokens_s=reload_cost),
-                warm_start=best_plan.placement,
+                MilpConfig(
+                    time_limit_s=budget(1.0), prune_k=prune_k, reload_cost_tokens_s=reload_cost, seed=seed
+                ),
+                warm_start=best.placement,
                 current=held,
                 target_tokens_s=bound,
             )
-            extra["milp_status_ok"] = 1.0 if result.placement is not None else 0.0
-            if result.placement is not None:
-                milp_score, milp_plan = objective(repair(cluster, result.placement))
-                extra["milp_tokens_s"] = milp_plan.max_flow_tokens_s
-                if milp_score > best_score + 1e-9:
-                    best_score, best_plan = milp_score, milp_plan
-            if result.dual_bound_valid:
-                extra["milp_bound_tokens_s"] = result.dual_bound_tokens_s
-                bound = min(bound, result.dual_bound_tokens_s)
-    check_placement(cluster, best_plan.placement)
-    # The best placement's flow is itself a lower bound on the optimum, so the bound cannot be below it.
-    bound = max(bound, best_plan.max_flow_tokens_s)
+            best.offer(result_milp.placement, "milp")
+            if result_milp.dual_bound_valid:
+                bound = min(bound, result_milp.dual_bound_tokens_s)
+    plan = best.plan
+    if plan is None:
+        raise PlanningError("no planning phase produced a valid placement")
+    check_placement(cluster, plan.placement)
+    # The best placement's flow is itself a lower bound on the optimum; a bound below it is rounding.
+    bound = max(bound, plan.max_flow_tokens_s)
     solve_s = time.perf_counter() - started
     logger.info(
         "planned %s: %.1f tokens/s, bound %.1f (%.0f%%), %d nodes busy, %.1f s",
         method,
-        best_plan.max_flow_tokens_s,
+        plan.max_flow_tokens_s,
         bound,
-        100.0 * best_plan.max_flow_tokens_s / bound if bound > 0 else 0.0,
-        len(best_plan.placement),
+        100.0 * plan.max_flow_tokens_s / bound if bound > 0 else 0.0,
+        len(plan.placement),
         solve_s,
     )
     return Plan(
         method=method,
-        placement=best_plan.placement,
-        max_flow_tokens_s=best_plan.max_flow_tokens_s,
-        flows=best_plan.flows,
+        placement=plan.placement,
+        max_flow_tokens_s=plan.max_flow_tokens_s,
+        flows=plan.flows,
         upper_bound_tokens_s=bound,
         solve_s=solve_s,
-        extra=extra,
+        extra=best.extra,
     )
+
+
+def _per_region(cluster: Cluster, anneal_s: float, ip_s: float, seed: int) -> Placement | None:
+    """Each region that can hold the model alone is placed alone (coverage score: links inside a region are
+    fast), so tokens stay in one region from first layer to last. Time is shared in proportion to size.
+    None when no region can hold the model alone."""
+    joined: Placement = {}
+    for i, region in enumerate(cluster.regions):
+        members = tuple(n for n in cluster.nodes if n.region == region)
+        if sum(cluster.layer_cap(n) for n in members) < cluster.model.num_layers:
+            continue
+        ids = {n.id for n in members}
+        links = tuple(lk for lk in cluster.links if lk.src in ids | {SOURCE} and lk.dst in ids | {SINK})
+        sub = Cluster(cluster.model, members, links)
+        share = len(members) / len(cluster.nodes)
+        start = max((h(sub) for h in HEURISTICS.values()), key=lambda p: max_flow(sub, p).max_flow_tokens_s)
+        placed = anneal(
+            sub, start, SearchConfig(time_limit_s=anneal_s * share, seed=seed + i, exact_flow=False)
+        )
+        if ip_s > 0:
+            found = solve_coverage_ip(sub, ip_s * share, placed, None, seed + i).placement
+            if (
+                found is not None
+                and max_flow(sub, found).max_flow_tokens_s > max_flow(sub, placed).max_flow_tokens_s
+            ):
+                placed = found
+        joined.update(placed)
+    return joined or None
 
 
 def _usable_current(cluster: Cluster, current: Placement | None) -> Placement | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import logging
 import random
 from collections.abc import Iterable, Mapping
@@ -110,6 +111,7 @@ class Router:
     ) -> None:
         self.plan = plan
         self.rng = rng
+        self._cum_weights: dict[int, list[float]] = {}  # by id() of the IWRR, which lives as long as we do
         self.bans = bans
         self.config = config or RoutingConfig()
         self._placement: dict[NodeID, LayerRange] = dict(plan.placement) if plan else {}
@@ -207,6 +209,15 @@ class Router:
 
         if self.rng is None:
             return iwrr.pick(lambda v: not is_viable(v, done))
+        # Rejection sampling: a few draws over all candidates are cheap when most are usable; when they keep
+        # hitting masked ones, draw among the usable ones only.
+        for _ in range(4):
+            cum = self._cum_weights.get(id(iwrr))
+            if cum is None:
+                cum = self._cum_weights[id(iwrr)] = list(itertools.accumulate(iwrr.weights))
+            v = self.rng.choices(iwrr.candidates, cum_weights=cum)[0]
+            if is_viable(v, done):
+                return v
         pairs = [(v, w) for v, w in zip(iwrr.candidates, iwrr.weights, strict=True) if is_viable(v, done)]
         if not pairs:
             return None

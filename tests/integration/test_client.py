@@ -7,6 +7,8 @@ swarm with a gap checks the errors a user gets for missing layers and for the wr
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +19,15 @@ import torch
 from client import SwarmClient
 from swarm.errors import ModelMismatch, NoRouteError
 from swarm.models import ModelSource
-from tests.helpers.swarm import LocalSwarm
+from tests.helpers.swarm import REPO, LocalSwarm
 
 pytestmark = pytest.mark.integration
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW_TOKENS = 24
+# Peers keep the layers they are given: the plan still routes, but nobody moves, so "the middle peer" and
+# "its replica" stay what the tests say they are.
+FIXED = ["--no-follow-plan"]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +44,13 @@ def expected_answer(default_source: ModelSource) -> str:
 
 
 @pytest.fixture(scope="module")
-def default_swarm(tmp_path_factory: pytest.TempPathFactory, default_source: ModelSource) -> Iterator[LocalSwarm]:
+def default_swarm(
+    tmp_path_factory: pytest.TempPathFactory, default_source: ModelSource
+) -> Iterator[LocalSwarm]:
     with LocalSwarm(tmp_path_factory.mktemp("default_swarm"), model="default") as swarm:
-        swarm.start_peer(layers="0:10", name="first")
-        swarm.start_peer(layers="10:20", name="middle", wait=False)
-        swarm.start_peer(layers="20:30", name="last", wait=False)
+        swarm.start_peer(layers="0:10", name="first", extra_args=FIXED)
+        swarm.start_peer(layers="10:20", name="middle", wait=False, extra_args=FIXED)
+        swarm.start_peer(layers="20:30", name="last", wait=False, extra_args=FIXED)
         swarm.wait_all_ready(timeout_s=180)
         yield swarm
 
@@ -96,11 +103,49 @@ def test_two_clients_generate_concurrently(
     assert results == {"one": expected_answer, "two": alone[1]}
 
 
+@pytest.mark.timeout(240)
+def test_missing_layers_and_wrong_model_get_clear_errors(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        swarm.start_peer(layers="0:2", extra_args=FIXED)
+        swarm.start_peer(layers="4:6", extra_args=FIXED)
+        with pytest.raises(NoRouteError) as info:
+            SwarmClient(swarm.initial_peers, model="tiny", connect_timeout_s=8.0)
+        assert info.value.missing_layers == [2, 3]
+        assert "2:4" in str(info.value)
+        with pytest.raises(ModelMismatch, match="tiny-0"):
+            SwarmClient(swarm.initial_peers, model="tiny:1", connect_timeout_s=8.0)
+
+
+# The README's example, verbatim but for the multiaddr (the lead pastes it into README.md).
+README_EXAMPLE = """\
+from client import SwarmClient
+
+with SwarmClient(initial_peers=["/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID"]) as swarm:
+    for piece in swarm.stream(messages=[{"role": "user", "content": "What is the capital of France?"}]):
+        print(piece, end="", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_readme_example_streams_the_answer(default_swarm: LocalSwarm, expected_answer: str) -> None:
+    code = README_EXAMPLE.replace("/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID", default_swarm.initial_peers[0])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=REPO,
+        env=default_swarm.env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == expected_answer
+
+
 @pytest.mark.timeout(300)
 def test_killing_the_middle_peer_mid_answer_gives_the_same_text(
     default_swarm: LocalSwarm, client: SwarmClient, expected_answer: str
 ) -> None:
-    default_swarm.start_peer(layers="10:20", name="middle_replica", timeout_s=180)
+    default_swarm.start_peer(layers="10:20", name="middle_replica", timeout_s=180, extra_args=FIXED)
     by_id = {p.peer_id: p for p in default_swarm.peers}
     pieces = []
     killed = None
@@ -116,16 +161,3 @@ def test_killing_the_middle_peer_mid_answer_gives_the_same_text(
     assert session is not None and session.failovers >= 1
     assert killed is not None and str(session.stages[1].peer_id) != killed.peer_id
     assert [str(s.peer_id) for s in session.stages][0] == default_swarm.peers[0].peer_id  # upstream kept
-
-
-@pytest.mark.timeout(240)
-def test_missing_layers_and_wrong_model_get_clear_errors(tmp_path: Path) -> None:
-    with LocalSwarm(tmp_path, model="tiny") as swarm:
-        swarm.start_peer(layers="0:2")
-        swarm.start_peer(layers="4:6")
-        with pytest.raises(NoRouteError) as info:
-            SwarmClient(swarm.initial_peers, model="tiny", connect_timeout_s=8.0)
-        assert info.value.missing_layers == [2, 3]
-        assert "2:4" in str(info.value)
-        with pytest.raises(ModelMismatch, match="tiny-0"):
-            SwarmClient(swarm.initial_peers, model="tiny:1", connect_timeout_s=8.0)

@@ -33,6 +33,7 @@ from swarm.dht import (
     coverage,
 )
 from swarm.dht.schemas import peers_key
+from swarm.errors import TransportError
 from swarm.types import LayerRange, NodeID, Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
@@ -159,17 +160,23 @@ def test_three_nodes_see_each_others_records() -> None:
 
 
 async def _test_three_nodes_see_each_others_records() -> None:
+    # Three hivemind DHTs in this process: each runs its node and p2pd in its own child process anyway.
     async with observer() as boot:
-        peers = boot.visible_maddrs()
-        with children((peers, "0:4", False), (peers, "4:8", False)) as kids:
-            directory = Directory(boot, DirectoryConfig(ttl_s=TTL_S))
-            await directory.announce(peer_record(boot.peer_id, 2, 6))
-            expected = {boot.peer_id, *(k.peer_id for k in kids)}
-            snapshot, took_s = await wait_for(directory.snapshot, lambda s: set(s.peers) >= expected, 15.0)
-            assert coverage(snapshot, 8) == [1, 1, 2, 2, 2, 2, 1, 1]
-            ranges = {pid: (r.range_start, r.range_end) for pid, r in snapshot.peers.items()}
-            assert ranges[kids[1].peer_id] == (4, 8)
-            print(f"3 nodes visible after {took_s:.2f} s")
+        peers = tuple(boot.visible_maddrs())
+        async with observer(initial_peers=peers) as second, observer(initial_peers=peers) as third:
+            nodes = [boot, second, third]
+            directories = [Directory(d, DirectoryConfig(ttl_s=TTL_S)) for d in nodes]
+            for directory, (start, end) in zip(directories, [(2, 6), (0, 4), (4, 8)], strict=True):
+                assert await directory.announce(peer_record(directory.peer_id, start, end))
+            expected = {d.peer_id for d in nodes}
+            for reader in directories:
+                snapshot, took_s = await wait_for(reader.snapshot, lambda s: set(s.peers) == expected, 15.0)
+                assert coverage(snapshot, 8) == [1, 1, 2, 2, 2, 2, 1, 1]
+                assert (
+                    snapshot.peers[third.peer_id].range_start,
+                    snapshot.peers[third.peer_id].range_end,
+                ) == (4, 8)
+                print(f"{reader.peer_id[-6:]} sees all 3 records after {took_s:.2f} s")
 
 
 @pytest.mark.integration
@@ -291,6 +298,14 @@ async def _test_identity_file_keeps_the_peer_id(tmp_path: Path) -> None:
             assert "/ip4/127.0.0.1/" in dht.visible_maddrs()[0]
     assert ids[0] == ids[1]
     assert path.exists()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_unreachable_initial_peer_is_a_clear_transport_error() -> None:
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmZ2NCKo2bzPZMEQv9j43xtgmUURH25tZAdFzz8QC2EBy8"  # nothing listens on 9
+    with pytest.raises(TransportError, match="could not join the DHT via /ip4/127.0.0.1/tcp/9"):
+        asyncio.run(SwarmDHT.create(DHTConfig(initial_peers=(dead,), start_timeout_s=30.0), MODEL_HASH))
 
 
 if __name__ == "__main__":

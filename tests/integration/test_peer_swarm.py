@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,12 +20,13 @@ from swarm.errors import ModelMismatch, ProtocolError, SessionError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.transport import call_close, call_info, call_step
 from swarm.transport.channel import call_raw
-from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply, encode_request, encode_tensor
-from tests.helpers.swarm import LocalSwarm, PeerProcess, swarm_client
+from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply, encode_tensor
+from tests.helpers.swarm import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 RANGES = ("0:2", "2:4", "4:6")
+FIXED = ["--no-follow-plan"]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +38,10 @@ def tiny() -> ModelSource:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     with LocalSwarm(tmp_path_factory.mktemp("swarm"), model="tiny") as local:
-        local.start_peer(RANGES[0], name="a")
-        local.start_peer(RANGES[1], name="b", wait=False)
-        local.start_peer(RANGES[2], name="c", wait=False)
+        # Fixed ranges: these tests check forwarding over known hops, not plan following.
+        local.start_peer(RANGES[0], name="a", extra_args=FIXED)
+        local.start_peer(RANGES[1], name="b", extra_args=FIXED, wait=False)
+        local.start_peer(RANGES[2], name="c", extra_args=FIXED, wait=False)
         local.wait_all_ready(timeout_s=120)
         yield local
 
@@ -237,9 +242,15 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
 def test_killed_peer_disappears_after_its_ttl_and_sigterm_exits_cleanly(
     swarm: LocalSwarm, tiny: ModelSource, tmp_path: Path
 ) -> None:
-    ttl_s = 6.0
-    doomed = swarm.start_peer("0:6", name="doomed", extra_args=["--record-ttl-s", str(ttl_s)])
-    leaver = swarm.start_peer("0:6", name="leaver", extra_args=["--shutdown-grace-s", "1"])
+    ttl_s = 5.0
+    doomed = swarm.start_peer(
+        "0:6", name="doomed", extra_args=[*FIXED, "--record-ttl-s", str(ttl_s)], wait=False
+    )
+    leaver = swarm.start_peer(
+        "0:6", name="leaver", extra_args=[*FIXED, "--shutdown-grace-s", "1"], wait=False
+    )
+    doomed.wait_ready(120)
+    leaver.wait_ready(120)
 
     async def ids_in_snapshot(directory) -> set[str]:  # type: ignore[no-untyped-def]
         return set((await directory.snapshot()).peers)
@@ -263,3 +274,32 @@ def test_killed_peer_disappears_after_its_ttl_and_sigterm_exits_cleanly(
 
     gone_after = asyncio.run(run())
     assert gone_after <= ttl_s + 10
+
+
+def test_status_command_prints_the_live_swarm_as_json(swarm: LocalSwarm) -> None:
+    result = subprocess.run(
+        [*SWARM_PEER, "status", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "FLOWSWARM_THREADS": "1"},
+        start_new_session=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout)
+    assert set(data) >= {"peers", "coverage", "planner", "plan"}
+    ids = {p.peer_id for p in swarm.peers[:3]}
+    listed = {p["peer_id"]: p for p in data["peers"]}
+    assert ids <= set(listed)
+    for pid in ids:
+        entry = listed[pid]
+        assert {
+            "name",
+            "range",
+            "decode_tokens_s",
+            "prefill_tokens_s",
+            "free_cache_tokens",
+            "active_sessions",
+        } <= set(entry)
+        assert entry["decode_tokens_s"] > 0 and entry["name"] in ("a", "b", "c")
+    assert len(data["coverage"]) == 6 and min(data["coverage"]) >= 1

@@ -34,7 +34,9 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def make_client(source: ModelSource, ranges: dict[str, tuple[int, int]]) -> tuple[AsyncSwarmClient, LocalChain]:
+def make_client(
+    source: ModelSource, ranges: dict[str, tuple[int, int]]
+) -> tuple[AsyncSwarmClient, LocalChain]:
     blocks = {NodeID(p): source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
     chain = LocalChain(blocks)
     n = source.spec.num_layers
@@ -85,7 +87,9 @@ def test_greedy_ids_equal_transformers(tiny: ModelSource, tiny_reference: Any) -
     assert all(not block.active_sessions for block in chain.blocks.values())
 
 
-def test_seeded_sampling_equals_the_same_sampler_over_transformers(tiny: ModelSource, tiny_reference: Any) -> None:
+def test_seeded_sampling_equals_the_same_sampler_over_transformers(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=1234)
     client, _ = make_client(tiny, TINY_SPLIT)
     got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, params))
@@ -176,7 +180,9 @@ def test_chat_generate_and_stream_equal_transformers_greedy(
 
 
 @pytest.mark.slow
-def test_stop_string_ends_the_answer_before_it(default_client: AsyncSwarmClient, transformers_answer: str) -> None:
+def test_stop_string_ends_the_answer_before_it(
+    default_client: AsyncSwarmClient, transformers_answer: str
+) -> None:
     stop = "Paris"
     text = asyncio.run(default_client.generate(messages=QUESTION, max_new_tokens=24, stop=stop))
     assert text == transformers_answer[: transformers_answer.index(stop)]
@@ -201,3 +207,32 @@ def test_bad_prompts_get_clear_errors(default_client: AsyncSwarmClient) -> None:
         default_client.encode(messages=[{"text": "hi"}])
     with pytest.raises(ValueError, match="prompt must be a string"):
         default_client.encode(prompt=123)  # type: ignore[arg-type]
+
+
+def test_hf_style_generate_returns_input_plus_new_ids_like_transformers(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    import threading
+
+    from client.client import SwarmClient
+    from client.hf import SwarmModelForCausalLM
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    aclient, _ = make_client(tiny, TINY_SPLIT)
+    with SwarmModelForCausalLM(SwarmClient.wrap(aclient, loop, thread)) as model:
+        ids = torch.tensor([PROMPT_IDS])
+        out = model.generate(ids, max_new_tokens=7)
+        with torch.inference_mode():
+            expected = tiny_reference.generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=None)
+        assert out.dtype == torch.long and torch.equal(out, expected)
+        # left-padded batch: each row is generated from its unpadded ids
+        batch = torch.tensor([[0, 0, *PROMPT_IDS[:6]], PROMPT_IDS])
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=5)
+        assert out[0, 8:].tolist() == greedy_reference(tiny_reference, PROMPT_IDS[:6], 5)
+        assert out[1, 8:].tolist() == greedy_reference(tiny_reference, PROMPT_IDS, 5)
+        with pytest.raises(ValueError, match="LongTensor"):
+            model.generate(torch.tensor([[1.0, 2.0]]))
+    assert loop.is_closed()

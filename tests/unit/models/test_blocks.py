@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models import LocalPipeline, Step
@@ -49,8 +48,12 @@ def test_hidden_states_match_transformers(split, head, reference) -> None:  # ty
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_greedy_generation_matches_transformers(split, head, reference, use_cache) -> None:  # type: ignore[no-untyped-def]
     ids = torch.tensor([PROMPT])
-    greedy = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+    reference.generation_config.eos_token_id = (
+        None  # (None in generate()'s kwargs would mean "model default")
+    )
+    expected = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+    )
     got = list(LocalPipeline(head, split).generate(PROMPT, 32, use_cache=use_cache))
     assert got == expected[0, len(PROMPT) :].tolist()
     assert all(block.active_sessions == [] for block in split)  # the pipeline closed its sessions

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from transformers import GenerationConfig
 
-from swarm.models import LocalPipeline, Step
+from swarm.models import LocalPipeline, Step, resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,8 +52,12 @@ def test_greedy_generation_matches_transformers(parts, reference, prompt_ids, us
     _, head, blocks = parts
     ids = torch.tensor([prompt_ids])
     # eos disabled so that both sides produce all 32 tokens
-    greedy = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+    reference.generation_config.eos_token_id = (
+        None  # (None in generate()'s kwargs would mean "model default")
+    )
+    expected = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+    )
     expected_new = expected[0, len(prompt_ids) :].tolist()
     got = list(LocalPipeline(head, blocks).generate(prompt_ids, 32, use_cache=use_cache))
     assert len(expected_new) == 32
@@ -72,3 +77,13 @@ def test_spec_describes_smollm2(default_source) -> None:  # type: ignore[no-unty
     spec = default_source.spec
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (30, 576, 9, 3)
     assert spec.vocab_size == 49152 and spec.family == "llama" and len(spec.weights_hash) == 64
+
+
+def test_warm_load_is_fast(default_source) -> None:  # type: ignore[no-untyped-def]
+    """Once converted, resolving and loading every layer + head takes well under 3 s (no GGUF, no rehash)."""
+    began = time.perf_counter()
+    source = resolve_model("default")
+    blocks = [source.load_blocks(a, b) for a, b in SPLITS]
+    source.load_head()
+    assert time.perf_counter() - began <= 3.0
+    assert source.spec == default_source.spec and len(blocks) == 3

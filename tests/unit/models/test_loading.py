@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.errors import ProtocolError
 from swarm.models import ModelSpec, Step, checkpoints, loading, resolve_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -149,6 +150,9 @@ def test_llama_family_variants_match_transformers(model_type: str, tmp_path: Pat
         expected = model(ids[None], output_hidden_states=True)
     hidden = blocks.forward([Step(None, expected.hidden_states[1][0], 1, 4, 0)])[0]
     assert (head.logits(hidden) - expected.logits[0]).abs().max().item() <= 1e-4
+    if model_type == "mistral":  # full attention is only exact inside the sliding window: longer is refused
+        with pytest.raises(ProtocolError, match="sliding window"):
+            blocks.open_session("long", config.sliding_window + 1)
 
 
 def test_bad_model_names() -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from sim.churn import Churn, ChurnEvent, present_cluster
-from sim.engine import SimConfig, Simulation, router_factory
+from sim.engine import SimConfig, Simulation
 from sim.report import summarize
+from sim.scheduling import router_factory
 from sim.timing import NodeTiming, Table, TimingDefaults
 from sim.trace import TraceConfig, make_trace
 
@@ -156,3 +157,23 @@ def test_cli_writes_json(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["scheduling"] for r in rows] == ["iwrr", "swarm"]
     assert all(r["lost_requests"] == 0 for r in rows)
+
+
+def test_decode_quantum_keeps_throughput_and_cuts_events() -> None:
+    cluster = tiny_cluster({"a": 300.0, "b": 100.0, "c": 200.0, "d": 200.0})
+    plan = two_stage_plan(cluster)
+    trace = make_trace(200, 3.0, 0, SHORT)
+    results = {}
+    for k in (1, 4):
+        sim = Simulation(
+            cluster, plan, router_factory(cluster, "iwrr", 0), trace, SimConfig(decode_quantum_tokens=k)
+        )
+        results[k] = (summarize(sim.run(), "hand", "iwrr"), sim._seq)
+    (exact, exact_events), (coarse, coarse_events) = results[1], results[4]
+    assert coarse_events < exact_events / 2
+    assert coarse["lost_requests"] == 0
+    assert abs(coarse["decode_tokens_s"] / exact["decode_tokens_s"] - 1) < 0.1
+    with pytest.raises(ValueError):
+        Simulation(
+            cluster, plan, router_factory(cluster, "iwrr", 0), trace, SimConfig(decode_quantum_tokens=0)
+        )

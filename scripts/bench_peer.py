@@ -1,0 +1,134 @@
+"""Peer benchmarks, printed as JSON: join time, and a decode step through 3 forwarding peers vs locally.
+
+    python scripts/bench_peer.py --model tiny --steps 20        # CI smoke size
+    python scripts/bench_peer.py --model default --steps 30
+
+Join time is process start to serving (``--maddr-file`` written, i.e. loaded, measured, announced), with the
+model already in the local cache. The per-hop overhead is (route step - local step) / hops, where the local
+step runs the same layers in-process on a BlockRange; the route step is one call_step to the first peer, which
+forwards to the next two. Fixed seeds; every number is a median over ``--steps`` decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarm.models.blocks import Step  # noqa: E402
+from swarm.models.loading import resolve_model  # noqa: E402
+from swarm.transport import call_close, call_step  # noqa: E402
+from swarm.wire import CloseRequest, Hop, StepRequest  # noqa: E402
+from tests.helpers.swarm import LocalSwarm, swarm_client  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed (after a prefill)")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    source = resolve_model(args.model)
+    spec = source.spec
+    n = spec.num_layers
+    cuts = [0, n // 3, 2 * n // 3, n]
+    ranges = [f"{cuts[i]}:{cuts[i + 1]}" for i in range(3)]
+    head = source.load_head()
+    local = source.load_blocks(0, n, cache_tokens=4096)
+    tokens = torch.randint(
+        0, spec.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
+    )
+    max_length = args.prompt_tokens + args.steps + 1
+
+    # Local baseline: the same steps through all layers in this process.
+    session = uuid.uuid4().hex
+    local.open_session(session, max_length)
+    local.forward([Step(session, head.embed(tokens), 0, n, 0)])
+    local_s = []
+    for i in range(args.steps):
+        hidden = head.embed(tokens[i % len(tokens)][None])
+        started = time.perf_counter()
+        local.forward([Step(session, hidden, 0, n, args.prompt_tokens + i)])
+        local_s.append(time.perf_counter() - started)
+    local.close_session(session)
+
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), model=args.model) as swarm:
+        extra = ["--no-plan", "--no-follow-plan", "--cache-tokens", "2048"]
+        swarm.start_peer(ranges[0], name="b0", extra_args=extra)
+        swarm.start_peer(ranges[1], name="b1", extra_args=extra, wait=False)
+        swarm.start_peer(ranges[2], name="b2", extra_args=extra, wait=False)
+        swarm.wait_all_ready(timeout_s=240)
+        join_s = [p.ready_after_s for p in swarm.peers]
+        hops = [Hop(p.peer_id, tuple(p.maddrs), cuts[i], cuts[i + 1]) for i, p in enumerate(swarm.peers)]
+        route = asyncio.run(
+            _route_steps(swarm, hops, head, tokens, spec.weights_hash, args.steps, max_length)
+        )
+
+    route_s = [r[0] for r in route]
+    compute_s = [r[1] for r in route]
+    local_med = statistics.median(local_s)
+    route_med = statistics.median(route_s)
+    print(
+        json.dumps(
+            {
+                "model": spec.name,
+                "layers": n,
+                "ranges": ranges,
+                "join_s": join_s,
+                "join_s_first_peer": join_s[0],
+                "steps": args.steps,
+                "local_decode_step_ms": 1e3 * local_med,
+                "route_decode_step_ms": 1e3 * route_med,
+                "route_compute_ms_sum_of_hops": 1e3 * statistics.median(compute_s),
+                "overhead_per_hop_ms": 1e3 * (route_med - local_med) / 3,
+                "route_step_ms_p90": 1e3 * sorted(route_s)[int(0.9 * (len(route_s) - 1))],
+            },
+            indent=2,
+        )
+    )
+
+
+async def _route_steps(
+    swarm: LocalSwarm,
+    hops: list[Hop],
+    head: object,
+    tokens: torch.Tensor,
+    model_hash: str,
+    steps: int,
+    max_length: int,
+) -> list[tuple[float, float]]:
+    first, *rest = hops
+    session = uuid.uuid4().hex
+    out = []
+    async with swarm_client(swarm.initial_peers, model_hash) as (_dht, _directory, p2p):
+        embed = head.embed  # type: ignore[attr-defined]
+        prefill = StepRequest(
+            session, 0, embed(tokens), first.start, first.end, max_length, model_hash, tuple(rest)
+        )
+        await call_step(p2p, first.peer_id, prefill, maddrs=first.maddrs, timeout_s=60)
+        for i in range(steps):
+            hidden = embed(tokens[i % len(tokens)][None])
+            request = StepRequest(
+                session, len(tokens) + i, hidden, first.start, first.end, max_length, model_hash, tuple(rest)
+            )
+            started = time.perf_counter()
+            reply = await call_step(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=60)
+            out.append((time.perf_counter() - started, sum(t.compute_s for t in reply.timings)))
+        await call_close(p2p, first.peer_id, CloseRequest(session, tuple(rest)), maddrs=first.maddrs)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Following the published plan: move this peer to the layers the elected planner gave it, with no coverage gap.
+
+Decide (pure functions of a snapshot), then act (PlanFollower). A move from the held range O to the planned
+range N goes:
+
+  1. T = the hull of O and N when it fits in max_layers (else T = N); load T's blocks on a thread while we
+     keep serving O. Nothing is dropped yet, and when T covers O nothing is dropped at all in this step.
+  2. Layers we are about to stop serving (O - T) are dropped only once the snapshot shows each of them served
+     by another peer that keeps it: one the plan gives that layer, or one the plan does not move. A peer that
+     is itself leaving the layer does not count, or two movers could each count on the other and both leave.
+  3. Switch to T (announce it at once), then, the same way, wait until T - N is kept by others and narrow T
+     to N, reusing the loaded modules (no second load).
+
+Every planned layer is served by its planned peer as soon as that peer finishes step 1, which waits on no one,
+so the waits in step 2 always end unless the hull did not fit on two peers swapping disjoint ranges. For that
+case a wait gives up after handover_timeout_s and drops the layers anyway (logged as a warning).
+
+Sessions open on a range being replaced get session_grace_s to finish; those still open then are dropped,
+and their next step raises SessionError (unknown session), so the client re-routes and replays its prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from swarm.dht import Directory, SwarmSnapshot
+from swarm.models.blocks import BlockRange
+from swarm.models.loading import ModelSource
+from swarm.peer.executor import Executor
+from swarm.peer.handlers import PeerHandlers
+from swarm.types import LayerRange, NodeID, Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FollowConfig:
+    """How a peer follows the plan."""
+
+    check_interval_s: float = (
+        5.0  # how often to read the snapshot for a new plan epoch (and during a handover)
+    )
+    handover_timeout_s: float = 60.0  # longest wait for others to take layers we drop; then drop them anyway
+    session_grace_s: float = (
+        10.0  # sessions on a range being replaced may finish this long, then SessionError
+    )
+
+    def __post_init__(self) -> None:
+        if self.check_interval_s <= 0 or self.handover_timeout_s <= 0 or self.session_grace_s < 0:
+            raise ValueError("check_interval_s and handover_timeout_s must be > 0, session_grace_s >= 0")
+
+
+# ---------------------------------------------------------------------------------------------- decisions
+
+
+def plan_of(snapshot: SwarmSnapshot) -> Plan | None:
+    """The snapshot's plan, parsed (None when there is none or it is malformed)."""
+    if snapshot.plan is None:
+        return None
+    try:
+        return Plan.from_json(snapshot.plan.plan)
+    except (KeyError, TypeError, ValueError) as e:
+        logger.warning("ignoring malformed plan epoch %d: %s", snapshot.plan.epoch, e)
+        return None
+
+
+def planned_range(
+    peer_id: str, held: LayerRange, snapshot: SwarmSnapshot, adopted_epoch: int, num_layers: int
+) -> LayerRange | None:
+    """The range to move to: the plan's range for this peer, if the plan is newer than `adopted_epoch` and
+    gives us a valid range other than `held`; else None (nothing to do)."""
+    plan = plan_of(snapshot)
+    if plan is None or snapshot.plan is None or snapshot.plan.epoch <= adopted_epoch:
+        return None
+    target = plan.placement.get(NodeID(peer_id))
+    if target is None or target == held or target.end > num_layers:
+        return None
+    return target
+
+
+def transition_range(held: LayerRange, target: LayerRange, max_layers: int) -> LayerRange:
+    """What to serve while moving: both ranges (their hull) when that fits in memory, else the target."""
+    hull = LayerRange(min(held.start, target.start), max(held.end, target.end))
+    return hull if len(hull) <= max_layers else target
+
+
+def dropped_layers(before: LayerRange, after: LayerRange) -> list[int]:
+    return [layer for layer in range(before.start, before.end) if layer not in after]
+
+
+def unkept_layers(peer_id: str, layers: list[int], snapshot: SwarmSnapshot) -> list[int]:
+    """The `layers` that no other serving peer both serves now and keeps under the snapshot's plan."""
+    plan = plan_of(snapshot)
+    placement = plan.placement if plan is not None else {}
+    missing = []
+    for layer in layers:
+        kept = False
+        for pid, record in snapshot.serving().items():
+            if pid == peer_id or not record.range_start <= layer < record.range_end:
+                continue
+            planned = placement.get(NodeID(pid))
+            if planned is None or layer in planned:  # unplanned peers do not move until the next epoch
+                kept = True
+                break
+        if not kept:
+            missing.append(layer)
+    return missing
+
+
+# ---------------------------------------------------------------------------------------------- actions
+
+
+def narrow_blocks(source: ModelSource, blocks: BlockRange, layers: LayerRange) -> BlockRange:
+    """A BlockRange of `layers` (inside blocks.range) sharing blocks' modules: no reload, a fresh KV cache."""
+    if not blocks.range.covers(layers):
+        raise ValueError(f"cannot narrow blocks {blocks.range} to {layers}: not inside")
+    offset = layers.start - blocks.range.start
+    modules = list(blocks.layers)[offset : offset + len(layers)]
+    return BlockRange(
+        source.spec, source.config, modules, layers, blocks.cache.cache_tokens, blocks.device, blocks.dtype
+    )
+
+
+class PlanFollower:
+    """Moves this peer's served range to the plan's, one epoch at a time, without leaving layers unserved.
+
+    `announce` stores the peer's current record (built from handlers.held) in the DHT.
+    """
+
+    def __init__(
+        self,
+        *,
+        directory: Directory,
+        source: ModelSource,
+        executor: Executor,
+        handlers: PeerHandlers,
+        max_layers: int,
+        announce: Callable[[], Awaitable[object]],
+        config: FollowConfig | None = None,
+    ) -> None:
+        self.directory = directory
+        self.source = source
+        self.executor = executor
+        self.handlers = handlers
+        self.max_layers = max_layers
+        self.announce = announce
+        self.config = config or FollowConfig()
+        self.adopted_epoch = 0
+        self.moves = 0  # completed moves (for tests and status)
+
+    @property
+    def peer_id(self) -> str:
+        return self.directory.peer_id
+
+    @property
+    def held(self) -> LayerRange:
+        return self.handlers.held
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except (TimeoutError, OSError, RuntimeError) as e:
+                logger.warning("plan check failed: %r", e)
+            await asyncio.sleep(self.config.check_interval_s)
+
+    async def check(self) -> None:
+        """One look at the plan: move if it is newer than the adopted one and gives us other layers."""
+        if not self.handlers.accepting:
+            return  # leaving the swarm: no more moves
+        snapshot = await self.directory.snapshot()
+        if snapshot.plan is None or snapshot.plan.epoch <= self.adopted_epoch:
+            return
+        epoch = snapshot.plan.epoch
+        target = planned_range(
+            self.peer_id, self.held, snapshot, self.adopted_epoch, self.source.spec.num_layers
+        )
+        if target is not None and len(target) > self.max_layers:
+            logger.warning(
+                "plan epoch %d gives us %s, more than the %d layers we fit", epoch, target, self.max_layers
+            )
+            target = None
+        if target is not None:
+            if not await self.move(target, epoch):
+                return  # a newer plan came during the move: the next check follows that one
+        self.adopted_epoch = epoch
+        logger.info("plan epoch %d adopted: serving layers %s", epoch, self.held)
+
+    async def move(self, target: LayerRange, epoch: int) -> bool:
+        """Serve `target` instead of the held range; False if abandoned because the plan changed."""
+        began = time.monotonic()
+        old = self.held
+        transit = transition_range(old, target, self.max_layers)
+        logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
+        if transit != old:
+            blocks = await asyncio.to_thread(
+                self.source.load_blocks,
+                transit.start,
+                transit.end,
+                str(self.executor.blocks.device),
+                str(self.executor.blocks.dtype).removeprefix("torch."),
+                int(self.executor.blocks.cache.cache_tokens),
+            )
+            if not await self._handover(dropped_layers(old, transit), epoch):
+                return False
+            await self._switch(blocks)
+        if transit != target:
+            if not await self._handover(dropped_layers(transit, target), epoch):
+                return False
+            await self._switch(narrow_blocks(self.source, self.executor.blocks, target))
+        self.moves += 1
+        logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
+        return True
+
+    async def _handover(self, layers: list[int], epoch: int) -> bool:
+        """Wait until others keep `layers`; False if a newer plan appeared meanwhile."""
+        deadline = time.monotonic() + self.config.handover_timeout_s
+        missing = layers
+        while missing:
+            try:
+                snapshot = await self.directory.snapshot()
+            except (TimeoutError, OSError, RuntimeError) as e:
+                logger.warning("handover check failed: %r", e)
+            else:
+                if snapshot.plan is not None and snapshot.plan.epoch > epoch:
+                    logger.info("plan epoch %d replaced epoch %d during our move", snapshot.plan.epoch, epoch)
+                    return False
+                missing = unkept_layers(self.peer_id, layers, snapshot)
+                if not missing:
+                    break
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "dropping layers %s though no other peer keeps them (waited %.0f s)",
+                    missing,
+                    self.config.handover_timeout_s,
+                )
+                break
+            await asyncio.sleep(self.config.check_interval_s)
+        return True
+
+    async def _switch(self, blocks: BlockRange) -> None:
+        """Serve `blocks` from now on and announce it; sessions on the old blocks get a grace, then are dropped."""
+        deadline = time.monotonic() + self.config.session_grace_s
+        while self.handlers.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+        def swap() -> None:  # on the executor thread, between two jobs: no forward sees half a switch
+            self.executor.blocks = blocks
+
+        await self.executor.call(swap)
+        dropped = list(self.handlers.sessions)
+        self.handlers.sessions.clear()  # their next step finds no session: SessionError, the client replays
+        self.handlers.held = blocks.range
+        if dropped:
+            logger.info("dropped %d sessions still open on the old range", len(dropped))
+        try:
+            async with asyncio.timeout(10):
+                await self.announce()
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning(
+                "could not announce our new range %s at once (%r); the announcer will", blocks.range, e
+            )

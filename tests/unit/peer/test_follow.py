@@ -1,0 +1,110 @@
+"""Following the plan: the pure decisions (which range, via what, who keeps a layer) and narrowing blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.dht import PlanRecord, SwarmSnapshot
+from swarm.models.blocks import Step
+from swarm.peer.follow import (
+    FollowConfig,
+    dropped_layers,
+    narrow_blocks,
+    planned_range,
+    transition_range,
+    unkept_layers,
+)
+from swarm.types import LayerRange, NodeID, Plan
+from tests.unit.dht.records import peer_record
+
+pytestmark = pytest.mark.timeout(60)
+
+R = LayerRange
+
+
+def plan_record(epoch: int, placement: dict[str, LayerRange], planner: str = "QmA") -> PlanRecord:
+    plan = Plan("milp", {NodeID(p): r for p, r in placement.items()}, 10.0, epoch=epoch)
+    return PlanRecord(epoch=epoch, planner_peer_id=planner, plan=plan.to_json(), created_at=0.0)
+
+
+def snapshot(plan: PlanRecord | None, *held: tuple[str, int, int], **changes: Any) -> SwarmSnapshot:
+    peers = {pid: peer_record(pid, start, end, **changes) for pid, start, end in held}
+    return SwarmSnapshot(peers=peers, plan=plan, planner_peer_id="QmA", fetched_at=0.0)
+
+
+def test_planned_range_only_for_a_newer_epoch_that_moves_us():
+    plan = plan_record(3, {"QmA": R(0, 4), "QmB": R(4, 8)})
+    snap = snapshot(plan, ("QmA", 0, 8), ("QmB", 0, 8))
+    assert planned_range("QmA", R(0, 8), snap, adopted_epoch=2, num_layers=8) == R(0, 4)
+    assert planned_range("QmB", R(0, 8), snap, adopted_epoch=0, num_layers=8) == R(4, 8)
+    assert planned_range("QmA", R(0, 8), snap, adopted_epoch=3, num_layers=8) is None  # already adopted
+    assert planned_range("QmA", R(0, 4), snap, adopted_epoch=0, num_layers=8) is None  # already there
+    assert planned_range("QmC", R(0, 8), snap, adopted_epoch=0, num_layers=8) is None  # not in the plan
+    assert planned_range("QmA", R(0, 8), snapshot(None), adopted_epoch=0, num_layers=8) is None
+    assert planned_range("QmB", R(0, 2), snap, adopted_epoch=0, num_layers=6) is None  # past the model
+
+
+def test_malformed_plan_is_ignored():
+    bad = PlanRecord(epoch=5, planner_peer_id="QmA", plan={"placement": {"QmA": [4, 2]}}, created_at=0.0)
+    assert planned_range("QmA", R(0, 8), snapshot(bad), adopted_epoch=0, num_layers=8) is None
+
+
+def test_transition_serves_the_hull_when_it_fits():
+    assert transition_range(R(0, 3), R(2, 4), max_layers=4) == R(0, 4)
+    assert transition_range(R(0, 3), R(2, 4), max_layers=3) == R(2, 4)  # too big: straight to the target
+    assert transition_range(R(2, 6), R(3, 5), max_layers=4) == R(
+        2, 6
+    )  # shrinking: keep all until handed over
+    assert transition_range(R(0, 2), R(4, 6), max_layers=6) == R(0, 6)  # disjoint: the gap too, if it fits
+
+
+def test_dropped_layers():
+    assert dropped_layers(R(0, 4), R(2, 6)) == [0, 1]
+    assert dropped_layers(R(2, 4), R(0, 6)) == []
+
+
+def test_a_layer_is_kept_only_by_a_peer_that_stays_on_it():
+    # A moves 0:4 -> 4:8 and B 4:8 -> 0:4; C is not in the plan.
+    plan = plan_record(1, {"QmA": R(4, 8), "QmB": R(0, 4)})
+    # B still serves only its old 4:8: nobody keeps A's 0:4 yet.
+    snap = snapshot(plan, ("QmA", 0, 4), ("QmB", 4, 8))
+    assert unkept_layers("QmA", [0, 1, 2, 3], snap) == [0, 1, 2, 3]
+    # B serves the hull 0:8 now: it keeps 0:4 (its planned range), not 4:8 (it is leaving those).
+    snap = snapshot(plan, ("QmA", 0, 8), ("QmB", 0, 8))
+    assert unkept_layers("QmA", [0, 1, 2, 3], snap) == []
+    assert unkept_layers("QmA", [4, 5], snap) == [4, 5]  # A must not count on B for B's old layers
+    assert unkept_layers("QmB", [4, 5], snap) == []  # ...but B counts on A, which the plan gives 4:8
+    # A peer the plan does not name does not move this epoch: it keeps what it serves.
+    snap = snapshot(plan, ("QmA", 0, 4), ("QmC", 2, 6))
+    assert unkept_layers("QmA", [0, 1, 2, 3], snap) == [0, 1]
+    # Only serving peers count.
+    snap = snapshot(plan, ("QmA", 0, 4), ("QmB", 0, 8), state="loading")
+    assert unkept_layers("QmA", [0], snap) == [0]
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="must be > 0"):
+        FollowConfig(check_interval_s=0)
+    with pytest.raises(ValueError, match="session_grace_s"):
+        FollowConfig(session_grace_s=-1)
+
+
+def test_narrowed_blocks_compute_exactly_what_freshly_loaded_ones_do(tiny_source):
+    hull = tiny_source.load_blocks(1, 5, "cpu", "float32", 256)
+    narrowed = narrow_blocks(tiny_source, hull, R(2, 4))
+    fresh = tiny_source.load_blocks(2, 4, "cpu", "float32", 256)
+    assert narrowed.range == R(2, 4) and narrowed.cache.cache_tokens == 256
+    hidden = torch.randn(5, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for blocks in (narrowed, fresh):
+        blocks.open_session("s", 16)
+    (a,) = narrowed.forward([Step("s", hidden, 2, 4, 0)])
+    (b,) = fresh.forward([Step("s", hidden, 2, 4, 0)])
+    assert torch.equal(a, b)
+    (a,) = narrowed.forward([Step("s", hidden[:1], 2, 4, 5)])  # decode from the cache
+    (b,) = fresh.forward([Step("s", hidden[:1], 2, 4, 5)])
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not inside"):
+        narrow_blocks(tiny_source, hull, R(0, 2))

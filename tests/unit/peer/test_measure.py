@@ -1,0 +1,49 @@
+"""Layer choice and memory sizing: pure functions on hand-computed inputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swarm.dht import LinkMeasure
+from swarm.models.spec import ModelSpec
+from swarm.peer.measure import LinkConfig, LinkMonitor, choose_range, max_layers_within
+from swarm.types import LayerRange
+
+pytestmark = pytest.mark.timeout(10)
+
+SPEC = ModelSpec("m", "llama", 10, 64, 4, 2, 100, "float32", "h", intermediate_size=128)
+
+
+def test_choose_range_takes_the_least_covered_window() -> None:
+    assert choose_range([0] * 6, 2) == LayerRange(0, 2)
+    assert choose_range([1, 1, 0, 0, 1, 1], 2) == LayerRange(2, 4)
+    assert choose_range([2, 2, 1, 1, 1, 0], 3) == LayerRange(3, 6)
+    # Equal minimum: the window with less total coverage wins.
+    assert choose_range([0, 5, 5, 0, 1, 1], 3) == LayerRange(3, 6)
+
+
+def test_choose_range_clamps_to_the_model() -> None:
+    assert choose_range([3, 3, 3], 10) == LayerRange(0, 3)
+    assert choose_range([3, 0, 3], 0) == LayerRange(1, 2)
+
+
+def test_max_layers_within_counts_weights_and_cache() -> None:
+    per_layer = SPEC.layer_bytes("float32") + 100 * SPEC.kv_bytes_per_token("float32")
+    assert max_layers_within(SPEC, "float32", 3 * per_layer, 100) == 3
+    assert max_layers_within(SPEC, "float32", 3 * per_layer - 1, 100) == 2
+    assert max_layers_within(SPEC, "float32", 10**12, 100) == SPEC.num_layers
+    assert max_layers_within(SPEC, "float32", 0, 100) == 0
+    # 16-bit weights and cache fit twice as many layers.
+    assert max_layers_within(SPEC, "bfloat16", 3 * per_layer, 100) == 6
+
+
+def test_link_monitor_picks_nearest_plus_a_bounded_sample() -> None:
+    monitor = LinkMonitor(None, "me", None, LinkConfig(nearest=2, sample=1), rng=random.Random(0))  # type: ignore[arg-type]
+    monitor.links = {f"p{i}": LinkMeasure(rtt_s=0.01 * (i + 1), bandwidth_bytes_s=1e6) for i in range(5)}
+    candidates = [f"p{i}" for i in range(10)]
+    picked = monitor.pick(candidates)
+    assert picked[:2] == ["p0", "p1"] and len(picked) == 3 and len(set(picked)) == 3
+    fresh = LinkMonitor(None, "me", None, LinkConfig(nearest=2, sample=1), rng=random.Random(0))  # type: ignore[arg-type]
+    assert len(fresh.pick(candidates)) == 3  # nothing measured yet: a random sample of nearest + sample
