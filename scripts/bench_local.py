@@ -115,7 +115,7 @@ def main() -> None:
     saved_cache = os.environ.get("FLOWSWARM_CACHE")
     os.environ["FLOWSWARM_CACHE"] = fresh_cache
     try:
-        *_, load_s_cold = load_all(args.model)
+        cold_source, *_, load_s_cold = load_all(args.model)
         load_s_warm = min(load_all(args.model)[3] for _ in range(2))
     finally:
         shutil.rmtree(fresh_cache, ignore_errors=True)
@@ -151,6 +151,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "tokens_match": tokens_match,
+        # a fresh conversion must give the same hash, or peers converting independently would disagree
+        "weights_hash_reproducible": cold_source.spec.weights_hash == source.spec.weights_hash,
         "threads": torch.get_num_threads(),
     }
     json.dump(report, sys.stdout)

@@ -46,11 +46,17 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         return "source" if i == SRC else "sink" if i == SNK else str(sim.ids[i])
 
     busiest = sorted(waits, key=lambda w: -w[0])[:5]
+    # Online runs end with a drain (no new arrivals, the last sessions finishing) that dilutes tokens / span;
+    # this is the rate while requests were still arriving, from whole throughput buckets.
+    last_arrival_s = max(req.arrival_s for req in trace)
+    whole = int(last_arrival_s / sim.config.bucket_s)
+    while_arriving = sum(sim.buckets[:whole]) / (whole * sim.config.bucket_s) if whole > 0 else None
     return {
         "placement": placement,
         "scheduling": scheduling,
         "max_flow_tokens_s": sim.plan.max_flow_tokens_s,
         "decode_tokens_s": tokens / span_s,
+        "decode_tokens_s_while_arriving": while_arriving,
         "prompt_latency_s": percentiles(prompt),
         "decode_latency_s": percentiles(decode),
         "completed_requests": len(done),

@@ -77,6 +77,7 @@ class ModelSource:
         from transformers import AutoConfig
 
         self.path = path
+        self._prefix = "model."  # Llama-family checkpoints name decoder tensors model.layers.N.*
         self.config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
         self._files = self._tensor_files()  # tensor name -> file holding it
         meta = checkpoints.read_metadata(path)

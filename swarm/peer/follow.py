@@ -11,6 +11,9 @@ range N goes:
   3. Switch to T (announce it at once), then, the same way, wait until T - N is kept by others and narrow T
      to N, reusing the loaded modules (no second load).
 
+Blocks are assembled from the modules already held plus only the layers missing, so the hull path never holds
+more than max_layers layers; the direct path (hull too big) holds O and N - O at once for the handover.
+
 Every planned layer is served by its planned peer as soon as that peer finishes step 1, which waits on no one,
 so the waits in step 2 always end unless the hull did not fit on two peers swapping disjoint ranges. For that
 case a wait gives up after handover_timeout_s and drops the layers anyway (logged as a warning).
@@ -26,6 +29,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from torch import nn
 
 from swarm.dht import Directory, SwarmSnapshot
 from swarm.models.blocks import BlockRange
@@ -114,14 +119,27 @@ def unkept_layers(peer_id: str, layers: list[int], snapshot: SwarmSnapshot) -> l
 # ---------------------------------------------------------------------------------------------- actions
 
 
-def narrow_blocks(source: ModelSource, blocks: BlockRange, layers: LayerRange) -> BlockRange:
-    """A BlockRange of `layers` (inside blocks.range) sharing blocks' modules: no reload, a fresh KV cache."""
-    if not blocks.range.covers(layers):
-        raise ValueError(f"cannot narrow blocks {blocks.range} to {layers}: not inside")
-    offset = layers.start - blocks.range.start
-    modules = list(blocks.layers)[offset : offset + len(layers)]
+def assemble_blocks(source: ModelSource, held: BlockRange, layers: LayerRange) -> BlockRange:
+    """A BlockRange of `layers` with a fresh KV cache, reusing `held`'s modules for the layers it has and
+    loading only the others (run it off the event loop). The modules are read-only at inference, so the old
+    and the new BlockRange can share them while the old one still serves."""
+    layers.check_within(source.spec.num_layers)
+    device, dtype = str(held.device), str(held.dtype).removeprefix("torch.")
+    modules: list[nn.Module] = []
+    layer = layers.start
+    while layer < layers.end:
+        if layer in held.range:
+            modules.append(held.layers[layer - held.range.start])
+            layer += 1
+            continue
+        # A run of layers we do not hold: load it in one go.
+        end = held.range.start if layer < held.range.start else layers.end
+        end = min(end, layers.end)
+        loaded = source.load_blocks(layer, end, device, dtype, 0)
+        modules.extend(loaded.layers)
+        layer = end
     return BlockRange(
-        source.spec, source.config, modules, layers, blocks.cache.cache_tokens, blocks.device, blocks.dtype
+        source.spec, source.config, modules, layers, held.cache.cache_tokens, held.device, held.dtype
     )
 
 
@@ -197,21 +215,14 @@ class PlanFollower:
         transit = transition_range(old, target, self.max_layers)
         logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
         if transit != old:
-            blocks = await asyncio.to_thread(
-                self.source.load_blocks,
-                transit.start,
-                transit.end,
-                str(self.executor.blocks.device),
-                str(self.executor.blocks.dtype).removeprefix("torch."),
-                int(self.executor.blocks.cache.cache_tokens),
-            )
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, self.executor.blocks, transit)
             if not await self._handover(dropped_layers(old, transit), epoch):
                 return False
             await self._switch(blocks)
         if transit != target:
             if not await self._handover(dropped_layers(transit, target), epoch):
                 return False
-            await self._switch(narrow_blocks(self.source, self.executor.blocks, target))
+            await self._switch(assemble_blocks(self.source, self.executor.blocks, target))  # no load: inside
         self.moves += 1
         logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
         return True

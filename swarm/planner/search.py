@@ -2,8 +2,9 @@
 
 Why this and not only the MILP: HiGHS on the literal Helix MILP finds poor placements slowly (see milp.py),
 while a plain annealer on the coverage score is fast and strong. The state is one range per node (count 0 =
-idle); moves are shift, grow, shrink, swap two nodes' ranges, and "cover the bottleneck" (move a node onto
-the weakest layer). The objective is
+idle); moves are shift, grow, shrink, move a boundary shared with an abutting node (both change, so no
+hole opens), swap two nodes' ranges, and "cover the bottleneck" (move a node onto the weakest layer).
+Only states that hold every layer are accepted, so the result is always valid. The objective is
 
     flow(placement) - reload_cost_tokens_s * (layers nodes must load anew vs. `current`)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
-from swarm.planner.coverage_ip import solve_coverage_ip
+from swarm.planner.coverage_ip import MAX_KINDS, node_kinds, solve_coverage_ip
 from swarm.planner.graph import max_flow, upper_bound
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
 from swarm.planner.milp import MilpConfig, solve_milp
@@ -58,9 +58,12 @@ def _shares(cluster: Cluster, method: str, regional: bool) -> _Shares:
     if method == "search":
         return _Shares(0.3, 0.0, 0.7, 0.0) if regional else _Shares(1.0, 0.0, 0.0, 0.0)
     small = len(cluster.nodes) <= SMALL_CLUSTER_NODES
+    use_ip = len(node_kinds(cluster)) <= MAX_KINDS or small
     if regional:
-        return _Shares(0.15, 0.15, 0.3, 0.4) if small else _Shares(0.2, 0.2, 0.4, 0.2)
-    return _Shares(0.2, 0.3, 0.0, 0.5) if small else _Shares(0.35, 0.45, 0.0, 0.2)
+        return _Shares(0.2, 0.2 if use_ip else 0.0, 0.4 if use_ip else 0.6, 0.2)
+    if small:
+        return _Shares(0.2, 0.3, 0.0, 0.5)
+    return _Shares(0.35, 0.45, 0.0, 0.2) if use_ip else _Shares(0.8, 0.0, 0.0, 0.2)
 
 
 class _Best:
@@ -88,7 +91,8 @@ class _Best:
 
     @property
     def placement(self) -> Placement:
-        assert self.plan is not None  # offer() has accepted at least the heuristics by now
+        if self.plan is None:  # the heuristics always give one; this guards against a future change
+            raise PlanningError("no valid starting placement")
         return self.plan.placement
 
 
@@ -125,6 +129,7 @@ def solve(
             best.offer(heuristic(cluster))
         best.offer(_usable_current(cluster, current), "current" if current else None)
         regional = len(cluster.regions) > 1
+        small = len(cluster.nodes) <= SMALL_CLUSTER_NODES
         shares = _shares(cluster, method, regional)
 
         def budget(share: float) -> float:
@@ -132,12 +137,19 @@ def solve(
             return max(0.0, min(share * time_limit_s, left))
 
         if not regional:
-            config = SearchConfig(
-                time_limit_s=budget(shares.coverage_anneal), seed=seed, reload_cost_tokens_s=reload_cost
-            )
-            best.offer(anneal(cluster, best.placement, config, current=held), "search")
+            # Two chains from the same start: single runs vary by a few percent with the seed (measured).
+            chain_s = budget(shares.coverage_anneal) / 2
+            start = best.placement
+            for chain in range(2):
+                config = SearchConfig(
+                    time_limit_s=chain_s, seed=seed + chain, reload_cost_tokens_s=reload_cost
+                )
+                best.offer(anneal(cluster, start, config, current=held), f"search{chain}")
             if shares.coverage_ip > 0:
-                result = solve_coverage_ip(cluster, budget(shares.coverage_ip), best.placement, held, seed)
+                # Small clusters afford exact kinds, whose dual bound is then valid even with jittered tables.
+                result = solve_coverage_ip(
+                    cluster, budget(shares.coverage_ip), best.placement, held, seed, pool=not small
+                )
                 best.offer(result.placement, "coverage_ip")
                 if result.bound_valid:
                     bound = min(bound, result.dual_bound_tokens_s)

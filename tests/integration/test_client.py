@@ -1,8 +1,9 @@
 """SwarmClient against real `swarm-peer join` processes on 127.0.0.1, checked against local transformers.
 
-One default-model swarm (layers 0:10, 10:20, 20:30) serves the exactness, streaming and concurrency tests; a
-replica of 10:20 then joins and the middle peer of a live session is SIGKILLed mid-answer. A small tiny-model
-swarm with a gap checks the errors a user gets for missing layers and for the wrong model.
+One default-model swarm (layers 0:10, 10:20, 20:30) serves every test: exactness, streaming, concurrency and
+the README example first; then a replica of 10:20 joins and the middle peer of a live session is SIGKILLed
+mid-answer; then the other holder of 10:20 dies too (NoRouteError naming 10:20), and a client that loaded
+other weights is refused with ModelMismatch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -103,19 +103,6 @@ def test_two_clients_generate_concurrently(
     assert results == {"one": expected_answer, "two": alone[1]}
 
 
-@pytest.mark.timeout(240)
-def test_missing_layers_and_wrong_model_get_clear_errors(tmp_path: Path) -> None:
-    with LocalSwarm(tmp_path, model="tiny") as swarm:
-        swarm.start_peer(layers="0:2", extra_args=FIXED)
-        swarm.start_peer(layers="4:6", extra_args=FIXED)
-        with pytest.raises(NoRouteError) as info:
-            SwarmClient(swarm.initial_peers, model="tiny", connect_timeout_s=8.0)
-        assert info.value.missing_layers == [2, 3]
-        assert "2:4" in str(info.value)
-        with pytest.raises(ModelMismatch, match="tiny-0"):
-            SwarmClient(swarm.initial_peers, model="tiny:1", connect_timeout_s=8.0)
-
-
 # The README's example, verbatim but for the multiaddr (the lead pastes it into README.md).
 README_EXAMPLE = """\
 from client import SwarmClient
@@ -161,3 +148,22 @@ def test_killing_the_middle_peer_mid_answer_gives_the_same_text(
     assert session is not None and session.failovers >= 1
     assert killed is not None and str(session.stages[1].peer_id) != killed.peer_id
     assert [str(s.peer_id) for s in session.stages][0] == default_swarm.peers[0].peer_id  # upstream kept
+
+
+@pytest.mark.timeout(120)
+def test_losing_every_holder_of_a_range_gives_no_route_error_naming_it(
+    default_swarm: LocalSwarm, client: SwarmClient
+) -> None:
+    for peer in default_swarm.peers:
+        if peer.name.startswith("middle") and peer.proc.poll() is None:
+            peer.kill()
+    with pytest.raises(NoRouteError) as info:
+        client.generate(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS)
+    assert info.value.missing_layers == list(range(10, 20))
+    assert "10:20" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_client_with_other_weights_gets_model_mismatch(default_swarm: LocalSwarm) -> None:
+    with pytest.raises(ModelMismatch, match="SmolLM2-135M-Instruct"):
+        SwarmClient(default_swarm.initial_peers, model="tiny", connect_timeout_s=10.0)

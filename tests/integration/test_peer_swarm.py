@@ -18,9 +18,9 @@ import torch
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ModelMismatch, ProtocolError, SessionError
 from swarm.models.loading import ModelSource, resolve_model
-from swarm.transport import call_close, call_info, call_step
+from swarm.transport import call_close, call_info, call_probe, call_step
 from swarm.transport.channel import call_raw
-from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply, encode_tensor
+from swarm.wire import ErrorReply, Hop, ProbeRequest, StepRequest, decode_reply, encode_tensor
 from tests.helpers.swarm import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -234,6 +234,11 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
                 )
             info = await call_info(p2p, peer.peer_id, maddrs=peer.maddrs)
             assert info.state == "serving" and info.active_sessions == 0
+            # Past the 4 MiB unary cap both ways: the request and the reply go by stream.
+            big = 5 * 1024**2
+            probe = ProbeRequest(payload=bytes(big), reply_bytes=big)
+            reply = await call_probe(p2p, peer.peer_id, probe, maddrs=peer.maddrs, timeout_s=30)
+            assert reply.received_bytes == big and len(reply.payload) == big
         assert peer.proc.poll() is None
 
     asyncio.run(run())

@@ -11,8 +11,8 @@ from swarm.dht import PlanRecord, SwarmSnapshot
 from swarm.models.blocks import Step
 from swarm.peer.follow import (
     FollowConfig,
+    assemble_blocks,
     dropped_layers,
-    narrow_blocks,
     planned_range,
     transition_range,
     unkept_layers,
@@ -92,19 +92,25 @@ def test_config_checks():
         FollowConfig(session_grace_s=-1)
 
 
-def test_narrowed_blocks_compute_exactly_what_freshly_loaded_ones_do(tiny_source):
-    hull = tiny_source.load_blocks(1, 5, "cpu", "float32", 256)
-    narrowed = narrow_blocks(tiny_source, hull, R(2, 4))
-    fresh = tiny_source.load_blocks(2, 4, "cpu", "float32", 256)
-    assert narrowed.range == R(2, 4) and narrowed.cache.cache_tokens == 256
+@pytest.mark.parametrize(
+    ("held", "target"), [(R(1, 5), R(2, 4)), (R(2, 4), R(1, 5)), (R(0, 2), R(1, 3)), (R(0, 2), R(4, 6))]
+)
+def test_assembled_blocks_compute_exactly_what_freshly_loaded_ones_do(tiny_source, held, target):
+    old = tiny_source.load_blocks(held.start, held.end, "cpu", "float32", 256)
+    built = assemble_blocks(tiny_source, old, target)
+    fresh = tiny_source.load_blocks(target.start, target.end, "cpu", "float32", 256)
+    assert built.range == target and built.cache.cache_tokens == 256
+    for layer in range(target.start, target.end):  # held layers are shared, not reloaded
+        shared = built.layers[layer - target.start] is (
+            old.layers[layer - held.start] if layer in held else None
+        )
+        assert shared == (layer in held)
     hidden = torch.randn(5, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    for blocks in (narrowed, fresh):
+    for blocks in (built, fresh):
         blocks.open_session("s", 16)
-    (a,) = narrowed.forward([Step("s", hidden, 2, 4, 0)])
-    (b,) = fresh.forward([Step("s", hidden, 2, 4, 0)])
+    (a,) = built.forward([Step("s", hidden, target.start, target.end, 0)])
+    (b,) = fresh.forward([Step("s", hidden, target.start, target.end, 0)])
     assert torch.equal(a, b)
-    (a,) = narrowed.forward([Step("s", hidden[:1], 2, 4, 5)])  # decode from the cache
-    (b,) = fresh.forward([Step("s", hidden[:1], 2, 4, 5)])
+    (a,) = built.forward([Step("s", hidden[:1], target.start, target.end, 5)])  # decode from the cache
+    (b,) = fresh.forward([Step("s", hidden[:1], target.start, target.end, 5)])
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="not inside"):
-        narrow_blocks(tiny_source, hull, R(0, 2))

@@ -1,0 +1,118 @@
+"""client.routes: DHT snapshots -> routing views -> routes, with KV high-water masking, bans and plan epochs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client.routes import SwarmRoutes, routing_view
+from swarm.dht import PlanRecord, SwarmSnapshot
+from swarm.errors import NoRouteError
+from swarm.routing import BanConfig
+from swarm.types import SOURCE, EdgeFlow, LayerRange, NodeID, Plan
+from tests.unit.dht.records import peer_record
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def snapshot(*records, plan: Plan | None = None) -> SwarmSnapshot:  # type: ignore[no-untyped-def]
+    plan_record = (
+        PlanRecord(epoch=plan.epoch, planner_peer_id="a", plan=plan.to_json(), created_at=0.0)
+        if plan
+        else None
+    )
+    return SwarmSnapshot(
+        peers={r.peer_id: r for r in records}, plan=plan_record, planner_peer_id=None, fetched_at=0.0
+    )
+
+
+def make_routes(snapshots: list[SwarmSnapshot], clock: FakeClock) -> tuple[SwarmRoutes, list[int]]:
+    reads: list[int] = []
+
+    async def read() -> SwarmSnapshot:
+        reads.append(1)
+        return snapshots[min(len(reads), len(snapshots)) - 1]
+
+    routes = SwarmRoutes(
+        read,
+        8,
+        cache_high_water=0.9,
+        snapshot_max_age_s=2.0,
+        bans=BanConfig(base_s=10.0, max_s=60.0),
+        clock=clock,
+    )
+    return routes, reads
+
+
+def test_peers_past_the_cache_high_water_mark_are_skipped() -> None:
+    # b2 has 300 free of 4096: below the 10 % (409 tokens) it keeps back, so it takes no new session
+    snap = snapshot(
+        peer_record("a", 0, 4),
+        peer_record("b", 4, 8, free_cache_tokens=2000),
+        peer_record("b2", 4, 8, free_cache_tokens=300),
+    )
+    routes, _ = make_routes([snap], FakeClock())
+    for _ in range(4):
+        route = asyncio.run(routes.route(0, SOURCE, 256))
+        assert [(s.peer_id, str(s.layers)) for s in route] == [("a", "0:4"), ("b", "4:8")]
+
+
+def test_only_serving_peers_within_the_model_are_routed() -> None:
+    snap = snapshot(peer_record("a", 0, 8, state="loading"), peer_record("b", 0, 8))
+    view = routing_view(snap, 8, 0.9)
+    assert set(view.peers) == {"b"}
+
+
+def test_bans_steer_failover_and_missing_layers_are_named() -> None:
+    clock = FakeClock()
+    routes, reads = make_routes(
+        [snapshot(peer_record("a", 0, 4), peer_record("b", 4, 8), peer_record("b2", 4, 8))], clock
+    )
+    first = asyncio.run(routes.route(0, SOURCE, 16))
+    victim = first[1].peer_id
+    routes.ban(victim)
+    tail = asyncio.run(routes.route(4, first[0].peer_id, 16))
+    assert [s.peer_id for s in tail] == [({"b", "b2"} - {victim}).pop()]
+    routes.ban(tail[0].peer_id)
+    with pytest.raises(NoRouteError) as info:
+        asyncio.run(routes.route(4, NodeID("a"), 16))
+    assert info.value.missing_layers == [4, 5, 6, 7]
+    assert len(reads) == 2  # the failure was retried once on a fresh snapshot
+    clock.now_s = 11.0  # the first ban is over
+    assert asyncio.run(routes.route(4, NodeID("a"), 16))[0].peer_id == victim
+
+
+def test_routes_follow_the_plan_flows_and_a_new_epoch_replaces_the_router() -> None:
+    peers = [peer_record("a", 0, 4), peer_record("b", 4, 8), peer_record("c", 4, 8)]
+    flows = (
+        EdgeFlow(SOURCE, NodeID("a"), 30.0),
+        EdgeFlow(NodeID("a"), NodeID("b"), 20.0),
+        EdgeFlow(NodeID("a"), NodeID("c"), 10.0),
+    )
+    placement = {NodeID("a"): LayerRange(0, 4), NodeID("b"): LayerRange(4, 8), NodeID("c"): LayerRange(4, 8)}
+    plan1 = Plan("milp", placement, 30.0, flows, epoch=1)
+    plan2 = Plan("milp", placement, 30.0, (*flows[:1], EdgeFlow(NodeID("a"), NodeID("c"), 30.0)), epoch=2)
+    clock = FakeClock()
+    routes, _ = make_routes([snapshot(*peers, plan=plan1), snapshot(*peers, plan=plan2)], clock)
+    picks = [asyncio.run(routes.route(0, SOURCE, 16))[1].peer_id for _ in range(6)]
+    assert picks.count("b") == 4 and picks.count("c") == 2  # 20 : 10 tokens/s
+    clock.now_s = 5.0  # the cached snapshot is stale: the next read brings epoch 2
+    picks = [asyncio.run(routes.route(0, SOURCE, 16))[1].peer_id for _ in range(3)]
+    assert picks == ["c", "c", "c"]
+
+
+def test_waiting_for_coverage_names_the_gap_at_the_deadline() -> None:
+    routes, _ = make_routes([snapshot(peer_record("a", 0, 2), peer_record("b", 5, 8))], FakeClock())
+    with pytest.raises(NoRouteError) as info:
+        asyncio.run(routes.wait_for_coverage(0.0))
+    assert info.value.missing_layers == [2, 3, 4]
+    assert "2:5" in str(info.value)
