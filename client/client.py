@@ -77,7 +77,7 @@ class AsyncSwarmClient:
         config = replace(config or ClientConfig(), initial_peers=tuple(initial_peers), model=model)
         if not config.initial_peers:
             raise ValueError("initial_peers is empty: give the multiaddr of at least one running peer")
-        source = resolve_model(config.model)
+        source = await asyncio.to_thread(resolve_model, config.model)  # may convert a checkpoint once
         spec = source.spec
         head = await asyncio.to_thread(source.load_head, config.device, config.dtype)
         tokenizer = await asyncio.to_thread(source.tokenizer)
@@ -126,6 +126,10 @@ class AsyncSwarmClient:
         """Token ids of a plain prompt, or of chat `messages` rendered with the model's chat template."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt= or messages=")
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer (the tiny test model): use generate_ids with token ids"
+            )
         if messages is not None:
             for m in messages:
                 if (

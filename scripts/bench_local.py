@@ -129,11 +129,15 @@ def main() -> None:
     ids = prompt_ids(source, args.prompt_tokens)
     best = {"local_prefill": 0.0, "local_decode": 0.0, "split_prefill": 0.0, "split_decode": 0.0}
     tokens_match = True
-    for _ in range(args.repeats):
-        results = {
-            "local": run_local(reference, ids, args.new_tokens),
-            "split": run_split(blocks, head, ids, args.new_tokens),
-        }
+    for repeat in range(args.repeats):
+        # alternate which side goes first, so neither always runs right after the other's cache warm-up
+        order = ["local", "split"] if repeat % 2 == 0 else ["split", "local"]
+        results = {}
+        for name in order:
+            if name == "local":
+                results[name] = run_local(reference, ids, args.new_tokens)
+            else:
+                results[name] = run_split(blocks, head, ids, args.new_tokens)
         for name, (prefill_s, decode_s, _tokens) in results.items():
             best[f"{name}_prefill"] = max(best[f"{name}_prefill"], len(ids) / prefill_s)
             best[f"{name}_decode"] = max(best[f"{name}_decode"], (args.new_tokens - 1) / decode_s)

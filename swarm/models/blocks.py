@@ -5,8 +5,9 @@ layout and batching; the weights and small submodules (norms, projections, MLP, 
 transformers modules of the checkpoint's family, so numerics match transformers.
 
 One forward() call takes a list of Steps. Decode steps (one token) of different sessions that cover the same
-sub-range run as ONE batched forward, their keys padded to the longest session and masked; everything else
-(prefill, stateless) runs one step at a time. A BlockRange is not thread-safe: one executor thread owns it.
+sub-range run as ONE batched forward: norms, projections and MLP see a [B, 1, H] batch (the weights are read
+once, which is what decode speed is bound by), attention runs per session over its own cache (no padding copies;
+2x faster than padding+masking at 8 sessions of ~1k tokens on CPU). Prefill and stateless steps run one by one. A BlockRange is not thread-safe: one executor thread owns it.
 """
 
 from __future__ import annotations
@@ -213,11 +214,6 @@ class BlockRange:
             # T new queries after `first` cached keys: query i sees keys 0 .. first + i.
             key_pos = torch.arange(first + tokens, device=self.device)  # [L]
             mask = key_pos[None, :] <= (first + torch.arange(tokens, device=self.device))[:, None]  # [T, L]
-        elif batch > 1:
-            # Decode batch: session b sees its own position_b + 1 keys; the rest is padding.
-            lengths = positions + 1  # [B]
-            key_pos = torch.arange(int(lengths.max()), device=self.device)  # [L_max]
-            mask = (key_pos[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L_max]
 
         for layer in range(start, end):
             h = self._layer(layer, h, cos, sin, caches, mask, is_causal)
@@ -243,22 +239,26 @@ class BlockRange:
         k = attn.k_proj(x).view(batch, tokens, num_kv, head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         v = attn.v_proj(x).view(batch, tokens, num_kv, head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        gqa = num_kv != num_heads
 
-        if caches is not None and batch == 1:
-            keys, values = caches[0].append(layer, k[0], v[0])  # [nkv, L, hd], past + new
-            k, v = keys[None], values[None]  # [1, nkv, L, hd]
-        elif caches is not None and mask is not None:  # batched decode: pad every session to L_max keys
-            padded_k = k.new_zeros(batch, num_kv, mask.shape[-1], head_dim)  # [B, nkv, L_max, hd]
-            padded_v = torch.zeros_like(padded_k)
+        if caches is not None and batch > 1:
+            # Batched decode (T == 1): attention per session over its own cache, no padding.
+            outs = []
             for b, cache in enumerate(caches):
                 keys, values = cache.append(layer, k[b], v[b])  # [nkv, L_b, hd]
-                padded_k[b, :, : keys.shape[1]] = keys
-                padded_v[b, :, : values.shape[1]] = values
-            k, v = padded_k, padded_v
-
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=attn.scaling, enable_gqa=num_kv != num_heads
-        )  # [B, nh, T, hd]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[b : b + 1], keys[None], values[None], scale=attn.scaling, enable_gqa=gqa
+                    )
+                )
+            out = torch.cat(outs)  # [B, nh, 1, hd]
+        else:
+            if caches is not None:
+                keys, values = caches[0].append(layer, k[0], v[0])  # [nkv, L, hd], past + new
+                k, v = keys[None], values[None]  # [1, nkv, L, hd]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=attn.scaling, enable_gqa=gqa
+            )  # [B, nh, T, hd]
         out = out.transpose(1, 2).reshape(batch, tokens, num_heads * head_dim)  # [B, T, nh * hd]
         h = h + attn.o_proj(out)
         return h + block.mlp(block.post_attention_layernorm(h))

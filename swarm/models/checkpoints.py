@@ -97,8 +97,8 @@ def weights_hash(path: Path) -> str:
             entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_sha256(file)}
             cached[key], changed = entry, True
         digest.update(f"{file.name}:{entry['sha256']}\n".encode())
-    if changed:
-        _write_json_atomic(cache_file, cached)
+    if changed:  # also forget files that are gone (test checkpoints in temp dirs), so the cache stays small
+        _write_json_atomic(cache_file, {k: v for k, v in cached.items() if Path(k).exists()})
     return digest.hexdigest()
 
 

@@ -103,7 +103,9 @@ class ModelSource:
         return files
 
     def _stored_dtype(self) -> str:
-        name = next(n for n in self._files if n.endswith("norm.weight"))
+        if not self._files:
+            raise ValueError(f"checkpoint {self.path} holds no tensors")
+        name = next((n for n in self._files if n.endswith("norm.weight")), next(iter(self._files)))
         with safe_open(str(self._files[name]), framework="pt") as f:
             stored = f.get_slice(name).get_dtype()  # from the header, no data read
         return _SAFETENSORS_DTYPES.get(stored, "float32")

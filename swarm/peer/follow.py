@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from swarm.dht import Directory, SwarmSnapshot
+from swarm.errors import SwarmError
 from swarm.models.blocks import BlockRange
 from swarm.models.loading import ModelSource
 from swarm.peer.executor import Executor
@@ -182,8 +183,8 @@ class PlanFollower:
         while True:
             try:
                 await self.check()
-            except (TimeoutError, OSError, RuntimeError) as e:
-                logger.warning("plan check failed: %r", e)
+            except (TimeoutError, OSError, RuntimeError, SwarmError) as e:  # e.g. executor queue full: retry
+                logger.warning("plan check failed (retrying in %.1f s): %r", self.config.check_interval_s, e)
             await asyncio.sleep(self.config.check_interval_s)
 
     async def check(self) -> None:

@@ -86,6 +86,8 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
     logger.info("resolving model %s", config.model)
     source = await asyncio.to_thread(resolve_model, config.model)
     spec = source.spec
+    if config.layers != "auto":  # a bad range fails now, before we join the swarm
+        LayerRange.parse(config.layers).check_within(spec.num_layers)
     dht_config = DHTConfig(
         initial_peers=config.initial_peers,
         host=config.host,

@@ -158,6 +158,7 @@ def test_peers_move_to_the_plan_without_a_coverage_gap(tmp_path):
         # Every layer was served at some point (3:6 only after a move), and once served, never dropped.
         assert None not in seen.min_coverage, (seen.min_coverage, seen.ranges_seen, logs)
         assert min(c or 0 for c in seen.min_coverage) >= 1, (seen.min_coverage, seen.ranges_seen, logs)
+        assert seen.unfollowed_polls == 0, (seen.ranges_seen, logs)  # once there, every peer stays there
         epoch = max(seen.plan_seen_at)
         print(
             json.dumps(

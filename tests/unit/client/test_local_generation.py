@@ -18,7 +18,7 @@ from client.config import ClientConfig
 from client.local import LocalChain, LocalRoutes
 from swarm.errors import NoRouteError
 from swarm.models.head import Sampler, SamplingParams
-from swarm.models.loading import ModelSource, resolve_model
+from swarm.models.loading import ModelSource
 from swarm.types import NodeID
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,8 +64,8 @@ def greedy_reference(model: Any, ids: list[int], steps: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> ModelSource:
-    return resolve_model("tiny")
+def tiny(tiny_source: ModelSource) -> ModelSource:
+    return tiny_source
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,24 @@ def test_killed_middle_peer_fails_over_to_replica_with_identical_output(
     assert client.routes.bans.is_banned(state["victim"])  # type: ignore[attr-defined]
 
 
+def test_a_peer_that_lost_the_session_gets_a_replay_not_a_ban(tiny: ModelSource, tiny_reference: Any) -> None:
+    client, chain = make_client(tiny, TINY_SPLIT)
+
+    def drop_session_on_b_at_step_4(step: int) -> None:
+        if step == 4:  # as a peer does after a restart or after moving to other layers
+            assert client.last_session is not None
+            chain.blocks[NodeID("b")].close_session(client.last_session.session_id)
+
+    chain.on_step = drop_session_on_b_at_step_4
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 8, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 8)
+    session = client.last_session
+    assert session is not None and session.failovers == 1
+    assert [s.peer_id for s in session.stages] == ["a", "b", "c"]  # same route, nobody banned
+    assert not client.routes.bans.is_banned(NodeID("b"))  # type: ignore[attr-defined]
+    assert ("b", 0, 8 + 3) in chain.calls  # replayed from position 0
+
+
 def test_missing_layers_give_no_route_error_naming_them(tiny: ModelSource) -> None:
     client, _ = make_client(tiny, {"a": (0, 2), "b": (2, 4)})
     with pytest.raises(NoRouteError) as info:
@@ -145,8 +163,8 @@ def test_failover_gives_up_with_no_route_when_the_only_holder_dies(tiny: ModelSo
 
 
 @pytest.fixture(scope="module")
-def default() -> ModelSource:
-    return resolve_model("default")
+def default(default_source: ModelSource) -> ModelSource:
+    return default_source
 
 
 @pytest.fixture(scope="module")

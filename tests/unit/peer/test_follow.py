@@ -1,23 +1,31 @@
-"""Following the plan: the pure decisions (which range, via what, who keeps a layer) and narrowing blocks."""
+"""Following the plan: the pure decisions (which range, via what, who keeps a layer), assembling blocks, and a
+follower moving a real executor and handlers through a handover driven by snapshots the test sets."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 
 from swarm.dht import PlanRecord, SwarmSnapshot
+from swarm.errors import SessionError
 from swarm.models.blocks import Step
+from swarm.peer.executor import Executor
 from swarm.peer.follow import (
     FollowConfig,
+    PlanFollower,
     assemble_blocks,
     dropped_layers,
     planned_range,
     transition_range,
     unkept_layers,
 )
+from swarm.peer.handlers import PeerHandlers
 from swarm.types import LayerRange, NodeID, Plan
+from swarm.wire import StepRequest
 from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,3 +122,84 @@ def test_assembled_blocks_compute_exactly_what_freshly_loaded_ones_do(tiny_sourc
     (a,) = built.forward([Step("s", hidden[:1], target.start, target.end, 5)])  # decode from the cache
     (b,) = fresh.forward([Step("s", hidden[:1], target.start, target.end, 5)])
     assert torch.equal(a, b)
+
+
+class _Directory:
+    """Serves snapshots the test sets: the follower's only input (the DHT path is the integration test's)."""
+
+    def __init__(self, peer_id: str, snapshot: SwarmSnapshot) -> None:
+        self.peer_id = peer_id
+        self.current = snapshot
+
+    async def snapshot(self) -> SwarmSnapshot:
+        return self.current
+
+
+def test_follower_serves_the_hull_until_others_keep_what_it_drops(tiny_source):
+    """QmA moves 0:3 -> 2:4 while QmB moves 4:6 -> 0:2: QmA must serve 0:4 until QmB serves 0:2."""
+    spec = tiny_source.spec
+    blocks = tiny_source.load_blocks(0, 3, "cpu", "float32", 256)
+    executor = Executor(blocks)
+    handlers = PeerHandlers(
+        peer_id="QmA",
+        name="a",
+        p2p=None,  # type: ignore[arg-type]  # no forwarding in this test
+        executor=executor,
+        spec=spec,
+        held=R(0, 3),
+        dtype=blocks.dtype,
+    )
+    plan = plan_record(1, {"QmA": R(2, 4), "QmB": R(0, 2), "QmC": R(4, 6)})
+    directory = _Directory("QmA", snapshot(plan, ("QmA", 0, 3), ("QmB", 4, 6), ("QmC", 4, 6)))
+    announced: list[LayerRange] = []
+
+    async def announce() -> None:
+        announced.append(handlers.held)
+        directory.current = snapshot(plan, ("QmA", handlers.held.start, handlers.held.end), *others)
+
+    others: list[tuple[str, int, int]] = [("QmB", 4, 6), ("QmC", 4, 6)]
+    follower = PlanFollower(
+        directory=directory,  # type: ignore[arg-type]
+        source=tiny_source,
+        executor=executor,
+        handlers=handlers,
+        max_layers=4,
+        announce=announce,
+        config=FollowConfig(check_interval_s=0.02, handover_timeout_s=30, session_grace_s=0.2),
+    )
+    hidden = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def step(position: int, tokens: int, start: int = 0, end: int = 2) -> StepRequest:
+        return StepRequest("s1", position, hidden[:tokens], start, end, 32, spec.weights_hash)
+
+    async def body() -> None:
+        await handlers.rpc_step(step(0, 3), "client")  # a session open on the old range
+        move = asyncio.create_task(follower.check())
+        for _ in range(500):  # the hull 0:4 comes first: nothing dropped, new layer 3 served
+            if announced:
+                break
+            await asyncio.sleep(0.01)
+        assert announced == [R(0, 4)] and handlers.held == R(0, 4)
+        with pytest.raises(SessionError):  # the session got its grace, then was dropped: the client replays
+            await handlers.rpc_step(step(3, 1), "client")
+        await handlers.rpc_step(step(0, 3, 0, 4), "client")  # the replay, on the hull
+        await asyncio.sleep(0.3)
+        assert handlers.held == R(0, 4) and not move.done()  # 0:2 is nobody else's yet: keep it
+        others[0] = ("QmB", 0, 2)
+        directory.current = snapshot(plan, ("QmA", 0, 4), *others)
+        await asyncio.wait_for(move, 10)
+        assert announced == [R(0, 4), R(2, 4)] and handlers.held == R(2, 4)
+        assert executor.blocks.range == R(2, 4) and follower.adopted_epoch == 1 and follower.moves == 1
+        reply = await handlers.rpc_step(step(0, 2, 2, 4), "client")
+        assert reply.hidden.shape == (2, spec.hidden_size)
+
+    async def main() -> None:
+        runner = asyncio.create_task(executor.run())
+        try:
+            await body()
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+
+    asyncio.run(main())
