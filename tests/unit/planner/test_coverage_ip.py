@@ -53,3 +53,12 @@ def test_warm_start_is_never_lost_and_current_ranges_stay_put() -> None:
     result = solve_coverage_ip(cluster, time_limit_s=2.0, warm_start=current, current=current)
     assert result.placement == current
     assert result.placement[NodeID("n0")] == LayerRange(4, 8)
+
+
+def test_exact_kinds_give_a_valid_bound_on_jittered_nodes() -> None:
+    nodes = [node("a", 3, 90.0), node("b", 3, 88.0), node("c", 2, 40.0)]
+    cluster = mesh_cluster(nodes, num_layers=4)
+    assert len(node_kinds(cluster, pool=False)) == 3
+    result = solve_coverage_ip(cluster, time_limit_s=5.0, pool=False)
+    assert result.bound_valid and result.placement is not None
+    assert coverage_score(cluster, result.placement) <= result.dual_bound_tokens_s + 1e-6
