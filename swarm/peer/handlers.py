@@ -100,7 +100,9 @@ class PeerHandlers:
                 f"the request is for hash {model_hash[:12]}"
             )
         if not self.held.covers(LayerRange(start, end)):
-            raise ProtocolError(f"layers {start}:{end} requested, this peer holds {self.held}")
+            # Usually a stale route after this peer followed a new plan: an honest peer, so "route elsewhere"
+            # (CapacityError) rather than ProtocolError, which would get it banned as misbehaving.
+            raise CapacityError(f"layers {start}:{end} requested, this peer holds {self.held}")
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ProtocolError(
                 f"hidden size {hidden.shape[-1]} does not match the model's {self.spec.hidden_size}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import ModelMismatch, ProtocolError, SessionError
+from swarm.errors import CapacityError, ModelMismatch, SessionError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.transport import call_close, call_info, call_probe, call_step
 from swarm.transport.channel import call_raw
@@ -202,7 +202,7 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
         ),
         "layers not held": (
             _raw_step(start=3, end=5, hidden=encode_tensor(torch.zeros(1, h)), model_hash=model_hash),
-            "protocol",
+            "capacity",
             "holds 0:2",
         ),
         "wrong model": (
@@ -228,7 +228,7 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
                 await call_step(
                     p2p, peer.peer_id, StepRequest("z", 0, hidden, 0, 2, 8, "other"), timeout_s=10
                 )
-            with pytest.raises(ProtocolError):
+            with pytest.raises(CapacityError):
                 await call_step(
                     p2p, peer.peer_id, StepRequest("z", 0, hidden, 0, 4, 8, model_hash), timeout_s=10
                 )
