@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -50,8 +51,9 @@ from client import AsyncSwarmClient  # noqa: E402
 from swarm.dht import SwarmSnapshot  # noqa: E402
 from swarm.peer.planner_service import PlannerConfig, cluster_from_snapshot  # noqa: E402
 from swarm.planner import Cluster, max_flow  # noqa: E402
+from swarm.routing.route import Stage  # noqa: E402
 from swarm.transport.calls import measure_link  # noqa: E402
-from swarm.types import SINK, SOURCE, LayerRange, NodeID  # noqa: E402
+from swarm.types import SINK, SOURCE, LayerRange, NodeID, SessionID  # noqa: E402
 from tests.helpers.swarm import LocalSwarm, swarm_client  # noqa: E402
 
 DEFAULT_RANGES = {"default": ("0:10", "10:20", "20:30"), "tiny": ("0:2", "2:4", "4:6")}
@@ -83,7 +85,9 @@ async def wait_measured(
             if ready:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"peers not measured after {timeout_s:.0f} s: {[r is not None for r in recs]}")
+                raise TimeoutError(
+                    f"peers not measured after {timeout_s:.0f} s: {[r is not None for r in recs]}"
+                )
             await asyncio.sleep(1.0)
         client_links = {}
         for pid in peer_ids:
@@ -92,17 +96,34 @@ async def wait_measured(
 
 
 def build_cluster(
-    snap: SwarmSnapshot, client_links: dict[str, tuple[float, float]], chain: list[str]
+    snap: SwarmSnapshot,
+    client_links: dict[str, tuple[float, float]],
+    chain: list[str],
+    probed_s: dict[str, tuple[float, float]] | None,
 ) -> dict[str, Any]:
-    """CLUSTER.json from the measured records (see the module docstring); `chain` = peer ids in route order."""
+    """CLUSTER.json from the measured records (see the module docstring); `chain` = peer ids in route order.
+
+    decode_s_per_layer comes from the peers' own records, or, with `probed_s` ({peer: (seconds of a one-stage
+    step at batch 1, at batch 8)}), from those client-side probes less the probe RTT, per held layer: that
+    includes what a real step costs on the peer beyond the layers (deserialising, the executor queue).
+    """
     cluster = cluster_from_snapshot(snap, PlannerConfig())
     if cluster is None:
         raise RuntimeError("no measured peer in the snapshot")
     data = cluster.to_json()
     for node in data["nodes"]:
         r = snap.peers[node["id"]]
-        node["decode_s_per_layer"] = [[1, 1.0 / r.decode_layer_tokens_s_b1], [8, 8.0 / r.decode_layer_tokens_s_b8]]
-        node["prefill_s_per_layer"] = [[MEASURE_PREFILL_TOKENS, MEASURE_PREFILL_TOKENS / r.prefill_layer_tokens_s]]
+        node["decode_s_per_layer"] = [
+            [1, 1.0 / r.decode_layer_tokens_s_b1],
+            [8, 8.0 / r.decode_layer_tokens_s_b8],
+        ]
+        if probed_s is not None:
+            held, rtt_s = r.range_end - r.range_start, client_links[node["id"]][0]
+            b1_s, b8_s = (max(t - rtt_s, 1e-6) / held for t in probed_s[node["id"]])
+            node["decode_s_per_layer"] = [[1, b1_s], [8, max(b8_s, b1_s)]]
+        node["prefill_s_per_layer"] = [
+            [MEASURE_PREFILL_TOKENS, MEASURE_PREFILL_TOKENS / r.prefill_layer_tokens_s]
+        ]
         node["cache_tokens"] = r.cache_tokens_total
 
     def one_way_s(a: str, b: str) -> float:
@@ -155,14 +176,49 @@ async def one_session(client: AsyncSwarmClient, ids: list[int], new_tokens: int)
         await session.close()
 
 
+async def probe_stage_s(client: AsyncSwarmClient, stage: Stage, batch: int, steps: int = 10) -> float:
+    """Median seconds of one decode step of `batch` concurrent sessions sent to ONE peer (one-stage routes),
+    as the client sees it; the peer's executor batches concurrent decode steps as it does when serving."""
+    sessions = [SessionID(f"calibrate-{secrets.token_hex(6)}") for _ in range(batch)]
+    context = 4
+    max_length = context + steps + 1
+    times = []
+    try:
+        hidden = client.head.embed(torch.tensor(prompt_ids(2, context, 0)))
+        await asyncio.gather(*(client.chain.step(s, [stage], 0, hidden, max_length) for s in sessions))
+        one = client.head.embed(torch.tensor([1]))
+        for i in range(steps):
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(client.chain.step(s, [stage], context + i, one, max_length) for s in sessions)
+            )
+            times.append(time.perf_counter() - t0)
+    finally:
+        for s in sessions:
+            await client.chain.close(s, [stage])
+    return statistics.median(times)
+
+
 async def measure_workload(
-    initial_peers: list[str], model: str, vocab: int, concurrency: int, prompt: int, new: int, repeats: int
-) -> tuple[list[float], float]:
-    """Aggregate decode tokens/s of each repeat, and the client's per-token head time."""
+    initial_peers: list[str],
+    model: str,
+    vocab: int,
+    stages: list[Stage],
+    concurrency: int,
+    prompt: int,
+    new: int,
+    repeats: int,
+) -> tuple[list[float], float, dict[str, tuple[float, float]]]:
+    """Aggregate decode tokens/s of each repeat, the client's per-token head time, and the one-stage decode
+    step times of each peer at batch 1 and 8."""
     client = await AsyncSwarmClient.create(initial_peers, model=model)
     try:
         await one_session(client, prompt_ids(vocab, prompt, 99), 2)  # warm-up: connections, first route
         head_s = client_step_s(client.head)
+        step_s = {
+            str(stage.peer_id): (await probe_stage_s(client, stage, 1), await probe_stage_s(client, stage, 8))
+            for stage in stages
+        }
         rates = []
         for _ in range(repeats):
             began = time.perf_counter()
@@ -170,12 +226,14 @@ async def measure_workload(
                 *(one_session(client, prompt_ids(vocab, prompt, c), new) for c in range(concurrency))
             )
             rates.append(concurrency * new / (max(ends) - began))
-        return rates, head_s
+        return rates, head_s, step_s
     finally:
         await client.close()
 
 
-def simulate(cluster: Cluster, placement: dict[NodeID, LayerRange], c: int, p: int, n: int, head_s: float) -> float:
+def simulate(
+    cluster: Cluster, placement: dict[NodeID, LayerRange], c: int, p: int, n: int, head_s: float
+) -> float:
     """Aggregate decode tokens/s the simulator predicts for the same closed-loop workload."""
     plan = max_flow(cluster, placement, "measured")
     trace = [Request(i, 0.0, p, n) for i in range(c)]
@@ -189,7 +247,9 @@ def simulate(cluster: Cluster, placement: dict[NodeID, LayerRange], c: int, p: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default", help="default | tiny")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -210,27 +270,47 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    with tempfile.TemporaryDirectory(prefix="flowswarm-calib-") as tmp, LocalSwarm(Path(tmp), model=args.model) as swarm:
+    with (
+        tempfile.TemporaryDirectory(prefix="flowswarm-calib-") as tmp,
+        LocalSwarm(Path(tmp), model=args.model) as swarm,
+    ):
+        # One at a time: each peer measures its compute speed right after loading, and two peers measuring at
+        # once on a 2-core machine would each announce a fraction of the speed they serve at.
         fixed = ["--no-follow-plan"]
-        peers = [swarm.start_peer(layers=ranges[0], name="peer-a", timeout_s=args.timeout_s, extra_args=fixed)]
-        for name, layers in zip(("peer-b", "peer-c"), ranges[1:], strict=True):
-            peers.append(swarm.start_peer(layers=layers, name=name, wait=False, extra_args=fixed))
+        peers = [
+            swarm.start_peer(layers=layers, name=name, timeout_s=args.timeout_s, extra_args=fixed)
+            for name, layers in zip(("peer-a", "peer-b", "peer-c"), ranges, strict=True)
+        ]
         swarm.wait_all_ready(timeout_s=args.timeout_s)
         chain = [p.peer_id for p in peers]
         snap, client_links = asyncio.run(
             wait_measured(swarm.initial_peers, spec.weights_hash, chain, args.timeout_s)
         )
-        rates, head_s = asyncio.run(
+        stages = [
+            Stage(NodeID(pid), LayerRange(*map(int, r.split(":"))))
+            for pid, r in zip(chain, ranges, strict=True)
+        ]
+        rates, head_s, step_s = asyncio.run(
             measure_workload(
-                swarm.initial_peers, args.model, spec.vocab_size, args.concurrency, args.prompt_tokens,
-                args.new_tokens, args.repeats,
+                swarm.initial_peers,
+                args.model,
+                spec.vocab_size,
+                stages,
+                args.concurrency,
+                args.prompt_tokens,
+                args.new_tokens,
+                args.repeats,
             )
         )
-    data = build_cluster(snap, client_links, chain)
+    data = build_cluster(snap, client_links, chain, step_s)
     (out_dir / "CLUSTER.json").write_text(json.dumps(data, indent=1))
-    cluster = Cluster.from_json(data)
-    placement = {NodeID(pid): LayerRange(*map(int, r.split(":"))) for pid, r in zip(chain, ranges, strict=True)}
-    simulated = simulate(cluster, placement, args.concurrency, args.prompt_tokens, args.new_tokens, head_s)
+    placement = {s.peer_id: s.layers for s in stages}
+    workload = (args.concurrency, args.prompt_tokens, args.new_tokens, head_s)
+    simulated = simulate(Cluster.from_json(data), placement, *workload)
+    # The same with the decode tables the peers announced (measured once, at start-up, over 8 steps).
+    announced = build_cluster(snap, client_links, chain, None)
+    with_announced = simulate(Cluster.from_json(announced), placement, *workload)
+    by_id = {node["id"]: node for node in announced["nodes"]}
     measured = statistics.median(rates)
     error = (simulated - measured) / measured
     report = {
@@ -244,6 +324,11 @@ def main() -> None:
         "error_fraction": round(error, 4),
         "within_15pct": abs(error) <= 0.15,
         "measured_repeats_tokens_s": [round(r, 2) for r in rates],
+        "simulated_with_announced_tables_tokens_s": round(with_announced, 2),
+        "probed_step_s_b1_b8": [[round(t, 5) for t in step_s[p]] for p in chain],
+        "announced_decode_s_per_layer_b1_b8": [
+            [round(t, 5) for _, t in by_id[p]["decode_s_per_layer"]] for p in chain
+        ],
         "client_step_s": round(head_s, 5),
         "cluster_json": str(out_dir / "CLUSTER.json"),
         "load_avg_1m": round(os.getloadavg()[0], 2),

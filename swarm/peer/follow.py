@@ -3,7 +3,7 @@
 Decide (pure functions of a snapshot), then act (PlanFollower). A move from the held range O to the planned
 range N goes:
 
-  1. T = the hull of O and N when it fits in max_layers (else T = N); load T's blocks on a thread while we
+  1. T = the hull of O and N when it fits in max_layers or in |O| + |N| layers (else T = N); load T's blocks on a thread while we
      keep serving O. Nothing is dropped yet, and when T covers O nothing is dropped at all in this step.
   2. Layers we are about to stop serving (O - T) are dropped only once the snapshot shows each of them served
      by another peer that keeps it: one the plan gives that layer, or one the plan does not move. A peer that
@@ -11,11 +11,11 @@ range N goes:
   3. Switch to T (announce it at once), then, the same way, wait until T - N is kept by others and narrow T
      to N, reusing the loaded modules (no second load).
 
-Blocks are assembled from the modules already held plus only the layers missing, so the hull path never holds
-more than max_layers layers; the direct path (hull too big) holds O and N - O at once for the handover.
+Blocks are assembled from the modules already held plus only the layers missing, so the hull path holds at
+most max(max_layers, |O| + |N|) layers; the direct path (hull too big) holds O and N - O at once for the handover.
 
 Every planned layer is served by its planned peer as soon as that peer finishes step 1, which waits on no one,
-so the waits in step 2 always end unless the hull did not fit on two peers swapping disjoint ranges. For that
+so the waits in step 2 always end unless two peers swap ranges far apart (the hull exceeds both bounds). For that
 case a wait gives up after handover_timeout_s and drops the layers anyway (logged as a warning).
 
 Sessions open on a range being replaced get session_grace_s to finish; those still open then are dropped,
@@ -89,9 +89,16 @@ def planned_range(
 
 
 def transition_range(held: LayerRange, target: LayerRange, max_layers: int) -> LayerRange:
-    """What to serve while moving: both ranges (their hull) when that fits in memory, else the target."""
+    """What to serve while moving: the hull of both ranges, else the target.
+
+    The hull is taken when it fits in memory, and also when it holds no more layers than the old and new
+    ranges together, which the direct path holds anyway during its handover. The second case matters: two
+    peers swapping overlapping ranges (0:13 -> 11:24 and 13:26 -> 0:11 with 13 layers each) would otherwise
+    both take the direct path, each waiting for the other to announce its new range before announcing its
+    own, until handover_timeout_s. With the hull, one of them announces at once and the other can follow.
+    """
     hull = LayerRange(min(held.start, target.start), max(held.end, target.end))
-    return hull if len(hull) <= max_layers else target
+    return hull if len(hull) <= max(max_layers, len(held) + len(target)) else target
 
 
 def dropped_layers(before: LayerRange, after: LayerRange) -> list[int]:

@@ -38,7 +38,9 @@ class PlannerConfig:
     method: str = "milp"  # swarm.planner.solve method
     improve_fraction: float = 0.10  # publish only a plan this much faster than the current one
     change_fraction: float = 0.20  # a measured speed or memory change this large triggers a re-solve
-    reload_cost_tokens_s: float = 0.0  # objective charged per layer a peer must load anew
+    # Objective charged per layer a peer must load anew. Positive by default so that among placements of equal
+    # flow (common: identical peers) the solver keeps what peers hold, instead of swapping ranges for nothing.
+    reload_cost_tokens_s: float = 0.1
     client_bandwidth_bytes_s: float = 12.5e6  # client <-> peer links are unmeasured: assume 100 Mbit/s
     client_latency_s: float = 0.02
     unmeasured_bandwidth_bytes_s: float | None = 12.5e6  # peer pairs with no probe yet; None = no link

@@ -62,11 +62,22 @@ def test_malformed_plan_is_ignored():
 
 def test_transition_serves_the_hull_when_it_fits():
     assert transition_range(R(0, 3), R(2, 4), max_layers=4) == R(0, 4)
-    assert transition_range(R(0, 3), R(2, 4), max_layers=3) == R(2, 4)  # too big: straight to the target
+    # Over max_layers, but no more than holding old and new at once (which the direct path does anyway).
+    assert transition_range(R(0, 3), R(2, 4), max_layers=3) == R(0, 4)
+    assert transition_range(R(0, 2), R(6, 8), max_layers=2) == R(6, 8)  # far apart: straight to the target
     assert transition_range(R(2, 6), R(3, 5), max_layers=4) == R(
         2, 6
     )  # shrinking: keep all until handed over
     assert transition_range(R(0, 2), R(4, 6), max_layers=6) == R(0, 6)  # disjoint: the gap too, if it fits
+
+
+def test_peers_swapping_overlapping_ranges_do_not_wait_on_each_other():
+    # Seen live with 13-layer peers on a 30-layer model: A 0:13 -> 11:24, B 13:26 -> 0:11, C 17:30 -> 24:30.
+    assert transition_range(R(0, 13), R(11, 24), max_layers=13) == R(0, 24)  # A announces the hull at once
+    assert transition_range(R(13, 26), R(0, 11), max_layers=13) == R(0, 11)  # B goes direct...
+    plan = plan_record(1, {"QmA": R(11, 24), "QmB": R(0, 11), "QmC": R(24, 30)})
+    snap = snapshot(plan, ("QmA", 0, 24), ("QmB", 13, 26), ("QmC", 17, 30), num_layers=30)
+    assert unkept_layers("QmB", dropped_layers(R(13, 26), R(0, 11)), snap) == []  # ...and need not wait
 
 
 def test_dropped_layers():
