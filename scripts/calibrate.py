@@ -4,15 +4,20 @@
 1. Starts three `swarm-peer join --no-follow-plan` processes on 127.0.0.1 with fixed ranges (0:10/10:20/20:30
    for the default model, 0:2/2:4/4:6 for tiny) and waits until their records carry measured numbers.
 2. Builds CLUSTER.json (written to --out-dir) from what was measured, and nothing else:
-   * nodes: swarm.peer.planner_service.cluster_from_snapshot (tokens_s_by_layers from decode at batch 8), plus
-     timing tables from the same record: decode_s_per_layer at batch 1 and 8 (1/b1, 8/b8 seconds per layer),
-     prefill_s_per_layer from the measured prefill rate, cache_tokens;
+   * nodes: swarm.peer.planner_service.cluster_from_snapshot (tokens_s_by_layers from decode at batch 8),
+     prefill_s_per_layer from the record's measured prefill rate, cache_tokens, and decode_s_per_layer at
+     batch 1 and 8 from client-side probes of each peer alone (one-stage routes, 1 and 8 concurrent sessions,
+     median of 20 steps, less the probe RTT, per held layer): this includes the per-step RPC/executor cost on
+     the peer, and is taken just before the workload, where the peers' own start-up figures (8 steps, once,
+     while loading) are noisy on a shared machine. The simulation with the announced tables is reported too;
    * links between peers: the peers' own probes (latency = RTT / 2);
    * client links: probed from this process the same way (swarm.transport.measure_link). A step is a nested
      RPC (client -> A -> B -> C, the reply comes back C -> B -> A -> client), so the simulator's last-stage ->
      sink link carries the reply path: the sum of the one-way latencies of the hops the reply retraces.
    The client's own per-token time (embedding + LM head + argmax) is measured here and passed to the simulator
-   as SimConfig.client_step_s.
+   as SimConfig.client_step_s. "swarm_cpu_cores_used" (CPU seconds of the peers' and this process group /
+   wall seconds during the workload) shows when the loopback testbed is CPU-bound: the simulator gives every
+   node its own device, so on a 2-core machine it over-predicts once the peers and client saturate the cores.
 3. Measures end to end: C concurrent greedy sessions (AsyncSwarmClient, P prompt tokens, N new tokens, EOS
    ignored); aggregate decode tokens/s = all generated tokens / time from start to the last session's end.
 4. Simulates the same workload (same placement = the real ranges, C requests all at t=0 = closed loop with C
@@ -148,6 +153,22 @@ def build_cluster(
     return data
 
 
+def group_cpu_s(pgids: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the live processes of these process groups (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process just ended
+            continue
+        if int(fields[2]) in pgids:  # fields[2] = pgrp; fields[11], [12] = utime, stime
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def client_step_s(head: Any, repeats: int = 20) -> float:
     """Median time of the client's own work per decode token: embed one id, LM head on one hidden, argmax."""
     times = []
@@ -176,7 +197,7 @@ async def one_session(client: AsyncSwarmClient, ids: list[int], new_tokens: int)
         await session.close()
 
 
-async def probe_stage_s(client: AsyncSwarmClient, stage: Stage, batch: int, steps: int = 10) -> float:
+async def probe_stage_s(client: AsyncSwarmClient, stage: Stage, batch: int, steps: int = 20) -> float:
     """Median seconds of one decode step of `batch` concurrent sessions sent to ONE peer (one-stage routes),
     as the client sees it; the peer's executor batches concurrent decode steps as it does when serving."""
     sessions = [SessionID(f"calibrate-{secrets.token_hex(6)}") for _ in range(batch)]
@@ -208,9 +229,11 @@ async def measure_workload(
     prompt: int,
     new: int,
     repeats: int,
-) -> tuple[list[float], float, dict[str, tuple[float, float]]]:
-    """Aggregate decode tokens/s of each repeat, the client's per-token head time, and the one-stage decode
-    step times of each peer at batch 1 and 8."""
+    pgids: set[int],
+) -> tuple[list[float], float, dict[str, tuple[float, float]], float]:
+    """Aggregate decode tokens/s of each repeat, the client's per-token head time, the one-stage decode
+    step times of each peer at batch 1 and 8, and the CPU cores the swarm and client used during the
+    repeats (CPU seconds of their process groups / wall seconds)."""
     client = await AsyncSwarmClient.create(initial_peers, model=model)
     try:
         await one_session(client, prompt_ids(vocab, prompt, 99), 2)  # warm-up: connections, first route
@@ -220,13 +243,15 @@ async def measure_workload(
             for stage in stages
         }
         rates = []
+        cpu0, wall0 = group_cpu_s(pgids), time.perf_counter()
         for _ in range(repeats):
             began = time.perf_counter()
             ends = await asyncio.gather(
                 *(one_session(client, prompt_ids(vocab, prompt, c), new) for c in range(concurrency))
             )
             rates.append(concurrency * new / (max(ends) - began))
-        return rates, head_s, step_s
+        cores = (group_cpu_s(pgids) - cpu0) / (time.perf_counter() - wall0)
+        return rates, head_s, step_s, cores
     finally:
         await client.close()
 
@@ -290,7 +315,8 @@ def main() -> None:
             Stage(NodeID(pid), LayerRange(*map(int, r.split(":"))))
             for pid, r in zip(chain, ranges, strict=True)
         ]
-        rates, head_s, step_s = asyncio.run(
+        pgids = {os.getpgrp(), *(p.proc.pid for p in peers)}  # each peer leads its own group (with p2pd)
+        rates, head_s, step_s, cores = asyncio.run(
             measure_workload(
                 swarm.initial_peers,
                 args.model,
@@ -300,6 +326,7 @@ def main() -> None:
                 args.prompt_tokens,
                 args.new_tokens,
                 args.repeats,
+                pgids,
             )
         )
     data = build_cluster(snap, client_links, chain, step_s)
@@ -330,6 +357,8 @@ def main() -> None:
             [round(t, 5) for _, t in by_id[p]["decode_s_per_layer"]] for p in chain
         ],
         "client_step_s": round(head_s, 5),
+        "swarm_cpu_cores_used": round(cores, 2),
+        "machine_cores": os.cpu_count(),
         "cluster_json": str(out_dir / "CLUSTER.json"),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

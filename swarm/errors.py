@@ -1,14 +1,14 @@
 """The FlowSwarm exception tree. Each error has a stable wire code so it keeps its type across peers.
 
-    SwarmError
-    ├── TransportError        the peer did not answer in time or the connection broke: retry elsewhere
-    ├── ProtocolError         the peer sent or was sent something malformed: ban the peer (or fix the caller)
-    │   └── VersionMismatch   protocol versions differ: fail fast
-    ├── CapacityError         the peer is full (KV cache, sessions): route elsewhere
-    ├── SessionError          unknown or expired session on the peer: reopen and replay
-    ├── NoRouteError          no live peer serves some layers: tell the user which
-    ├── PlanningError         the solver failed or timed out: fall back to a heuristic
-    └── ModelMismatch         the peer holds a different model (weight hash differs)
+SwarmError
+├── TransportError        the peer did not answer in time or the connection broke: retry elsewhere
+├── ProtocolError         the peer sent or was sent something malformed: ban the peer (or fix the caller)
+│   └── VersionMismatch   protocol versions differ: fail fast
+├── CapacityError         the peer is full (KV cache, sessions): route elsewhere
+├── SessionError          unknown or expired session on the peer: reopen and replay
+├── NoRouteError          no live peer serves some layers: tell the user which
+├── PlanningError         the solver failed or timed out: fall back to a heuristic
+└── ModelMismatch         the peer holds a different model (weight hash differs)
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ class Plan:
             max_flow_tokens_s=float(data.get("max_flow_tokens_s", 0.0)),
             upper_bound_tokens_s=float(data.get("upper_bound_tokens_s", 0.0)),
             flows=tuple(
-                EdgeFlow(NodeID(f["src"]), NodeID(f["dst"]), float(f["tokens_s"])) for f in data.get("flows", [])
+                EdgeFlow(NodeID(f["src"]), NodeID(f["dst"]), float(f["tokens_s"]))
+                for f in data.get("flows", [])
             ),
             solve_s=float(data.get("solve_s", 0.0)),
         )
