@@ -12,6 +12,10 @@ What is modelled, and how:
 * Each directed link is a FIFO pipe: a message waits for the previous one to finish sending, takes
   bytes / bandwidth to send, then arrives `latency_s` later. A node's outputs for the same next hop travel as
   one message.
+* Nodes may share a host's cores with other nodes and the client (scripts/sim/hosts.py): their iterations
+  then slow down by processor sharing while more processes than cores are busy. The client on a host is one
+  process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
+  without a host, client_step_s is a plain delay (many independent clients).
 * Churn (scripts/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
   is rebuilt with Router.route_from and the client replays the prefix (prompt + generated tokens) into the
   new stages, as the live client does.
@@ -29,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.hosts import CLIENT, Host, hosts_of
 from sim.timing import NodeTiming, TimingDefaults
 from sim.trace import Request
 from swarm.errors import NoRouteError
@@ -38,7 +43,7 @@ from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
 
-ARRIVE, NODE_DONE, DELIVER_DECODE, DELIVER_PREFILL, CLIENT_DECODE, CLIENT_PREFILL, TIMER = range(7)
+ARRIVE, NODE_DONE, DELIVER_DECODE, DELIVER_PREFILL, CLIENT_DECODE, CLIENT_PREFILL, TIMER, HOST_DONE = range(8)
 SRC, SNK = -1, -2  # link endpoints for the client side
 
 
@@ -53,6 +58,7 @@ class SimConfig:
     cache_layer_tokens: int = 20_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
     cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
     client_step_s: float = 0.0  # LM head + sampling on the client per decode step
+    client_host: str | None = None  # the client runs on this host (scripts/sim/hosts.py), sharing its cores
     missing_link_latency_s: float = 0.1  # a hop with no link in CLUSTER.json (fallback routes only)
     missing_link_bandwidth_bytes_s: float = 12.5e6
     bucket_s: float = 10.0  # width of the throughput-over-time buckets
@@ -66,7 +72,7 @@ class SimConfig:
 class Node:
     __slots__ = (
         "id", "alive", "incarnation", "layers", "timing", "cache_total", "cache_used", "decode_q", "prefill_q",
-        "busy", "cur_decode", "cur_prefill", "busy_s", "sessions",
+        "busy", "cur_decode", "cur_prefill", "busy_s", "sessions", "host",
     )  # fmt: skip
 
     def __init__(self, node_id: NodeID) -> None:
@@ -84,6 +90,7 @@ class Node:
         self.cur_prefill: list[tuple[int, int]] = []
         self.busy_s = 0.0
         self.sessions: set[int] = set()
+        self.host: Host | None = None
 
 
 class Link:
@@ -120,6 +127,12 @@ class Simulation:
         self.ids: list[NodeID] = [n.id for n in cluster.nodes]
         self.index = {n: i for i, n in enumerate(self.ids)}
         self.nodes = [Node(n) for n in self.ids]
+        self.hosts, node_hosts = hosts_of(cluster, self.config.client_host)
+        for node, host in zip(self.nodes, node_hosts, strict=True):
+            node.host = host
+        self.client_host = None if self.config.client_host is None else self.hosts[self.config.client_host]
+        self.client_q: deque[tuple[int, list]] = deque()  # type: ignore[type-arg]
+        self.client_busy = False
         self.peers: dict[NodeID, PeerState] = {}
         self.view = RoutingView(cluster.model.num_layers, self.peers)
         self.links: dict[tuple[int, int], Link] = {}
@@ -178,7 +191,7 @@ class Simulation:
                     if not node.busy:
                         self._start(node, a)
             elif kind == CLIENT_DECODE:
-                self._client_decode(b)  # type: ignore[arg-type]
+                self._client_arrive(CLIENT_DECODE, b)  # type: ignore[arg-type]
             elif kind == DELIVER_PREFILL:
                 node = self.nodes[a]
                 if node.alive and node.incarnation == b[0]:  # type: ignore[index]
@@ -186,13 +199,22 @@ class Simulation:
                     if not node.busy:
                         self._start(node, a)
             elif kind == CLIENT_PREFILL:
-                self._client_prefill(b)  # type: ignore[arg-type]
+                self._client_arrive(CLIENT_PREFILL, b)  # type: ignore[arg-type]
             elif kind == ARRIVE:
                 self.waiting.append(a)
                 self.try_admit()
             elif kind == TIMER:
                 self._hooks.pop(a)()
+            elif kind == HOST_DONE:
+                for proc in b.finish(t, a, self._schedule_host):  # type: ignore[attr-defined]
+                    if proc == CLIENT:
+                        self._client_done()
+                    else:
+                        self._node_done(proc, self.nodes[proc].incarnation)
         return self
+
+    def _schedule_host(self, t: float, host: Host, version: int) -> None:
+        self.push(t, HOST_DONE, version, host)
 
     # -- nodes -----------------------------------------------------------------------------------------
 
@@ -212,6 +234,8 @@ class Simulation:
     def remove(self, i: int) -> list[int]:
         """Node i leaves (or starts reloading). Returns the sessions that were using it."""
         node = self.nodes[i]
+        if node.host is not None:
+            node.host.cancel(self.now, i, self._schedule_host)
         node.alive, node.incarnation, node.busy = False, node.incarnation + 1, False
         node.decode_q, node.prefill_q, node.cur_decode, node.cur_prefill = [], deque(), [], []
         self.peers.pop(node.id, None)
@@ -243,15 +267,29 @@ class Simulation:
             node.cur_decode, node.decode_q = node.decode_q, []
         timing = node.timing
         assert timing is not None
+        if timing.forward_s:
+            dt = timing.forward_s * self._forwarded(node)
+        else:
+            dt = 0.0
         if node.cur_prefill:
-            dt = timing.prefill_s(sum(t for _, t in node.cur_prefill))
+            dt += timing.prefill_s(sum(t for _, t in node.cur_prefill))
             if node.cur_decode:  # decode tokens ride along; the fixed per-iteration cost is paid once
                 dt += max(timing.decode_s(len(node.cur_decode)) - timing.decode_s(0), 0.0) * self.quantum
         else:
-            dt = timing.decode_s(len(node.cur_decode)) * self.quantum
+            dt += timing.decode_s(len(node.cur_decode)) * self.quantum
         node.busy = True
         node.busy_s += dt
-        self.push(self.now + dt, NODE_DONE, i, node.incarnation)
+        if node.host is None:
+            self.push(self.now + dt, NODE_DONE, i, node.incarnation)
+        else:
+            node.host.start(self.now, i, dt, self._schedule_host)
+
+    def _forwarded(self, node: Node) -> int:
+        """Sessions of the iteration about to run whose next hop is another node (one RPC each)."""
+        stage, routes = self.stage, self.routes
+        decode = sum(1 for key in node.cur_decode if stage[key >> 8] + 1 < len(routes[key >> 8]))
+        prefill = sum(1 for key, _ in node.cur_prefill if stage[key >> 8] + 1 < len(routes[key >> 8]))
+        return decode * self.quantum + prefill
 
     def _node_done(self, i: int, incarnation: int) -> None:
         node = self.nodes[i]
@@ -322,7 +360,36 @@ class Simulation:
 
     # -- the client ------------------------------------------------------------------------------------
 
-    def _client_decode(self, keys: list[int]) -> None:
+    def _client_arrive(self, kind: int, payload: list) -> None:  # type: ignore[type-arg]
+        if self.client_host is None:  # many independent clients: the head's time is a delay on the send
+            if kind == CLIENT_DECODE:
+                self._client_decode(payload, self.client_s)
+            else:
+                self._client_prefill(payload, self.client_s)
+            return
+        self.client_q.append((kind, payload))
+        if not self.client_busy:
+            self._client_next()
+
+    def _client_next(self) -> None:
+        """The client process takes the next arrived message: client_step_s per token it carries."""
+        kind, payload = self.client_q[0]
+        work_s = len(payload) * (self.client_s if kind == CLIENT_DECODE else self.config.client_step_s)
+        self.client_busy = True
+        assert self.client_host is not None
+        self.client_host.start(self.now, CLIENT, work_s, self._schedule_host)
+
+    def _client_done(self) -> None:
+        kind, payload = self.client_q.popleft()
+        self.client_busy = False
+        if kind == CLIENT_DECODE:
+            self._client_decode(payload, 0.0)
+        else:
+            self._client_prefill(payload, 0.0)
+        if self.client_q and not self.client_busy:
+            self._client_next()
+
+    def _client_decode(self, keys: list[int], delay_s: float) -> None:
         epoch, gen, stage, routes = self.epoch, self.generated, self.stage, self.routes
         out_len = self.out_len
         groups: dict[int, list[int]] = {}
@@ -346,9 +413,9 @@ class Simulation:
                 group.append(key)
         self._count(counted)
         for first, group in groups.items():
-            self._send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, self.client_s)
+            self._send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, delay_s)
 
-    def _client_prefill(self, jobs: list[tuple[int, int]]) -> None:
+    def _client_prefill(self, jobs: list[tuple[int, int]], delay_s: float) -> None:
         for key, _ in jobs:
             r = key >> 8
             if key & 255 != self.epoch[r] & 255:
@@ -361,7 +428,7 @@ class Simulation:
                     self._finish(r)
                     continue
             self.stage[r] = 0
-            self._send(SRC, self.routes[r][0], self.token_bytes * self.quantum, [key], False, self.client_s)
+            self._send(SRC, self.routes[r][0], self.token_bytes * self.quantum, [key], False, delay_s)
 
     def _count(self, tokens: int) -> None:
         b = int(self.now / self.config.bucket_s)

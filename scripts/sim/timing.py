@@ -9,6 +9,9 @@ Without them the model is derived from tokens_s_by_layers: holding k layers the 
 decode tokens/s at large batch, so a batch of B tokens takes (knee + B) / (T * k) seconds per layer. Small
 batches cost almost the same as a batch of `knee` tokens (loading the weights dominates), large ones
 approach T tokens/s and never exceed it. A prompt token costs `prefill_token_cost` of a decode token.
+
+"forward_s": seconds a node spends handing one session's step on to the next peer (serialising, the RPC),
+added to its iteration for each session it forwards; 0 when absent (a GPU peer overlaps it with compute).
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class NodeTiming:
             )
         # Seconds per token per layer at full batch: the node runs held_layers layers per token at tokens_s.
         self._token_layer_s = 1.0 / (tokens_s * held_layers) if tokens_s > 0 else 0.0
+        self.forward_s = float(extra.get("forward_s", 0.0))
+        if self.forward_s < 0:
+            raise ValueError(f"node {node_id}: forward_s must be >= 0, got {self.forward_s}")
         self._knee = defaults.decode_knee_tokens
         self._prefill_cost = defaults.prefill_token_cost
 

@@ -13,7 +13,9 @@
     max flow (networkx preflow-push on the full cluster) - reload_cost * layers loaded anew,
 
 and the Plan carries the best upper bound we can prove: graph.upper_bound, tightened by the integer
-programs' dual bounds where those bound the real problem (see each module).
+programs' dual bounds where those bound the real problem (see each module). Phases stop once the best score
+reaches that bound: nothing beats a proven optimum, and on a small cluster the first heuristic often gets
+there (a live planner that spends its whole time limit anyway takes CPU from the peer it runs on).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ HEURISTICS: dict[str, Callable[[Cluster], Placement]] = {
     "separate": separate_pipelines,
 }
 SMALL_CLUSTER_NODES = 16  # up to here the Helix MILP can still prove optimality, so it gets more time
+OPTIMAL_REL_TOL = 1e-5  # a score this close to the proven bound is optimal (the bound carries float rounding)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class _Best:
             self.extra[f"{phase}_tokens_s"] = plan.max_flow_tokens_s
         if score > self.score + 1e-9:
             self.score, self.plan = score, plan
+
+    def reaches(self, bound: float) -> bool:
+        """True when the best score is a proven optimum (the objective never exceeds the flow bound)."""
+        return self.plan is not None and self.score >= bound - OPTIMAL_REL_TOL * max(abs(bound), 1.0)
 
     @property
     def placement(self) -> Placement:
@@ -144,11 +151,13 @@ def solve(
             others = [p for p in starts if p != best.placement]
             second = max(others, key=lambda p: max_flow(cluster, p).max_flow_tokens_s) if others else None
             for chain, start in enumerate([best.placement, second or best.placement]):
+                if best.reaches(bound):
+                    break
                 config = SearchConfig(
                     time_limit_s=chain_s, seed=seed + chain, reload_cost_tokens_s=reload_cost
                 )
                 best.offer(anneal(cluster, start, config, current=held), f"search{chain}")
-            if shares.coverage_ip > 0:
+            if shares.coverage_ip > 0 and not best.reaches(bound):
                 # Small clusters afford exact kinds, whose dual bound is then valid even with jittered tables.
                 result = solve_coverage_ip(
                     cluster, budget(shares.coverage_ip), best.placement, held, seed, pool=not small
@@ -157,7 +166,7 @@ def solve(
                 if result.bound_valid:
                     bound = min(bound, result.dual_bound_tokens_s)
         else:
-            if held is None:
+            if held is None and not best.reaches(bound):
                 # Place each region on its own first (fast, ignores links), then search jointly from there.
                 joined = _per_region(
                     cluster, budget(shares.coverage_anneal), budget(shares.coverage_ip), seed
@@ -168,8 +177,9 @@ def solve(
                 seed=seed,
                 reload_cost_tokens_s=reload_cost,
             )
-            best.offer(anneal(cluster, best.placement, config, current=held), "search")
-        if method == "milp":
+            if not best.reaches(bound):
+                best.offer(anneal(cluster, best.placement, config, current=held), "search")
+        if method == "milp" and not best.reaches(bound):
             result_milp = solve_milp(
                 cluster,
                 MilpConfig(

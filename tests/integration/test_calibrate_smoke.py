@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_calibrate_tiny_prints_one_report(tmp_path: Path) -> None:
-    args = ["--model", "tiny", "--concurrency", "2", "--prompt-tokens", "4", "--new-tokens", "3"]
+    args = ["--model", "tiny", "--concurrency", "1,2", "--prompt-tokens", "4", "--new-tokens", "3"]
     args += ["--repeats", "1", "--timeout-s", "60", "--out-dir", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "calibrate.py"), *args],
@@ -28,15 +28,16 @@ def test_calibrate_tiny_prints_one_report(tmp_path: Path) -> None:
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, done.stdout
     report = json.loads(lines[0])
-    keys = {
-        "model", "peers", "concurrency", "prompt_tokens", "new_tokens", "measured_decode_tokens_s",
-        "simulated_decode_tokens_s", "error_fraction", "within_15pct",
-    }  # fmt: skip
+    keys = {"model", "peers", "prompt_tokens", "new_tokens", "runs", "within_15pct", "host_parallel_speed"}
     assert keys <= set(report)
-    assert report["peers"] == 3 and report["concurrency"] == 2
+    assert report["peers"] == 3 and [run["concurrency"] for run in report["runs"]] == [1, 2]
     assert (report["prompt_tokens"], report["new_tokens"]) == (4, 3)
-    assert report["measured_decode_tokens_s"] > 0 and report["simulated_decode_tokens_s"] > 0
+    for run in report["runs"]:
+        assert run["measured_decode_tokens_s"] > 0 and run["simulated_decode_tokens_s"] > 0
+        assert isinstance(run["within_15pct"], bool)
     assert isinstance(report["within_15pct"], bool)
+    assert 0 < report["host_parallel_speed"] <= 1
     cluster = json.loads((tmp_path / "CLUSTER.json").read_text())
     assert len(cluster["nodes"]) == 3
-    assert all("decode_s_per_layer" in node for node in cluster["nodes"])
+    for node in cluster["nodes"]:
+        assert "decode_s_per_layer" in node and node["host"] == "loopback" and node["host_cores"] >= 1

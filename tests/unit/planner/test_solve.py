@@ -93,3 +93,13 @@ def test_dead_nodes_in_the_current_placement_are_ignored() -> None:
     plan = solve(cluster, "search", time_limit_s=0.3, current=current, reload_cost=1.0)
     assert NodeID("gone") not in plan.placement
     check_placement(cluster, plan.placement)
+
+
+def test_stops_once_a_placement_reaches_the_bound() -> None:
+    # One node that holds the whole model: every heuristic places it, the flow equals the compute bound, so
+    # no search or integer program may run (a live planner would otherwise burn its whole time limit).
+    cluster = mesh_cluster([node("a", 4, 10.0), node("b", 4, 10.0)], num_layers=4)
+    plan = solve(cluster, "milp", time_limit_s=30.0)
+    assert plan.max_flow_tokens_s == pytest.approx(plan.upper_bound_tokens_s)
+    assert plan.extra == {}  # no phase offered anything: all were skipped
+    assert plan.solve_s < 15.0
