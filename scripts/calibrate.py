@@ -214,35 +214,33 @@ async def one_session(client: AsyncSwarmClient, ids: list[int], new_tokens: int)
         await session.close()
 
 
-async def probe_route(
+async def probe_routes(
     client: AsyncSwarmClient,
-    stages: list[Stage],
-    batch: int,
+    routes: list[list[Stage]],
     pgids: dict[str, int],
     steps: int = PROBE_STEPS,
 ) -> tuple[float, dict[str, float]]:
-    """`batch` concurrent sessions stepping over `stages` (the peers' executors batch them as when serving):
-    the median seconds of a decode step as the client sees it, and the CPU seconds per step used by each
-    peer's process group (the peer and its p2pd) in `pgids` ({peer: pgid})."""
-    sessions = [SessionID(f"calibrate-{secrets.token_hex(6)}") for _ in range(batch)]
+    """One session per route, every decode step sent to all of them at the same moment (a peer's executor
+    batches those it gets together, as when serving): the median seconds of a step as the client sees it,
+    and the CPU seconds per step used by each peer's process group (the peer and its p2pd) in `pgids`."""
+    sessions = [SessionID(f"calibrate-{secrets.token_hex(6)}") for _ in routes]
+    pairs = list(zip(sessions, routes, strict=True))
     context = 4
     max_length = context + steps + 1
     times = []
     try:
         hidden = client.head.embed(torch.tensor(prompt_ids(2, context, 0)))
-        await asyncio.gather(*(client.chain.step(s, stages, 0, hidden, max_length) for s in sessions))
+        await asyncio.gather(*(client.chain.step(s, r, 0, hidden, max_length) for s, r in pairs))
         one = client.head.embed(torch.tensor([1]))
         cpu0 = {peer: group_cpu_s({pgid}) for peer, pgid in pgids.items()}
         for i in range(steps):
             t0 = time.perf_counter()
-            await asyncio.gather(
-                *(client.chain.step(s, stages, context + i, one, max_length) for s in sessions)
-            )
+            await asyncio.gather(*(client.chain.step(s, r, context + i, one, max_length) for s, r in pairs))
             times.append(time.perf_counter() - t0)
         cpu = {peer: (group_cpu_s({pgid}) - cpu0[peer]) / steps for peer, pgid in pgids.items()}
     finally:
-        for s in sessions:
-            await client.chain.close(s, stages)
+        for s, r in pairs:
+            await client.chain.close(s, r)
     return statistics.median(times), cpu
 
 
@@ -273,7 +271,7 @@ async def probe_peers(client: AsyncSwarmClient, stages: list[Stage], pgids: dict
         peer = str(stage.peer_id)
         walls, cpus = [], []
         for batch in (1, 8):
-            wall, cpu = await probe_route(client, [stage], batch, {peer: pgids[peer]})
+            wall, cpu = await probe_routes(client, [[stage]] * batch, {peer: pgids[peer]})
             walls.append(wall)
             cpus.append(cpu[peer])
         step_wall_s[peer] = (walls[0], walls[1])
@@ -283,7 +281,7 @@ async def probe_peers(client: AsyncSwarmClient, stages: list[Stage], pgids: dict
         # A peer that forwards serialises the hidden state and makes the RPC the client makes for a
         # one-stage step, then relays the answer back: measured as its extra CPU on a two-stage route.
         peer = str(stage.peer_id)
-        _, cpu = await probe_route(client, [stage, after], 1, {peer: pgids[peer]}, steps=FORWARD_STEPS)
+        _, cpu = await probe_routes(client, [[stage, after]], {peer: pgids[peer]}, steps=FORWARD_STEPS)
         extra.append(cpu[peer] - step_cpu_s[peer][0])
     # The same code forwards on every peer; a difference of two CPU readings of 10 ms resolution is noisy,
     # so every forwarding peer is charged the mean.
@@ -302,38 +300,10 @@ async def parallel_speed(client: AsyncSwarmClient, first: Stage, second: Stage, 
     other session's messages pass through, and memory bandwidth is shared (about 5% here)."""
     ratios = []
     for _ in range(rounds):
-        alone = [await sync_steps_s(client, [first]), await sync_steps_s(client, [second])]
-        ratios.append(max(alone) / await sync_steps_s(client, [first, second]))
+        alone = [(await probe_routes(client, [[stage]], {}))[0] for stage in (first, second)]
+        together, _ = await probe_routes(client, [[first], [second]], {})
+        ratios.append(max(alone) / together)
     return statistics.median(ratios)
-
-
-async def sync_steps_s(client: AsyncSwarmClient, stages: list[Stage], steps: int = PROBE_STEPS) -> float:
-    """Median seconds of a decode step sent at once to each of `stages` (one one-stage session each)."""
-    sessions = [SessionID(f"calibrate-{secrets.token_hex(6)}") for _ in stages]
-    context, max_length = 4, 4 + steps + 1
-    times = []
-    try:
-        hidden = client.head.embed(torch.tensor(prompt_ids(2, context, 0)))
-        await asyncio.gather(
-            *(
-                client.chain.step(s, [st], 0, hidden, max_length)
-                for s, st in zip(sessions, stages, strict=True)
-            )
-        )
-        one = client.head.embed(torch.tensor([1]))
-        for i in range(steps):
-            t0 = time.perf_counter()
-            await asyncio.gather(
-                *(
-                    client.chain.step(s, [st], context + i, one, max_length)
-                    for s, st in zip(sessions, stages, strict=True)
-                )
-            )
-            times.append(time.perf_counter() - t0)
-    finally:
-        for s, st in zip(sessions, stages, strict=True):
-            await client.chain.close(s, [st])
-    return statistics.median(times)
 
 
 @dataclass
