@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 "helix_milp_improved": milp.extra.get("milp_tokens_s", 0.0) > before_milp + 1e-6,
                 "phases_tokens_s": phases,
                 "solve_s": round(milp.solve_s, 1),
+                "within_time_limit": milp.solve_s <= time_limit_s,
             }
         )
         print(json.dumps(summary[-1]), file=sys.stderr, flush=True)

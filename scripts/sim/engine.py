@@ -27,11 +27,11 @@ session that failed over are dropped wherever they are, in O(1).
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 
 from sim.hosts import CLIENT, Host, hosts_of
 from sim.timing import NodeTiming, TimingDefaults
@@ -72,7 +72,7 @@ class SimConfig:
 class Node:
     __slots__ = (
         "id", "alive", "incarnation", "layers", "timing", "cache_total", "cache_used", "decode_q", "prefill_q",
-        "busy", "cur_decode", "cur_prefill", "busy_s", "sessions", "host",
+        "busy", "cur_decode", "cur_prefill", "busy_s", "sessions", "host", "decode_iter_s",
     )  # fmt: skip
 
     def __init__(self, node_id: NodeID) -> None:
@@ -91,6 +91,7 @@ class Node:
         self.busy_s = 0.0
         self.sessions: set[int] = set()
         self.host: Host | None = None
+        self.decode_iter_s: list[float] = []  # seconds of a decode-only iteration of b tokens, b <= batch cap
 
 
 class Link:
@@ -136,10 +137,13 @@ class Simulation:
         self.peers: dict[NodeID, PeerState] = {}
         self.view = RoutingView(cluster.model.num_layers, self.peers)
         self.links: dict[tuple[int, int], Link] = {}
+        self._link_stride = len(self.ids) + 2
+        self._links_by_key: dict[int, Link] = {}  # the same links keyed by one int: the hot path's lookup
         self.act_bytes = cluster.model.activation_bytes_per_token
         if self.config.decode_quantum_tokens < 1:
             raise ValueError(f"decode_quantum_tokens must be >= 1, got {self.config.decode_quantum_tokens}")
         self.quantum = self.config.decode_quantum_tokens
+        self._cap = self.config.max_batch_tokens
         self.client_s = self.config.client_step_s * self.quantum
         self.token_bytes = cluster.model.token_id_bytes
         n = len(trace)
@@ -167,7 +171,7 @@ class Simulation:
 
     def push(self, t: float, kind: int, a: int, b: object = None) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+        heappush(self._heap, (t, self._seq, kind, a, b))
 
     def at(self, t: float, action: Callable[[], None]) -> None:
         """Run `action` at simulated time t (churn events, reloads)."""
@@ -180,7 +184,7 @@ class Simulation:
             self.push(req.arrival_s, ARRIVE, req.index)
         heap = self._heap
         while heap:
-            t, _, kind, a, b = heapq.heappop(heap)
+            t, _, kind, a, b = heappop(heap)
             self.now = t
             if kind == NODE_DONE:
                 self._node_done(a, b)  # type: ignore[arg-type]
@@ -222,9 +226,10 @@ class Simulation:
         """Node i comes up holding `layers` (joined, or reloaded for a new plan)."""
         node, spec = self.nodes[i], self.cluster.node_by_id[self.ids[i]]
         node.alive, node.incarnation, node.layers = True, node.incarnation + 1, layers
-        node.timing = NodeTiming(
+        node.timing = timing = NodeTiming(
             node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing
         )
+        node.decode_iter_s = [timing.decode_s(b) * self.quantum for b in range(self._cap + 1)]
         node.cache_total = int(spec.extra.get("cache_tokens", self.config.cache_layer_tokens // len(layers)))
         node.cache_used, node.busy = 0, False
         node.decode_q, node.prefill_q, node.sessions = [], deque(), set()
@@ -260,27 +265,27 @@ class Simulation:
             node.cur_prefill = jobs
         elif not node.decode_q:
             return
-        cap = self.config.max_batch_tokens
-        if len(node.decode_q) > cap:
-            node.cur_decode, node.decode_q = node.decode_q[:cap], node.decode_q[cap:]
+        cap, queued = self._cap, node.decode_q
+        if len(queued) > cap:
+            node.cur_decode, node.decode_q = queued[:cap], queued[cap:]
         else:
-            node.cur_decode, node.decode_q = node.decode_q, []
+            node.cur_decode, node.decode_q = queued, []
         timing = node.timing
         assert timing is not None
-        if timing.forward_s:
-            dt = timing.forward_s * self._forwarded(node)
-        else:
-            dt = 0.0
+        iter_s = node.decode_iter_s
         if node.cur_prefill:
-            dt += timing.prefill_s(sum(t for _, t in node.cur_prefill))
+            dt = timing.prefill_s(sum(t for _, t in node.cur_prefill))
             if node.cur_decode:  # decode tokens ride along; the fixed per-iteration cost is paid once
-                dt += max(timing.decode_s(len(node.cur_decode)) - timing.decode_s(0), 0.0) * self.quantum
+                dt += max(iter_s[len(node.cur_decode)] - iter_s[0], 0.0)
         else:
-            dt += timing.decode_s(len(node.cur_decode)) * self.quantum
+            dt = iter_s[len(node.cur_decode)]
+        if timing.forward_s:
+            dt += timing.forward_s * self._forwarded(node)
         node.busy = True
         node.busy_s += dt
         if node.host is None:
-            self.push(self.now + dt, NODE_DONE, i, node.incarnation)
+            self._seq += 1
+            heappush(self._heap, (self.now + dt, self._seq, NODE_DONE, i, node.incarnation))
         else:
             node.host.start(self.now, i, dt, self._schedule_host)
 
@@ -297,7 +302,22 @@ class Simulation:
             return
         node.busy = False
         epoch, stage, routes = self.epoch, self.stage, self.routes
-        if node.cur_decode:
+        if len(node.cur_decode) == 1:  # the common case in a big, lightly loaded cluster: no grouping
+            key = node.cur_decode[0]
+            r = key >> 8
+            if key & 255 == epoch[r] & 255:
+                s = stage[r] + 1
+                route = routes[r]
+                stage[r] = s
+                self._send(
+                    i,
+                    route[s] if s < len(route) else SNK,
+                    self.act_bytes * self.quantum,
+                    node.cur_decode,
+                    False,
+                )
+            node.cur_decode = []
+        elif node.cur_decode:
             groups: dict[int, list[int]] = {}
             for key in node.cur_decode:
                 r = key >> 8
@@ -340,23 +360,29 @@ class Simulation:
             else:
                 link = Link(spec.bandwidth_bytes_s, spec.latency_s)
             self.links[(src, dst)] = link
+            self._links_by_key[(src + 2) * self._link_stride + dst + 2] = link
         return link
 
     def _send(
         self, src: int, dst: int, nbytes: int, payload: list, prefill: bool, delay_s: float = 0.0
     ) -> None:  # type: ignore[type-arg]
-        link = self._link(src, dst)
+        link = self._links_by_key.get((src + 2) * self._link_stride + dst + 2)
+        if link is None:
+            link = self._link(src, dst)
         now = self.now + delay_s
         start = link.free_at if link.free_at > now else now
         link.wait_s += start - now
         link.messages += 1
         link.free_at = start + nbytes / link.bandwidth_bytes_s
         arrive = link.free_at + (link.latency_s if prefill else link.latency_s * self.quantum)
+        self._seq += 1
+        event: tuple[float, int, int, int, object]
         if dst == SNK:
-            self.push(arrive, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
+            event = (arrive, self._seq, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
         else:
             inc = self.nodes[dst].incarnation
-            self.push(arrive, DELIVER_PREFILL if prefill else DELIVER_DECODE, dst, (inc, payload))
+            event = (arrive, self._seq, DELIVER_PREFILL if prefill else DELIVER_DECODE, dst, (inc, payload))
+        heappush(self._heap, event)
 
     # -- the client ------------------------------------------------------------------------------------
 

@@ -6,9 +6,10 @@ A node may carry measured tables in CLUSTER.json (seconds per layer, interpolate
     "decode_s_per_layer":  [[decode tokens in batch, seconds per layer], ...]
 
 Without them the model is derived from tokens_s_by_layers: holding k layers the node serves T = t(k)
-decode tokens/s at large batch, so a batch of B tokens takes (knee + B) / (T * k) seconds per layer. Small
-batches cost almost the same as a batch of `knee` tokens (loading the weights dominates), large ones
-approach T tokens/s and never exceed it. A prompt token costs `prefill_token_cost` of a decode token.
+decode tokens/s at a full batch of F tokens (the planner's figure), and a batch of B tokens costs a fixed
+part worth `knee` tokens plus B tokens: (knee + B) / (knee + F) * F / (T * k) seconds per layer. Small
+batches cost almost the same as a batch of `knee` tokens (loading the weights dominates); a full batch runs
+at exactly T. A prompt token costs `prefill_token_cost` of a decode token at full batch.
 
 "forward_s": seconds a node spends handing one session's step on to the next peer (serialising, the RPC),
 added to its iteration for each session it forwards; 0 when absent (a GPU peer overlaps it with compute).
@@ -26,7 +27,10 @@ from typing import Any
 class TimingDefaults:
     """How compute time is derived when a node has no measured tables."""
 
-    decode_knee_tokens: float = 8.0  # batch size at which decode reaches half the node's peak tokens/s
+    decode_knee_tokens: float = 8.0  # the fixed cost of an iteration, in decode tokens
+    full_batch_tokens: float = (
+        32.0  # decode batch at which a node serves its tokens_s (SimConfig's batch cap)
+    )
     prefill_token_cost: float = 0.1  # seconds of a prompt token relative to a decode token at full batch
 
 
@@ -71,24 +75,26 @@ class NodeTiming:
                 f"node {node_id}: zero throughput holding {held_layers} layers and no timing tables"
             )
         # Seconds per token per layer at full batch: the node runs held_layers layers per token at tokens_s.
-        self._token_layer_s = 1.0 / (tokens_s * held_layers) if tokens_s > 0 else 0.0
+        token_s = 1.0 / tokens_s if tokens_s > 0 else 0.0
+        full, knee = defaults.full_batch_tokens, defaults.decode_knee_tokens
+        self._fixed_s = knee * full / (knee + full) * token_s  # the part of an iteration that is per batch
+        self._decode_token_s = full / (knee + full) * token_s
+        self._prefill_token_s = defaults.prefill_token_cost * token_s
         self.forward_s = float(extra.get("forward_s", 0.0))
         if self.forward_s < 0:
             raise ValueError(f"node {node_id}: forward_s must be >= 0, got {self.forward_s}")
-        self._knee = defaults.decode_knee_tokens
-        self._prefill_cost = defaults.prefill_token_cost
 
     def decode_s(self, batch_tokens: int) -> float:
         """One decode iteration over all held layers for `batch_tokens` sessions."""
         if self._decode is not None:
             return self._decode(batch_tokens) * self.held_layers
-        return (self._knee + batch_tokens) * self._token_layer_s * self.held_layers
+        return self._fixed_s + batch_tokens * self._decode_token_s
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """Prefill of `prompt_tokens` tokens (one or several prompts batched) over all held layers."""
         if self._prefill is not None:
             return self._prefill(prompt_tokens) * self.held_layers
-        return (self._knee + self._prefill_cost * prompt_tokens) * self._token_layer_s * self.held_layers
+        return self._fixed_s + prompt_tokens * self._prefill_token_s
 
     def peak_decode_tokens_s(self, batch_tokens: int) -> float:
         return batch_tokens / self.decode_s(batch_tokens)

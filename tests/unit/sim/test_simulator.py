@@ -103,6 +103,19 @@ def test_churn_fails_over_without_losing_requests() -> None:
     assert present_cluster(cluster, {NodeID("b")}).node_by_id.keys() == {"b"}
 
 
+def test_derived_timing_reaches_the_planners_tokens_s_at_a_full_batch() -> None:
+    defaults = TimingDefaults()
+    timing = NodeTiming("n", 250.0, 6, {}, defaults)
+    full = int(defaults.full_batch_tokens)
+    assert timing.peak_decode_tokens_s(full) == pytest.approx(250.0)  # what the max flow counts on
+    # A batch of one pays the whole fixed part (worth 8 tokens) for one token: (8 + 32) / 32 / (8 + 1) of peak.
+    assert timing.peak_decode_tokens_s(1) == pytest.approx(250.0 * 40 / 32 / 9)
+    # A prompt token costs prefill_token_cost of a decode token at full batch, above the same fixed part.
+    extra_s = timing.prefill_s(1000) - timing.prefill_s(0)
+    assert extra_s == pytest.approx(1000 * defaults.prefill_token_cost / 250.0)
+    assert timing.prefill_s(0) == pytest.approx(timing.decode_s(0))
+
+
 def test_timing_tables_interpolate_and_reject_bad_input() -> None:
     table = Table([[1, 0.01], [9, 0.05]], "t")
     assert table(5) == pytest.approx(0.03)
