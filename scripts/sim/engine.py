@@ -52,9 +52,9 @@ class SimConfig:
     """Knobs of the simulation that are not in CLUSTER.json."""
 
     prefill_budget_tokens: int = 4096  # prompt tokens one iteration may take in (chunked prefill)
-    max_batch_tokens: int = (
-        32  # decode tokens per iteration: a micro-batch, so several are in flight in a pipeline
-    )
+    # Decode tokens per iteration: a micro-batch, so several are in flight in a pipeline. Also the full batch
+    # at which derived timing (no tables) runs a node at its tokens_s, the planner's figure.
+    max_batch_tokens: int = 32
     cache_layer_tokens: int = 20_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
     cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
     client_step_s: float = 0.0  # LM head + sampling on the client per decode step
@@ -95,9 +95,10 @@ class Node:
 
 
 class Link:
-    __slots__ = ("bandwidth_bytes_s", "latency_s", "free_at", "wait_s", "messages")
+    __slots__ = ("src", "dst", "bandwidth_bytes_s", "latency_s", "free_at", "wait_s", "messages")
 
-    def __init__(self, bandwidth_bytes_s: float, latency_s: float) -> None:
+    def __init__(self, src: int, dst: int, bandwidth_bytes_s: float, latency_s: float) -> None:
+        self.src, self.dst = src, dst  # node indices, or SRC / SNK for the client's side
         self.bandwidth_bytes_s = bandwidth_bytes_s
         self.latency_s = latency_s
         self.free_at = 0.0
@@ -136,9 +137,10 @@ class Simulation:
         self.client_busy = False
         self.peers: dict[NodeID, PeerState] = {}
         self.view = RoutingView(cluster.model.num_layers, self.peers)
-        self.links: dict[tuple[int, int], Link] = {}
+        # Keyed by one int, (src + 2) * stride + dst + 2, not a (src, dst) tuple: the hot path looks up a link
+        # per message.
+        self.links: dict[int, Link] = {}
         self._link_stride = len(self.ids) + 2
-        self._links_by_key: dict[int, Link] = {}  # the same links keyed by one int: the hot path's lookup
         self.act_bytes = cluster.model.activation_bytes_per_token
         if self.config.decode_quantum_tokens < 1:
             raise ValueError(f"decode_quantum_tokens must be >= 1, got {self.config.decode_quantum_tokens}")
@@ -170,6 +172,7 @@ class Simulation:
     # -- events ----------------------------------------------------------------------------------------
 
     def push(self, t: float, kind: int, a: int, b: object = None) -> None:
+        # _start and _send inline these two lines: one event per message, and the call cost 6% of a run.
         self._seq += 1
         heappush(self._heap, (t, self._seq, kind, a, b))
 
@@ -227,7 +230,7 @@ class Simulation:
         node, spec = self.nodes[i], self.cluster.node_by_id[self.ids[i]]
         node.alive, node.incarnation, node.layers = True, node.incarnation + 1, layers
         node.timing = timing = NodeTiming(
-            node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing
+            node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing, self._cap
         )
         node.decode_iter_s = [timing.decode_s(b) * self.quantum for b in range(self._cap + 1)]
         node.cache_total = int(spec.extra.get("cache_tokens", self.config.cache_layer_tokens // len(layers)))
@@ -302,7 +305,9 @@ class Simulation:
             return
         node.busy = False
         epoch, stage, routes = self.epoch, self.stage, self.routes
-        if len(node.cur_decode) == 1:  # the common case in a big, lightly loaded cluster: no grouping
+        # One token is the common case in a big, lightly loaded cluster: skipping the grouping below saves 23%
+        # of a random1000 run (27 vs 35 s for 4,000 requests).
+        if len(node.cur_decode) == 1:
             key = node.cur_decode[0]
             r = key >> 8
             if key & 255 == epoch[r] & 255:
@@ -349,26 +354,26 @@ class Simulation:
 
     # -- links -----------------------------------------------------------------------------------------
 
-    def _link(self, src: int, dst: int) -> Link:
-        link = self.links.get((src, dst))
-        if link is None:
-            a = SOURCE if src == SRC else self.ids[src]
-            b = SINK if dst == SNK else self.ids[dst]
-            spec = self.cluster.link_by_pair.get((a, b))
-            if spec is None or spec.bandwidth_bytes_s <= 0:
-                link = Link(self.config.missing_link_bandwidth_bytes_s, self.config.missing_link_latency_s)
-            else:
-                link = Link(spec.bandwidth_bytes_s, spec.latency_s)
-            self.links[(src, dst)] = link
-            self._links_by_key[(src + 2) * self._link_stride + dst + 2] = link
+    def _new_link(self, src: int, dst: int) -> Link:
+        a = SOURCE if src == SRC else self.ids[src]
+        b = SINK if dst == SNK else self.ids[dst]
+        spec = self.cluster.link_by_pair.get((a, b))
+        if spec is None or spec.bandwidth_bytes_s <= 0:
+            bandwidth, latency = (
+                self.config.missing_link_bandwidth_bytes_s,
+                self.config.missing_link_latency_s,
+            )
+        else:
+            bandwidth, latency = spec.bandwidth_bytes_s, spec.latency_s
+        link = self.links[(src + 2) * self._link_stride + dst + 2] = Link(src, dst, bandwidth, latency)
         return link
 
     def _send(
         self, src: int, dst: int, nbytes: int, payload: list, prefill: bool, delay_s: float = 0.0
     ) -> None:  # type: ignore[type-arg]
-        link = self._links_by_key.get((src + 2) * self._link_stride + dst + 2)
+        link = self.links.get((src + 2) * self._link_stride + dst + 2)
         if link is None:
-            link = self._link(src, dst)
+            link = self._new_link(src, dst)
         now = self.now + delay_s
         start = link.free_at if link.free_at > now else now
         link.wait_s += start - now

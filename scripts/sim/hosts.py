@@ -106,14 +106,10 @@ def hosts_of(cluster: Cluster, client_host: str | None) -> tuple[dict[str, Host]
         per_node.append(None if name is None else str(name))
         if name is None:
             continue
-        value = _number(node.id, node.extra, "host_cores", None)
-        if cores.setdefault(str(name), value) != value:
-            raise ValueError(f"host {name!r}: nodes disagree on host_cores ({cores[str(name)]} vs {value})")
-        speed = _number(node.id, node.extra, "host_parallel_speed", 1.0)
-        if parallel.setdefault(str(name), speed) != speed:
-            raise ValueError(
-                f"host {name!r}: nodes disagree on host_parallel_speed ({parallel[str(name)]} vs {speed})"
-            )
+        for key, table, default in (("host_cores", cores, None), ("host_parallel_speed", parallel, 1.0)):
+            value = _number(node.id, node.extra, key, default)
+            if table.setdefault(str(name), value) != value:
+                raise ValueError(f"host {name!r}: nodes disagree on {key} ({table[str(name)]} vs {value})")
     if client_host is not None and client_host not in cores:
         raise ValueError(f"client host {client_host!r} is not the host of any node")
     hosts = {name: Host(name, c, parallel[name]) for name, c in cores.items()}

@@ -38,7 +38,7 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         if trace[r].output_tokens > 1
     ]
     util = {str(n.id): n.busy_s / span_s for n in sim.nodes if n.busy_s > 0}
-    waits = [(link.wait_s, link.messages, key) for key, link in sim.links.items() if link.messages]
+    waits = [(link.wait_s, link.messages, link) for link in sim.links.values() if link.messages]
     total_wait = sum(w for w, _, _ in waits)
     messages = sum(m for _, m, _ in waits)
 
@@ -72,7 +72,7 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         "link_queueing_s": {
             "mean_per_message": total_wait / messages if messages else 0.0,
             "total": total_wait,
-            "busiest": {f"{name(k[0])}->{name(k[1])}": round(w, 4) for w, _, k in busiest},
+            "busiest": {f"{name(lk.src)}->{name(lk.dst)}": round(w, 4) for w, _, lk in busiest},
         },
         "throughput_timeline": {
             "bucket_s": sim.config.bucket_s,

@@ -6,7 +6,7 @@ A node may carry measured tables in CLUSTER.json (seconds per layer, interpolate
     "decode_s_per_layer":  [[decode tokens in batch, seconds per layer], ...]
 
 Without them the model is derived from tokens_s_by_layers: holding k layers the node serves T = t(k)
-decode tokens/s at a full batch of F tokens (the planner's figure), and a batch of B tokens costs a fixed
+decode tokens/s at a full batch of F tokens (the planner's figure; F is the simulator's batch cap), and a batch of B tokens costs a fixed
 part worth `knee` tokens plus B tokens: (knee + B) / (knee + F) * F / (T * k) seconds per layer. Small
 batches cost almost the same as a batch of `knee` tokens (loading the weights dominates); a full batch runs
 at exactly T. A prompt token costs `prefill_token_cost` of a decode token at full batch.
@@ -28,9 +28,6 @@ class TimingDefaults:
     """How compute time is derived when a node has no measured tables."""
 
     decode_knee_tokens: float = 8.0  # the fixed cost of an iteration, in decode tokens
-    full_batch_tokens: float = (
-        32.0  # decode batch at which a node serves its tokens_s (SimConfig's batch cap)
-    )
     prefill_token_cost: float = 0.1  # seconds of a prompt token relative to a decode token at full batch
 
 
@@ -59,7 +56,13 @@ class NodeTiming:
     """Seconds per iteration on one node holding `held_layers` layers."""
 
     def __init__(
-        self, node_id: str, tokens_s: float, held_layers: int, extra: dict[str, Any], defaults: TimingDefaults
+        self,
+        node_id: str,
+        tokens_s: float,
+        held_layers: int,
+        extra: dict[str, Any],
+        defaults: TimingDefaults,
+        full_batch_tokens: int,
     ) -> None:
         self.held_layers = held_layers
         self._prefill = (
@@ -74,9 +77,9 @@ class NodeTiming:
             raise ValueError(
                 f"node {node_id}: zero throughput holding {held_layers} layers and no timing tables"
             )
-        # Seconds per token per layer at full batch: the node runs held_layers layers per token at tokens_s.
+        # Seconds per token through all held layers when the node runs at tokens_s (at a full batch).
         token_s = 1.0 / tokens_s if tokens_s > 0 else 0.0
-        full, knee = defaults.full_batch_tokens, defaults.decode_knee_tokens
+        full, knee = full_batch_tokens, defaults.decode_knee_tokens
         self._fixed_s = knee * full / (knee + full) * token_s  # the part of an iteration that is per batch
         self._decode_token_s = full / (knee + full) * token_s
         self._prefill_token_s = defaults.prefill_token_cost * token_s

@@ -20,6 +20,7 @@ from swarm.types import LayerRange, NodeID, Plan
 pytestmark = pytest.mark.timeout(60)
 
 SHORT = TraceConfig(mean_prompt_tokens=60, mean_output_tokens=20, max_prompt_tokens=200, max_output_tokens=60)
+FULL = SimConfig().max_batch_tokens  # the batch at which derived timing reaches a node's tokens_s
 
 
 def tiny_cluster(speeds: dict[str, float], num_layers: int = 4) -> Cluster:
@@ -58,8 +59,8 @@ def test_latency_is_at_least_the_compute_time() -> None:
     row = run(cluster, plan, "iwrr", 30, 0.2)  # light load: batches of one
     defaults = TimingDefaults()
     # A step runs layers 0:2 on a or b, then 2:4 on c or d: at least the faster of each at batch one.
-    fastest_step_s = NodeTiming("a", 300.0, 2, {}, defaults).decode_s(1) + NodeTiming(
-        "c", 200.0, 2, {}, defaults
+    fastest_step_s = NodeTiming("a", 300.0, 2, {}, defaults, FULL).decode_s(1) + NodeTiming(
+        "c", 200.0, 2, {}, defaults, FULL
     ).decode_s(1)
     assert row["decode_latency_s"]["p50"] >= fastest_step_s
     assert row["prompt_latency_s"]["p50"] > 0
@@ -105,9 +106,8 @@ def test_churn_fails_over_without_losing_requests() -> None:
 
 def test_derived_timing_reaches_the_planners_tokens_s_at_a_full_batch() -> None:
     defaults = TimingDefaults()
-    timing = NodeTiming("n", 250.0, 6, {}, defaults)
-    full = int(defaults.full_batch_tokens)
-    assert timing.peak_decode_tokens_s(full) == pytest.approx(250.0)  # what the max flow counts on
+    timing = NodeTiming("n", 250.0, 6, {}, defaults, FULL)
+    assert timing.peak_decode_tokens_s(FULL) == pytest.approx(250.0)  # what the max flow counts on
     # A batch of one pays the whole fixed part (worth 8 tokens) for one token: (8 + 32) / 32 / (8 + 1) of peak.
     assert timing.peak_decode_tokens_s(1) == pytest.approx(250.0 * 40 / 32 / 9)
     # A prompt token costs prefill_token_cost of a decode token at full batch, above the same fixed part.
@@ -126,13 +126,14 @@ def test_timing_tables_interpolate_and_reject_bad_input() -> None:
         4,
         {"decode_s_per_layer": [[1, 0.01], [9, 0.05]], "prefill_s_per_layer": [[100, 0.1]]},
         TimingDefaults(),
+        FULL,
     )
     assert timing.decode_s(5) == pytest.approx(0.12)
     assert timing.prefill_s(200) == pytest.approx(0.8)
     with pytest.raises(ValueError):
         Table([], "empty")
     with pytest.raises(ValueError):
-        NodeTiming("n", 0.0, 4, {}, TimingDefaults())
+        NodeTiming("n", 0.0, 4, {}, TimingDefaults(), FULL)
 
 
 def test_trace_means_and_limits() -> None:
