@@ -65,25 +65,29 @@ def max_flow(cluster: Cluster, placement: Placement, method: str = "evaluate") -
     Nodes not in `placement` are idle. The placement is not checked here; see placement.check_placement.
     """
     started = time.perf_counter()
+    # Integer vertices (0 source, 1 sink, 2 + 2i node i in, 3 + 2i node i out): preflow-push keeps sets of
+    # vertices, and a set of strings iterates in the order of the per-process hash seed, so with named
+    # vertices the same placement got different (equally maximal) edge flows in different processes.
+    nodes = list(placement)
+    index = {node_id: i for i, node_id in enumerate(nodes)}
     graph = nx.DiGraph()
-    graph.add_node(SOURCE)
-    graph.add_node(SINK)
-    for node_id in placement:
+    graph.add_nodes_from(range(2 + 2 * len(nodes)))
+    for i, node_id in enumerate(nodes):
         cap = node_capacity(cluster, placement, node_id)
-        graph.add_edge(("in", node_id), ("out", node_id), capacity=int(cap * _SCALE))
+        graph.add_edge(2 + 2 * i, 3 + 2 * i, capacity=int(cap * _SCALE))
     for u, v, cap in valid_edges(cluster, placement):
-        tail = SOURCE if u == SOURCE else ("out", u)
-        head = SINK if v == SINK else ("in", v)
+        tail = 0 if u == SOURCE else 3 + 2 * index[u]
+        head = 1 if v == SINK else 2 + 2 * index[v]
         graph.add_edge(tail, head, capacity=int(cap * _SCALE))
-    value, flow_dict = nx.maximum_flow(graph, SOURCE, SINK, flow_func=preflow_push)
+    value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
     flows: list[EdgeFlow] = []
     for tail, heads in flow_dict.items():
-        src = SOURCE if tail == SOURCE else tail[1]
-        if isinstance(tail, tuple) and tail[0] == "in":
-            continue  # the node's internal edge, not a hop between machines
+        if tail == 1 or (tail >= 2 and tail % 2 == 0):
+            continue  # the sink, or a node's internal edge (in -> out): not a hop between machines
+        src = SOURCE if tail == 0 else nodes[(tail - 3) // 2]
         for head, amount in heads.items():
             if amount > 0:
-                dst = SINK if head == SINK else head[1]
+                dst = SINK if head == 1 else nodes[(head - 2) // 2]
                 flows.append(EdgeFlow(NodeID(src), NodeID(dst), amount / _SCALE))
     flows.sort(key=lambda f: (f.src != SOURCE, f.src, f.dst))
     return Plan(

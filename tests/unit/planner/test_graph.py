@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -110,3 +113,24 @@ def _assert_conserved(flows: tuple[EdgeFlow, ...], total: float) -> None:
     for n, b in balance.items():
         if n not in (SOURCE, SINK):
             assert b == pytest.approx(0.0, abs=1e-6)
+
+
+def test_edge_flows_do_not_depend_on_the_process_hash_seed() -> None:
+    # Greedy on helix24 has many equally maximal flows; which one preflow-push returns must not follow the
+    # per-process string hash seed, or IWRR routes (and simulator rows) change from run to run.
+    code = (
+        "from swarm.planner import synthetic; from swarm.planner.heuristics import petals_greedy; "
+        "from swarm.planner.graph import max_flow; c = synthetic.helix_24(); "
+        "print(repr(max_flow(c, petals_greedy(c)).flows))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(outputs) == 1 and "EdgeFlow" in outputs.pop()
