@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from client import SwarmClient  # noqa: E402
 from swarm.models import ModelSource, resolve_model  # noqa: E402
-from tests.helpers.swarm import LocalSwarm  # noqa: E402
+from swarm.testing import LocalSwarm  # noqa: E402
 
 QUESTION = "Tell me about the history of Paris in a few sentences."
 

@@ -19,7 +19,7 @@ import torch
 from client import SwarmClient
 from swarm.errors import ModelMismatch, NoRouteError
 from swarm.models import ModelSource
-from tests.helpers.swarm import REPO, LocalSwarm
+from swarm.testing import REPO, LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ import pytest
 from swarm.dht import Directory, SwarmSnapshot, coverage
 from swarm.models import resolve_model
 from swarm.types import LayerRange, Plan
-from tests.helpers.swarm import REPO, LocalSwarm, swarm_client
+from swarm.testing import REPO, LocalSwarm, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -12,7 +12,7 @@ import torch
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.transport import call_close, call_step
 from swarm.wire import CloseRequest, Hop, StepRequest
-from tests.helpers.swarm import LocalSwarm, swarm_client
+from swarm.testing import LocalSwarm, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 

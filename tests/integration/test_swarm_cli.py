@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.swarm import REPO
+from swarm.testing import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -18,6 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "swarm.dht": {"swarm.models"},
     "swarm.transport": {"swarm.models"},
     "swarm.peer": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.planner", "swarm.routing"},
+    "swarm.testing": {"swarm.dht"},
     "client": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.routing", "swarm.planner"},
 }
 

@@ -1,6 +1,6 @@
 """Start real ``swarm-peer join`` processes on 127.0.0.1 for integration tests, and always reap them.
 
-    from tests.helpers.swarm import LocalSwarm, swarm_client
+    from swarm.testing import LocalSwarm, swarm_client
 
     def test_something(tmp_path):
         with LocalSwarm(tmp_path, model="tiny") as swarm:
