@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.models.blocks import Step  # noqa: E402
 from swarm.models.loading import resolve_model  # noqa: E402
+from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
 from swarm.transport import call_close, call_step  # noqa: E402
 from swarm.wire import CloseRequest, Hop, StepRequest  # noqa: E402
-from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
 
 
 def main() -> None:

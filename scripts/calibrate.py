@@ -60,9 +60,9 @@ from swarm.dht import SwarmSnapshot  # noqa: E402
 from swarm.peer.planner_service import PlannerConfig, cluster_from_snapshot  # noqa: E402
 from swarm.planner import Cluster, max_flow  # noqa: E402
 from swarm.routing.route import Stage  # noqa: E402
+from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
 from swarm.transport.calls import measure_link  # noqa: E402
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, SessionID  # noqa: E402
-from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
 
 DEFAULT_RANGES = {"default": ("0:10", "10:20", "20:30"), "tiny": ("0:2", "2:4", "4:6")}
 TESTBED_HOST = "loopback"  # the peers and the client share this machine's cores (scripts/sim/hosts.py)

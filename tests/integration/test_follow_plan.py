@@ -24,8 +24,8 @@ import pytest
 
 from swarm.dht import Directory, SwarmSnapshot, coverage
 from swarm.models import resolve_model
-from swarm.types import LayerRange, Plan
 from swarm.testing import REPO, LocalSwarm, swarm_client
+from swarm.types import LayerRange, Plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

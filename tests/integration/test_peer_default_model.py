@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from swarm.models.loading import ModelSource, resolve_model
+from swarm.testing import LocalSwarm, swarm_client
 from swarm.transport import call_close, call_step
 from swarm.wire import CloseRequest, Hop, StepRequest
-from swarm.testing import LocalSwarm, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 

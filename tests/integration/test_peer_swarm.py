@@ -18,10 +18,10 @@ import torch
 from swarm import PROTOCOL_VERSION
 from swarm.errors import CapacityError, ModelMismatch, SessionError
 from swarm.models.loading import ModelSource, resolve_model
+from swarm.testing import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
 from swarm.transport import call_close, call_info, call_probe, call_step
 from swarm.transport.channel import call_raw
 from swarm.wire import ErrorReply, Hop, ProbeRequest, StepRequest, decode_reply, encode_tensor
-from swarm.testing import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
