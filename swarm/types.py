@@ -107,3 +107,7 @@ class Plan:
             ),
             solve_s=float(data.get("solve_s", 0.0)),
         )
+
+
+# The dtypes FlowSwarm runs and sends, with their size: the one table every layer derives its own view from.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -9,7 +9,6 @@ malformed input and a peer never crashes on it.
 Requests and their replies:
 
     StepRequest    -> StepReply     one inference step of a session, forwarded along ``route_rest``
-    ForwardRequest -> StepReply     a stateless forward pass (no KV cache), forwarded the same way
     CloseRequest   -> CloseReply    close a session on this peer and every hop in ``route_rest``
     InfoRequest    -> InfoReply     what the peer serves right now
     ProbeRequest   -> ProbeReply    link measurement (payload for bandwidth, empty for RTT) and dial-back
@@ -27,6 +26,7 @@ import torch
 
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ProtocolError, SwarmError, VersionMismatch, error_from_code
+from swarm.types import DTYPE_BYTES
 
 # Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
 MAX_MESSAGE_BYTES = 256 * 1024**2  # whole encoded message, streams included
@@ -41,11 +41,7 @@ MAX_MADDRS = 32
 MAX_TEXT_CHARS = 4096
 MAX_PROBE_BYTES = 64 * 1024**2
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 
 
@@ -89,18 +85,6 @@ class StepRequest:
     start: int
     end: int
     max_length_tokens: int
-    model_hash: str
-    route_rest: tuple[Hop, ...] = ()
-    step_id: int = 0
-
-
-@dataclass(frozen=True)
-class ForwardRequest:
-    """A stateless forward pass of hidden[T, H] through layers [start, end), then through ``route_rest``."""
-
-    hidden: torch.Tensor
-    start: int
-    end: int
     model_hash: str
     route_rest: tuple[Hop, ...] = ()
 
@@ -194,12 +178,11 @@ class ErrorReply:
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
-Request = StepRequest | ForwardRequest | CloseRequest | InfoRequest | ProbeRequest
+Request = StepRequest | CloseRequest | InfoRequest | ProbeRequest
 Reply = StepReply | CloseReply | InfoReply | ProbeReply | ErrorReply
 
 _REQUEST_KINDS: dict[type, str] = {
     StepRequest: "step",
-    ForwardRequest: "forward",
     CloseRequest: "close",
     InfoRequest: "info",
     ProbeRequest: "probe",
@@ -214,7 +197,6 @@ _REPLY_KINDS: dict[type, str] = {
 # The reply each request verb expects (besides ErrorReply).
 REPLY_FOR: dict[type, type] = {
     StepRequest: StepReply,
-    ForwardRequest: StepReply,
     CloseRequest: CloseReply,
     InfoRequest: InfoReply,
     ProbeRequest: ProbeReply,
@@ -222,7 +204,7 @@ REPLY_FOR: dict[type, type] = {
 
 
 def request_verb(request: Request) -> str:
-    """ "step", "forward", "close", "info" or "probe": the rpc_<verb> that handles this request."""
+    """ "step", "close", "info" or "probe": the rpc_<verb> that handles this request."""
     return _REQUEST_KINDS[type(request)]
 
 
@@ -358,15 +340,6 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "max_length_tokens": msg.max_length_tokens,
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
-            "step_id": msg.step_id,
-        }
-    if isinstance(msg, ForwardRequest):
-        return {
-            "hidden": encode_tensor(msg.hidden),
-            "start": msg.start,
-            "end": msg.end,
-            "model_hash": msg.model_hash,
-            "route_rest": _encode_route(msg.route_rest),
         }
     if isinstance(msg, StepReply):
         timings = [[t.peer_id, t.start, t.end, t.queue_s, t.compute_s, t.total_s] for t in msg.timings]
@@ -423,11 +396,7 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
             max_length_tokens=max_length,
             model_hash=_str(body, "model_hash", w, 256),
             route_rest=_route(body),
-            step_id=_int(body, "step_id", w),
         )
-    if kind == "forward":
-        start, end = _layers(body, w)
-        return ForwardRequest(_hidden(body), start, end, _str(body, "model_hash", w, 256), _route(body))
     if kind == "step_reply":
         return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))
     if kind == "close":
@@ -539,7 +508,6 @@ __all__ = [
     "CloseReply",
     "CloseRequest",
     "ErrorReply",
-    "ForwardRequest",
     "Hop",
     "HopTiming",
     "InfoReply",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.dht.schemas import LeaseRecord
+from swarm.settings import setting
 
 if TYPE_CHECKING:
     from swarm.dht.directory import Directory
@@ -31,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ElectionConfig:
-    """Timing of the planner lease."""
+    """Planner election and planning"""
 
-    lease_s: float = 30.0  # a holder that stops refreshing loses the lease after this long
-    settle_s: float | None = None  # wait before claiming an empty lease; None = lease_s / 3
+    lease_s: float = setting(30.0, "planner lease: a holder that stops refreshing loses it after this long")
+    settle_s: float | None = setting(None, "wait before claiming an empty lease (default: lease / 3)")
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:

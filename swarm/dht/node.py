@@ -23,19 +23,25 @@ from hivemind.utils import get_dht_time
 from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_of_public_key
 from swarm.dht.schemas import FlowSwarmSchema, model_key
 from swarm.errors import TransportError
+from swarm.settings import setting
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ReachabilityConfig:
-    """How a peer behind a home NAT makes itself reachable. Everything off by default (LAN / loopback)."""
+    """Reachability behind a home NAT: all opt-in, off by default (LAN / loopback)"""
 
-    use_relay: bool = False  # libp2p circuit relay: reach and be reached through relays
-    use_auto_relay: bool = False  # look for relays when behind NAT (needs use_relay)
-    nat_port_map: bool = False  # ask the gateway for a port mapping (UPnP / NAT-PMP)
-    auto_nat: bool = False  # AutoNAT service: ask others whether we are reachable
-    announce_maddrs: tuple[str, ...] = ()  # public multiaddrs to announce instead of the listening ones
+    use_relay: bool = setting(False, "reach and be reached through libp2p circuit relays")
+    use_auto_relay: bool = setting(False, "look for relays when behind NAT (needs --use-relay)")
+    nat_port_map: bool = setting(False, "ask the router for a port mapping (UPnP / NAT-PMP)")
+    auto_nat: bool = setting(False, "run the AutoNAT service: ask others whether we are reachable")
+    announce_maddrs: tuple[str, ...] = setting(
+        (),
+        "public multiaddrs to announce instead of the listening ones",
+        flag="--announce-maddr",
+        metavar="MADDR",
+    )
 
     def p2p_kwargs(self) -> dict[str, Any]:
         if self.use_auto_relay and not self.use_relay:

@@ -10,15 +10,11 @@ from typing import Any
 
 import torch
 
+from swarm.wire import WIRE_DTYPES as DTYPES
+
 # Families whose decoder layer is the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
 # Mistral and Qwen2 differ only in config details (sliding window, q/k/v biases) handled by their modules.
 FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from swarm import config as swarm_config
 from swarm.peer.config import PeerConfig
-from swarm.types import LayerRange
+from swarm.settings import add_arguments, from_arguments
 
 if TYPE_CHECKING:  # hivemind and torch load only when a command runs, so argument errors come back fast
     from swarm.dht import SwarmSnapshot
@@ -28,72 +28,13 @@ if TYPE_CHECKING:  # hivemind and torch load only when a command runs, so argume
 logger = logging.getLogger("swarm.peer")
 
 
-def _layers(text: str) -> str:
-    if text != "auto":
-        try:
-            LayerRange.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    defaults = PeerConfig()
     parser = argparse.ArgumentParser(
         prog="swarm-peer", description="A peer of a FlowSwarm LLM serving swarm."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
     join = commands.add_parser("join", help="load layers and serve them to the swarm")
-    join.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="peers to join via")
-    join.add_argument("--model", default=defaults.model, help="default | tiny[:SEED] | checkpoint dir")
-    join.add_argument("--device", default=defaults.device, help="cpu | cuda | cuda:N")
-    join.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    join.add_argument("--host", default=defaults.host, help="address to listen on")
-    join.add_argument("--port", type=int, default=defaults.port, help="port to listen on (0: any free)")
-    join.add_argument("--layers", type=_layers, default="auto", help="auto | A:B for layers [A, B)")
-    join.add_argument("--max-memory-gb", type=_positive_float, default=None, help="memory budget")
-    join.add_argument(
-        "--cache-tokens", type=_positive_int, default=defaults.cache_tokens, help="KV-cache budget"
-    )
-    join.add_argument("--name", default="", help="human-readable name shown in status")
-    join.add_argument("--identity", default=None, metavar="KEYFILE", help="persistent peer identity key")
-    join.add_argument(
-        "--maddr-file", default=None, metavar="FILE", help="write our multiaddrs here once serving"
-    )
-    join.add_argument("--record-ttl-s", type=_positive_float, default=defaults.record_ttl_s)
-    join.add_argument(
-        "--session-idle-timeout-s", type=_positive_float, default=defaults.session_idle_timeout_s
-    )
-    join.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s)
-    join.add_argument("--link-refresh-s", type=_positive_float, default=defaults.link_refresh_s)
-    join.add_argument("--no-plan", action="store_true", help="never stand for planner")
-    join.add_argument("--planner-lease-s", type=_positive_float, default=defaults.planner_lease_s)
-    join.add_argument("--plan-check-s", type=_positive_float, default=defaults.plan_check_s)
-    join.add_argument("--handover-timeout-s", type=_positive_float, default=defaults.handover_timeout_s)
-    join.add_argument(
-        "--no-follow-plan", action="store_true", help="keep our layers whatever the published plan says"
-    )
-    reach = join.add_argument_group("reachability (opt-in; off by default)")
-    reach.add_argument("--use-relay", action="store_true", help="use libp2p circuit relays")
-    reach.add_argument("--use-auto-relay", action="store_true", help="find relays when behind NAT")
-    reach.add_argument("--nat-port-map", action="store_true", help="ask the router for a port (UPnP/NAT-PMP)")
-    reach.add_argument("--auto-nat", action="store_true", help="run the AutoNAT service")
-    reach.add_argument("--announce-maddr", nargs="*", default=[], metavar="MADDR", help="public multiaddrs")
+    add_arguments(join, PeerConfig)  # every option comes from a PeerConfig field: written once, there
 
     status = commands.add_parser("status", help="print the live swarm")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
@@ -103,34 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:
-    return PeerConfig(
-        initial_peers=tuple(args.initial_peers),
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        host=args.host,
-        port=args.port,
-        layers=args.layers,
-        max_memory_gb=args.max_memory_gb,
-        cache_tokens=args.cache_tokens,
-        name=args.name,
-        identity_path=args.identity,
-        maddr_file=args.maddr_file,
-        use_relay=args.use_relay,
-        use_auto_relay=args.use_auto_relay,
-        nat_port_map=args.nat_port_map,
-        auto_nat=args.auto_nat,
-        announce_maddrs=tuple(args.announce_maddr),
-        record_ttl_s=args.record_ttl_s,
-        session_idle_timeout_s=args.session_idle_timeout_s,
-        shutdown_grace_s=args.shutdown_grace_s,
-        link_refresh_s=args.link_refresh_s,
-        plan=not args.no_plan,
-        planner_lease_s=args.planner_lease_s,
-        plan_check_s=args.plan_check_s,
-        handover_timeout_s=args.handover_timeout_s,
-        follow_plan=not args.no_follow_plan,
-    )
+    return from_arguments(PeerConfig, args)
 
 
 async def _join(config: PeerConfig) -> None:

@@ -1,67 +1,154 @@
-"""PeerConfig: everything a peer process needs to know, with units in the names. The CLI is built from it."""
+"""Every setting of a peer, written once: field, default and help. ``swarm-peer join``'s options are built from
+these dataclasses (swarm.settings), and each component takes its own config as a constructor argument.
+
+Units are in the names (``_s``, ``_bytes``, ``_tokens``). Each background loop has its own period.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.types import LayerRange
+from swarm.dht import ElectionConfig, ReachabilityConfig
+from swarm.settings import component, setting
+from swarm.types import DTYPE_BYTES, LayerRange
+
+PLANNER_METHODS = ("milp", "search", "greedy", "swarm", "separate")
+
+
+def _positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Sessions and forwarding (rpc_* handlers)"""
+
+    idle_timeout_s: float = setting(120.0, "close a session with no step for this long, freeing its cache")
+    forward_timeout_s: float = setting(
+        60.0, "deadline of the call to the next hop (covers the rest of the route)"
+    )
+    close_timeout_s: float = setting(5.0, "deadline of passing a close down the route")
+    dial_back_timeout_s: float = setting(5.0, "deadline of dialling a peer back for its reachability check")
+    max_open: int = setting(1024, "most sessions open on this peer at once")
+    reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
+
+    def __post_init__(self) -> None:
+        _positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
+        _positive(self, "max_open", "reap_interval_s")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """The torch executor of one device"""
+
+    queue_jobs: int = setting(256, "jobs waiting for the torch thread; past this, requests get CapacityError")
+    max_batch: int = setting(8, "most decode steps fused into one forward call")
+
+    def __post_init__(self) -> None:
+        _positive(self, "queue_jobs", "max_batch")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Link measurement to other peers"""
+
+    refresh_s: float = setting(30.0, "how often links to other peers are re-measured")
+    nearest: int = setting(4, "the k lowest-RTT peers measured last time are always re-measured")
+    sample: int = setting(2, "plus this many other peers picked at random")
+    payload_bytes: int = setting(256 * 1024, "bandwidth probe size")
+    timeout_s: float = setting(5.0, "deadline of one probe")
+    poll_s: float = setting(2.0, "how often to look for newly joined peers to measure")
+
+    def __post_init__(self) -> None:
+        _positive(self, "refresh_s", "payload_bytes", "timeout_s", "poll_s")
+        if self.nearest < 0 or self.sample < 0:
+            raise ValueError("nearest and sample must be >= 0")
+
+
+@dataclass(frozen=True)
+class FollowConfig:
+    """Following the published plan"""
+
+    check_interval_s: float = setting(5.0, "how often to look for a new plan epoch (and during a handover)")
+    handover_timeout_s: float = setting(
+        60.0, "longest wait for others to take layers we drop; then drop them"
+    )
+    session_grace_s: float = setting(10.0, "sessions on a range we stop serving may finish this long")
+
+    def __post_init__(self) -> None:
+        _positive(self, "check_interval_s", "handover_timeout_s")
+        if self.session_grace_s < 0:
+            raise ValueError(f"session_grace_s must be >= 0, got {self.session_grace_s}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The elected planner"""
+
+    period_s: float = setting(60.0, "re-solve at least this often")
+    check_interval_s: float = setting(5.0, "how often to look for membership or measurement changes")
+    solve_time_limit_s: float = setting(20.0, "MILP time limit per solve")
+    method: str = setting("milp", "swarm.planner.solve method", choices=PLANNER_METHODS)
+    improve_fraction: float = setting(0.10, "publish only a plan this much faster than the current one")
+    change_fraction: float = setting(0.20, "a measured speed or memory change this large triggers a re-solve")
+    # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
+    # hold instead of swapping ranges for nothing.
+    reload_cost_tokens_s: float = setting(0.1, "objective charged per layer a peer must load anew")
+    client_bandwidth_bytes_s: float = setting(12.5e6, "client <-> peer bandwidth (unmeasured; 100 Mbit/s)")
+    client_latency_s: float = setting(0.02, "client <-> peer latency (unmeasured)")
+    unmeasured_bandwidth_bytes_s: float | None = setting(12.5e6, "bandwidth of peer pairs with no probe yet")
+
+    def __post_init__(self) -> None:
+        _positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
+        if self.improve_fraction < 0 or self.change_fraction < 0:
+            raise ValueError("improve_fraction and change_fraction must be >= 0")
 
 
 @dataclass(frozen=True)
 class PeerConfig:
     """One peer of the swarm (``swarm-peer join``)."""
 
-    initial_peers: tuple[str, ...] = ()  # multiaddrs of running peers; empty starts a new swarm
-    model: str = "default"  # "default" (SmolLM2-135M), "tiny" (random test model) or a checkpoint path
-    device: str = "cpu"  # "cpu" or "cuda", "cuda:1", ...
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: float32 on CPU, checkpoint's on GPU
-    host: str = "127.0.0.1"  # address to listen on
-    port: int = 0  # 0 picks a free port
-    layers: str = "auto"  # "auto" (least-covered window that fits in memory) or "A:B" for layers [A, B)
-    max_memory_gb: float | None = None  # memory budget; None: measured from the device
-    cache_tokens: int = 8192  # KV-cache budget in tokens, shared by all sessions (per held layer)
-    name: str = ""  # human name in status output; default: the last characters of the peer id
-    identity_path: str | None = None  # persistent libp2p key (stable peer id across restarts)
-    maddr_file: str | None = None  # write our multiaddrs here once serving and announced
-    # Reachability behind NAT, all opt-in (see swarm.dht.ReachabilityConfig; kept plain so the CLI starts fast).
-    use_relay: bool = False  # reach and be reached through libp2p circuit relays
-    use_auto_relay: bool = False  # look for relays when behind NAT
-    nat_port_map: bool = False  # ask the router for a port mapping (UPnP / NAT-PMP)
-    auto_nat: bool = False  # run the AutoNAT service
-    announce_maddrs: tuple[str, ...] = ()  # public multiaddrs to announce instead of the listening ones
-    record_ttl_s: float = 30.0  # our DHT record expires this long after we stop refreshing it
-    session_idle_timeout_s: float = 120.0  # close sessions with no step for this long
-    shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, how long open sessions may finish
-    link_refresh_s: float = 30.0  # how often links to other peers are re-measured
-    plan: bool = True  # stand as a planner candidate (run the planner service when elected)
-    planner_lease_s: float = 30.0  # planner election lease: a dead planner is replaced within two of these
-    plan_check_s: float = 5.0  # how often the planner checks the swarm and peers check for a new plan
-    follow_plan: bool = True  # move to the layers the published plan gives this peer (swarm.peer.follow)
-    handover_timeout_s: float = 60.0  # longest wait for others to take layers we drop when moving
+    initial_peers: tuple[str, ...] = setting(
+        (), "peers to join via; none starts a new swarm", metavar="MADDR"
+    )
+    model: str = setting("default", "default | tiny[:SEED] | checkpoint dir")
+    device: str = setting("cpu", "cpu | cuda | cuda:N")
+    dtype: str | None = setting(
+        None, "weights and activations (default: float32 on CPU, bfloat16 on GPU)", choices=tuple(DTYPE_BYTES)
+    )
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "port to listen on (0: any free)")
+    layers: str = setting("auto", "auto (least-covered window that fits in memory) | A:B for layers [A, B)")
+    max_memory_gb: float | None = setting(None, "memory budget (default: measured from the device)")
+    cache_tokens: int = setting(8192, "KV-cache budget in tokens, shared by all sessions")
+    name: str = setting("", "human-readable name shown in status (default: end of the peer id)")
+    identity_path: str | None = setting(
+        None, "persistent peer identity key", flag="--identity", metavar="KEYFILE"
+    )
+    maddr_file: str | None = setting(None, "write our multiaddrs here once serving", metavar="FILE")
+    record_ttl_s: float = setting(30.0, "our DHT record expires this long after we stop refreshing it")
+    shutdown_grace_s: float = setting(10.0, "on SIGINT/SIGTERM, how long open sessions may finish")
+    plan: bool = setting(True, "never stand for planner", flag="--no-plan")
+    follow_plan: bool = setting(True, "keep our layers whatever the plan says", flag="--no-follow-plan")
+    reachability: ReachabilityConfig = component(ReachabilityConfig)
+    sessions: SessionConfig = component(SessionConfig, prefix="session")
+    executor: ExecutorConfig = component(ExecutorConfig, prefix="executor")
+    links: LinkConfig = component(LinkConfig, prefix="link")
+    follow: FollowConfig = component(FollowConfig, prefix="follow")
+    election: ElectionConfig = component(ElectionConfig, prefix="planner")
+    planner: PlannerConfig = component(PlannerConfig, prefix="planner")
 
     def __post_init__(self) -> None:
         if self.layers != "auto":
             LayerRange.parse(self.layers)  # raises ValueError with a clear message
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}: choose float32, bfloat16 or float16")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"unknown device {self.device!r}: use cpu, cuda or cuda:N")
-        if self.cache_tokens < 1:
-            raise ValueError(f"cache_tokens must be positive, got {self.cache_tokens}")
-        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
-            raise ValueError(f"max_memory_gb must be positive, got {self.max_memory_gb}")
+        _positive(self, "cache_tokens", "max_memory_gb", "record_ttl_s")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range 0..65535")
-        for name in (
-            "record_ttl_s",
-            "session_idle_timeout_s",
-            "link_refresh_s",
-            "planner_lease_s",
-            "plan_check_s",
-            "handover_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
 

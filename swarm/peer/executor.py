@@ -1,11 +1,12 @@
 """The one thread per device that runs torch, fed by a bounded queue, batching concurrent decode steps.
 
-The event loop never runs torch: handlers submit jobs and await their futures. ``run()`` takes the oldest job
-and, when it is a one-token decode step, gathers every other queued decode step of a *different* session (up to
-``max_batch``) into the same ``BlockRange.forward`` call: continuous batching at step granularity. Prefill and
-stateless steps run alone. A full queue is a CapacityError at once, not an unbounded backlog.
+The event loop never runs torch: the peer submits jobs and awaits their futures. A step names the BlockRange it
+runs on (a peer serves one range, or two while it moves). ``run()`` takes the oldest job and, when it is a
+one-token decode step, gathers every other queued decode step of a *different* session on the *same* BlockRange
+(up to ``max_batch``) into one ``BlockRange.forward`` call: continuous batching at step granularity. Prefill
+steps run alone. A full queue is a CapacityError at once, not an unbounded backlog.
 
-Opening and closing sessions also go through the queue, so the KV-cache budget is only ever touched on the
+Opening and closing sessions also go through the queue (``call``), so a KV cache is only ever touched on the
 executor thread; the BlockRange's own admission check (free cache tokens) turns into a CapacityError.
 """
 
@@ -23,17 +24,10 @@ import torch
 
 from swarm.errors import CapacityError, SwarmError
 from swarm.models.blocks import BlockRange, Step
+from swarm.peer.config import ExecutorConfig
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    """Limits of the torch executor of one device."""
-
-    queue_jobs: int = 256  # jobs waiting for the thread; past this, requests get CapacityError
-    max_batch: int = 8  # most decode steps fused into one forward call
 
 
 @dataclass(frozen=True)
@@ -47,6 +41,7 @@ class StepResult:
 class _Job:
     call: Callable[[], Any] | None  # a plain call (open, close, measure), or
     step: Step | None  # one forward step (batchable when it is a decode step)
+    blocks: BlockRange | None  # what the step runs on
     future: asyncio.Future[Any]
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -56,10 +51,9 @@ class _Job:
 
 
 class Executor:
-    """Runs ``blocks`` on one worker thread. Start ``run()`` in the owner's TaskGroup before submitting."""
+    """Runs torch work on one worker thread. Start ``run()`` in the owner's TaskGroup before submitting."""
 
-    def __init__(self, blocks: BlockRange, config: ExecutorConfig | None = None, name: str = "torch") -> None:
-        self.blocks = blocks
+    def __init__(self, config: ExecutorConfig | None = None, name: str = "torch") -> None:
         self.config = config or ExecutorConfig()
         self._queue: asyncio.Queue[_Job] = asyncio.Queue(self.config.queue_jobs)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -80,28 +74,24 @@ class Executor:
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the torch thread, in queue order with the steps."""
         loop = asyncio.get_running_loop()
-        result: _T = await self._submit(_Job(fn, None, loop.create_future()))
+        result: _T = await self._submit(_Job(fn, None, None, loop.create_future()))
         return result
 
-    async def forward(self, step: Step) -> StepResult:
-        """Run one step (possibly batched with others) and return its output with its timings."""
+    async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
+        """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings."""
         loop = asyncio.get_running_loop()
-        result: StepResult = await self._submit(_Job(None, step, loop.create_future()))
+        result: StepResult = await self._submit(_Job(None, step, blocks, loop.create_future()))
         return result
-
-    async def open_session(self, session_id: str, max_length_tokens: int) -> None:
-        await self.call(lambda: self.blocks.open_session(session_id, max_length_tokens))
-
-    async def close_session(self, session_id: str) -> None:
-        await self.call(lambda: self.blocks.close_session(session_id))
 
     async def run(self) -> None:
         """Serve the queue until cancelled; jobs still queued then fail with CapacityError."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                jobs = self._take_batch(await self._queue.get())
-                await self._execute(loop, jobs)
+                first = await self._queue.get()
+                if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
+                    continue
+                await self._execute(loop, self._take_batch(first))
         finally:
             while not self._queue.empty():
                 job = self._queue.get_nowait()
@@ -117,8 +107,10 @@ class Executor:
         sessions = {first.step.session_id if first.step else None}
         while not self._queue.empty():
             job = self._queue.get_nowait()
-            if len(batch) < self.config.max_batch and job.is_decode and job.step is not None:
-                if job.step.session_id not in sessions:
+            if job.future.cancelled():
+                continue
+            if len(batch) < self.config.max_batch and job.is_decode and job.blocks is first.blocks:
+                if job.step is not None and job.step.session_id not in sessions:
                     sessions.add(job.step.session_id)
                     batch.append(job)
                     continue
@@ -140,8 +132,10 @@ class Executor:
                 _fail(jobs[0], e)
             return
         steps = [job.step for job in jobs if job.step is not None]
+        blocks = jobs[0].blocks
+        assert blocks is not None  # a step job always names its blocks
         try:
-            outputs = await loop.run_in_executor(self._thread, self.blocks.forward, steps)
+            outputs = await loop.run_in_executor(self._thread, blocks.forward, steps)
         except Exception as e:
             if len(jobs) == 1:
                 if not isinstance(e, SwarmError):

@@ -18,8 +18,9 @@ Every planned layer is served by its planned peer as soon as that peer finishes 
 so the waits in step 2 always end unless two peers swap ranges far apart (the hull exceeds both bounds). For that
 case a wait gives up after handover_timeout_s and drops the layers anyway (logged as a warning).
 
-Sessions open on a range being replaced get session_grace_s to finish; those still open then are dropped,
-and their next step raises SessionError (unknown session), so the client re-routes and replays its prefix.
+Make before break: once the next range is loaded the peer serves it (new sessions open there) while the old
+range keeps serving the sessions it opened for up to session_grace_s; those still open then are dropped, and
+their next step raises SessionError (unknown session), so the client re-routes and replays its prefix.
 """
 
 from __future__ import annotations
@@ -28,36 +29,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from torch import nn
 
 from swarm.dht import Directory, SwarmSnapshot
-from swarm.errors import SwarmError
 from swarm.models.blocks import BlockRange
 from swarm.models.loading import ModelSource
-from swarm.peer.executor import Executor
-from swarm.peer.handlers import PeerHandlers
+from swarm.peer.config import FollowConfig
+from swarm.peer.state import Peer, Status
 from swarm.types import LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FollowConfig:
-    """How a peer follows the plan."""
-
-    check_interval_s: float = (
-        5.0  # how often to read the snapshot for a new plan epoch (and during a handover)
-    )
-    handover_timeout_s: float = 60.0  # longest wait for others to take layers we drop; then drop them anyway
-    session_grace_s: float = (
-        10.0  # sessions on a range being replaced may finish this long, then SessionError
-    )
-
-    def __post_init__(self) -> None:
-        if self.check_interval_s <= 0 or self.handover_timeout_s <= 0 or self.session_grace_s < 0:
-            raise ValueError("check_interval_s and handover_timeout_s must be > 0, session_grace_s >= 0")
 
 
 # ---------------------------------------------------------------------------------------------- decisions
@@ -152,67 +134,67 @@ def assemble_blocks(source: ModelSource, held: BlockRange, layers: LayerRange) -
 
 
 class PlanFollower:
-    """Moves this peer's served range to the plan's, one epoch at a time, without leaving layers unserved.
+    """Moves the peer's served range to the plan's, one epoch at a time, without leaving layers unserved.
 
-    `announce` stores the peer's current record (built from handlers.held) in the DHT.
+    `announce` stores the peer's current record in the DHT.
     """
 
     def __init__(
         self,
         *,
+        peer: Peer,
         directory: Directory,
         source: ModelSource,
-        executor: Executor,
-        handlers: PeerHandlers,
-        max_layers: int,
         announce: Callable[[], Awaitable[object]],
         config: FollowConfig | None = None,
     ) -> None:
+        self.peer = peer
         self.directory = directory
         self.source = source
-        self.executor = executor
-        self.handlers = handlers
-        self.max_layers = max_layers
         self.announce = announce
         self.config = config or FollowConfig()
         self.adopted_epoch = 0
         self.moves = 0  # completed moves (for tests and status)
 
     @property
-    def peer_id(self) -> str:
-        return self.directory.peer_id
-
-    @property
     def held(self) -> LayerRange:
-        return self.handlers.held
+        held = self.peer.held
+        if held is None:
+            raise RuntimeError("the plan follower runs only while the peer serves a range")
+        return held
 
     async def run(self) -> None:
         while True:
             try:
                 await self.check()
-            except (TimeoutError, OSError, RuntimeError, SwarmError) as e:  # e.g. executor queue full: retry
+            except Exception as e:  # one bad round (DHT timeout, queue full, a bug) must not stop following
                 logger.warning("plan check failed (retrying in %.1f s): %r", self.config.check_interval_s, e)
             await asyncio.sleep(self.config.check_interval_s)
 
     async def check(self) -> None:
         """One look at the plan: move if it is newer than the adopted one and gives us other layers."""
-        if not self.handlers.accepting:
-            return  # leaving the swarm: no more moves
+        if self.peer.status not in (Status.SERVING, Status.MOVING):
+            return  # leaving the swarm (or not serving yet): no moves
         snapshot = await self.directory.snapshot()
         if snapshot.plan is None or snapshot.plan.epoch <= self.adopted_epoch:
             return
         epoch = snapshot.plan.epoch
+        max_layers = self.peer.identity.max_layers
         target = planned_range(
-            self.peer_id, self.held, snapshot, self.adopted_epoch, self.source.spec.num_layers
+            self.peer.peer_id, self.held, snapshot, self.adopted_epoch, self.source.spec.num_layers
         )
-        if target is not None and len(target) > self.max_layers:
+        if target is not None and len(target) > max_layers:
             logger.warning(
-                "plan epoch %d gives us %s, more than the %d layers we fit", epoch, target, self.max_layers
+                "plan epoch %d gives us %s, more than the %d layers we fit", epoch, target, max_layers
             )
             target = None
         if target is not None:
-            if not await self.move(target, epoch):
-                return  # a newer plan came during the move: the next check follows that one
+            self.peer.set_moving(True)
+            try:
+                if not await self.move(target, epoch):
+                    return  # a newer plan came during the move: the next check follows that one
+            finally:
+                self.peer.set_moving(False)
         self.adopted_epoch = epoch
         logger.info("plan epoch %d adopted: serving layers %s", epoch, self.held)
 
@@ -220,20 +202,28 @@ class PlanFollower:
         """Serve `target` instead of the held range; False if abandoned because the plan changed."""
         began = time.monotonic()
         old = self.held
-        transit = transition_range(old, target, self.max_layers)
+        transit = transition_range(old, target, self.peer.identity.max_layers)
         logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
         if transit != old:
-            blocks = await asyncio.to_thread(assemble_blocks, self.source, self.executor.blocks, transit)
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, self._current_blocks(), transit)
             if not await self._handover(dropped_layers(old, transit), epoch):
                 return False
             await self._switch(blocks)
         if transit != target:
             if not await self._handover(dropped_layers(transit, target), epoch):
                 return False
-            await self._switch(assemble_blocks(self.source, self.executor.blocks, target))  # no load: inside
+            await self._switch(
+                assemble_blocks(self.source, self._current_blocks(), target)
+            )  # no load: inside
         self.moves += 1
         logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
         return True
+
+    def _current_blocks(self) -> BlockRange:
+        current = self.peer.current
+        if current is None:
+            raise RuntimeError("no range is being served")
+        return current.blocks
 
     async def _handover(self, layers: list[int], epoch: int) -> bool:
         """Wait until others keep `layers`; False if a newer plan appeared meanwhile."""
@@ -248,7 +238,7 @@ class PlanFollower:
                 if snapshot.plan is not None and snapshot.plan.epoch > epoch:
                     logger.info("plan epoch %d replaced epoch %d during our move", snapshot.plan.epoch, epoch)
                     return False
-                missing = unkept_layers(self.peer_id, layers, snapshot)
+                missing = unkept_layers(self.peer.peer_id, layers, snapshot)
                 if not missing:
                     break
             if time.monotonic() > deadline:
@@ -262,20 +252,11 @@ class PlanFollower:
         return True
 
     async def _switch(self, blocks: BlockRange) -> None:
-        """Serve `blocks` from now on and announce it; sessions on the old blocks get a grace, then are dropped."""
-        deadline = time.monotonic() + self.config.session_grace_s
-        while self.handlers.sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-
-        def swap() -> None:  # on the executor thread, between two jobs: no forward sees half a switch
-            self.executor.blocks = blocks
-
-        await self.executor.call(swap)
-        dropped = list(self.handlers.sessions)
-        self.handlers.sessions.clear()  # their next step finds no session: SessionError, the client replays
-        self.handlers.held = blocks.range
-        if dropped:
-            logger.info("dropped %d sessions still open on the old range", len(dropped))
+        """Serve `blocks` from now on and announce it (make before break): new sessions open on `blocks`, the
+        old range serves its open sessions for up to session_grace_s, then is dropped with any still open
+        (their next step raises SessionError, so the client re-routes and replays its prefix)."""
+        old = self.peer.current
+        self.peer.serve(blocks)
         try:
             async with asyncio.timeout(10):
                 await self.announce()
@@ -283,3 +264,6 @@ class PlanFollower:
             logger.warning(
                 "could not announce our new range %s at once (%r); the announcer will", blocks.range, e
             )
+        if old is not None:
+            await self.peer.wait_sessions_ended(old, self.config.session_grace_s)
+            await self.peer.drop(old)

@@ -1,12 +1,12 @@
-"""The peer's rpc_* handlers: check a request against what this peer holds, compute, forward down the route.
+"""The peer's rpc_* handlers: check a request, run it through the Peer (which owns sessions and ranges), forward.
 
 A step carries the rest of its route. This peer computes its layers on the executor thread and pushes the
 output straight to the next hop with call_step (which does the same), so the client sends one request per
 token and only the last hop's output travels back up the chain. When the next hop fails, the error that comes
 back names it (``failed_peer_id``), so the client knows whom to ban.
 
-Sessions open implicitly on their first step and close on rpc_close, on idle timeout (``run()``), or when the
-peer leaves (``drain()``).
+Sessions open implicitly on their first step and close on rpc_close, on idle timeout (the reaper), or when the
+peer leaves (``Peer.drain``).
 """
 
 from __future__ import annotations
@@ -14,22 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
 from hivemind.p2p import P2P
 
-from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError
 from swarm.models.blocks import Step
-from swarm.models.spec import ModelSpec
-from swarm.peer.executor import Executor
-from swarm.transport.calls import call_close, call_forward, call_probe, call_step
+from swarm.models.spec import dtype_name
+from swarm.peer.config import SessionConfig
+from swarm.peer.state import Peer
+from swarm.transport.calls import call_close, call_probe, call_step
 from swarm.types import LayerRange
 from swarm.wire import (
     CloseReply,
     CloseRequest,
-    ForwardRequest,
     HopTiming,
     InfoReply,
     InfoRequest,
@@ -42,88 +38,29 @@ from swarm.wire import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HandlerConfig:
-    """Session and forwarding limits of one peer."""
-
-    session_idle_timeout_s: float = (
-        120.0  # a session with no step for this long is closed and its cache freed
-    )
-    forward_timeout_s: float = (
-        60.0  # deadline of the call to the next hop (which covers the rest of the route)
-    )
-    close_timeout_s: float = 5.0
-    dial_back_timeout_s: float = 5.0
-    max_sessions: int = 1024
-
-
-@dataclass
-class _Session:
-    max_length_tokens: int
-    last_used: float  # time.monotonic()
-
-
 class PeerHandlers:
-    """Implements swarm.transport.RpcHandler for one peer holding ``held`` layers of ``spec``."""
+    """Implements swarm.transport.RpcHandler for ``peer``."""
 
-    def __init__(
-        self,
-        *,
-        peer_id: str,
-        name: str,
-        p2p: P2P,
-        executor: Executor,
-        spec: ModelSpec,
-        held: LayerRange,
-        dtype: torch.dtype,
-        config: HandlerConfig | None = None,
-        state: Callable[[], str] = lambda: "serving",
-    ) -> None:
-        self.peer_id = peer_id
-        self.name = name
+    def __init__(self, peer: Peer, p2p: P2P, config: SessionConfig | None = None) -> None:
+        self.peer = peer
         self.p2p = p2p
-        self.executor = executor
-        self.spec = spec
-        self.held = held
-        self.dtype = dtype
-        self.config = config or HandlerConfig()
-        self.state = state
-        self.sessions: dict[str, _Session] = {}
-        self.accepting = True  # False once the peer is leaving: open sessions finish, new ones are refused
+        self.config = config or SessionConfig()
 
-    # ------------------------------------------------------------ checks
-
-    def _check(self, model_hash: str, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
-        if model_hash != self.spec.weights_hash:
-            raise ModelMismatch(
-                f"this peer serves {self.spec.name} with hash {self.spec.weights_hash[:12]}, "
-                f"the request is for hash {model_hash[:12]}"
-            )
-        if not self.held.covers(LayerRange(start, end)):
-            # Usually a stale route after this peer followed a new plan: an honest peer, so "route elsewhere"
-            # (CapacityError) rather than ProtocolError, which would get it banned as misbehaving.
-            raise CapacityError(f"layers {start}:{end} requested, this peer holds {self.held}")
-        if hidden.shape[-1] != self.spec.hidden_size:
-            raise ProtocolError(
-                f"hidden size {hidden.shape[-1]} does not match the model's {self.spec.hidden_size}"
-            )
-        return hidden.to(self.dtype)
-
-    # ------------------------------------------------------------ rpc_*
+    @property
+    def peer_id(self) -> str:
+        return self.peer.peer_id
 
     async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply:
         received = time.perf_counter()
-        hidden = self._check(request.model_hash, request.start, request.end, request.hidden)
+        layers = LayerRange(request.start, request.end)
+        self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         sid = request.session_id
-        session = self.sessions.get(sid)
-        if session is None:
-            await self._open(sid, request.position, request.max_length_tokens)
-        step = Step(sid, hidden, request.start, request.end, request.position)
+        served = await self.peer.session_for(sid, layers, request.position, request.max_length_tokens)
+        step = Step(sid, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
         try:
-            result = await self.executor.forward(step)
+            result = await self.peer.executor.forward(served.blocks, step)
         finally:
-            if sid in self.sessions:
-                self.sessions[sid].last_used = time.monotonic()
+            self.peer.touch(sid)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -137,33 +74,14 @@ class PeerHandlers:
             max_length_tokens=request.max_length_tokens,
             model_hash=request.model_hash,
             route_rest=rest,
-            step_id=request.step_id,
         )
         reply = await call_step(
             self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=self.config.forward_timeout_s
         )
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
 
-    async def rpc_forward(self, request: ForwardRequest, remote_id: str) -> StepReply:
-        received = time.perf_counter()
-        hidden = self._check(request.model_hash, request.start, request.end, request.hidden)
-        if not self.accepting:
-            raise CapacityError("peer is leaving the swarm")
-        result = await self.executor.forward(Step(None, hidden, request.start, request.end, 0))
-        timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
-        if not request.route_rest:
-            return StepReply(result.hidden, (_finish(timing, received),))
-        hop = request.route_rest[0]
-        downstream = ForwardRequest(
-            result.hidden, hop.start, hop.end, request.model_hash, request.route_rest[1:]
-        )
-        reply = await call_forward(
-            self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=self.config.forward_timeout_s
-        )
-        return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
-
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
-        closed = await self._close(request.session_id)
+        closed = await self.peer.close(request.session_id)
         if request.route_rest:
             hop = request.route_rest[0]
             try:
@@ -179,20 +97,23 @@ class PeerHandlers:
         return CloseReply(closed)
 
     async def rpc_info(self, request: InfoRequest, remote_id: str) -> InfoReply:
+        peer, spec = self.peer, self.peer.spec
+        held = peer.held or LayerRange(0, 0)
+        current = peer.current
         return InfoReply(
-            peer_id=self.peer_id,
-            name=self.name,
-            model_name=self.spec.name,
-            model_hash=self.spec.weights_hash,
-            num_layers=self.spec.num_layers,
-            hidden_size=self.spec.hidden_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-            range_start=self.held.start,
-            range_end=self.held.end,
-            cache_tokens_total=self.cache_tokens_total,
-            free_cache_tokens=self.free_cache_tokens,
-            active_sessions=len(self.sessions),
-            state=self.state(),
+            peer_id=peer.peer_id,
+            name=peer.identity.name,
+            model_name=spec.name,
+            model_hash=spec.weights_hash,
+            num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size,
+            dtype=dtype_name(current.blocks.dtype) if current is not None else "",
+            range_start=held.start,
+            range_end=held.end,
+            cache_tokens_total=peer.cache_tokens_total,
+            free_cache_tokens=peer.free_cache_tokens,
+            active_sessions=peer.session_count,
+            state=str(peer.status),
         )
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:
@@ -211,65 +132,15 @@ class PeerHandlers:
                 ok, error = False, f"{type(e).__name__}: {e}"[:500]
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
-    # ------------------------------------------------------------ sessions
 
-    @property
-    def cache_tokens_total(self) -> int:
-        return int(self.executor.blocks.cache.cache_tokens)
-
-    @property
-    def free_cache_tokens(self) -> int:
-        return int(self.executor.blocks.free_cache_tokens)
-
-    async def _open(self, session_id: str, position: int, max_length_tokens: int) -> None:
-        if position != 0:
-            raise SessionError(
-                f"unknown session {session_id[:16]} at position {position} (expired or never opened): "
-                "reopen it and replay the prefix"
-            )
-        if not self.accepting:
-            raise CapacityError("peer is leaving the swarm and takes no new sessions")
-        if len(self.sessions) >= self.config.max_sessions:
-            raise CapacityError(f"peer has {len(self.sessions)} open sessions, its limit")
-        if max_length_tokens > self.free_cache_tokens:
-            raise CapacityError(
-                f"session needs {max_length_tokens} cache tokens, this peer has {self.free_cache_tokens} free"
-            )
-        # Reserve the slot before awaiting so two first steps of one session cannot both open it.
-        self.sessions[session_id] = _Session(max_length_tokens, time.monotonic())
+async def reap_idle_sessions(peer: Peer, interval_s: float) -> None:
+    """Close idle sessions every ``interval_s`` until cancelled; one failed round does not stop the next."""
+    while True:
+        await asyncio.sleep(interval_s)
         try:
-            await self.executor.open_session(session_id, max_length_tokens)
-        except BaseException:
-            self.sessions.pop(session_id, None)
-            raise
-        logger.debug("opened session %s (%d tokens)", session_id[:8], max_length_tokens)
-
-    async def _close(self, session_id: str) -> bool:
-        if self.sessions.pop(session_id, None) is None:
-            return False
-        await self.executor.close_session(session_id)
-        logger.debug("closed session %s", session_id[:8])
-        return True
-
-    async def run(self) -> None:
-        """Close sessions idle for longer than session_idle_timeout_s, until cancelled."""
-        period_s = max(0.05, self.config.session_idle_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period_s)
-            now = time.monotonic()
-            for sid, session in list(self.sessions.items()):
-                if now - session.last_used > self.config.session_idle_timeout_s:
-                    logger.info("session %s idle for %.0f s: closing it", sid[:8], now - session.last_used)
-                    await self._close(sid)
-
-    async def drain(self, grace_s: float) -> None:
-        """Stop taking new sessions; wait up to ``grace_s`` for open ones to close, then close the rest."""
-        self.accepting = False
-        deadline = time.monotonic() + grace_s
-        while self.sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        for sid in list(self.sessions):
-            await self._close(sid)
+            await peer.reap()
+        except Exception as e:  # e.g. the executor queue is full: the sessions are still idle next round
+            logger.warning("reaping idle sessions failed (retrying in %.0f s): %r", interval_s, e)
 
 
 def _finish(timing: HopTiming, received: float) -> HopTiming:

@@ -14,7 +14,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from hivemind.p2p import P2P
 from swarm.dht import LinkMeasure, PeerRecord
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.spec import ModelSpec
+from swarm.peer.config import LinkConfig
 from swarm.transport.calls import measure_link
 from swarm.types import LayerRange
 
@@ -120,16 +121,6 @@ def choose_range(coverage: list[int], max_layers: int) -> LayerRange:
     return LayerRange(best, best + size)
 
 
-@dataclass(frozen=True)
-class LinkConfig:
-    refresh_s: float = 30.0  # how often links are re-measured
-    nearest: int = 4  # the k lowest-RTT peers measured last time are always re-measured
-    sample: int = 2  # plus this many others picked at random
-    payload_bytes: int = 256 * 1024  # bandwidth probe size
-    timeout_s: float = 5.0
-    poll_s: float = 2.0  # how often to look for newly joined peers to measure
-
-
 class LinkMonitor:
     """Keeps ``links`` (peer id -> LinkMeasure) fresh for the peers in the latest snapshot."""
 
@@ -140,6 +131,7 @@ class LinkMonitor:
         live_peers: Callable[[], Awaitable[dict[str, PeerRecord]]],
         config: LinkConfig | None = None,
         rng: random.Random | None = None,
+        on_change: Callable[[Mapping[str, LinkMeasure]], None] = lambda links: None,
     ) -> None:
         self.p2p = p2p
         self.own_peer_id = own_peer_id
@@ -147,7 +139,7 @@ class LinkMonitor:
         self.config = config or LinkConfig()
         self.rng = rng or random.Random()
         self.links: dict[str, LinkMeasure] = {}
-        self.changed = asyncio.Event()  # set when the set of measured peers changes (worth announcing)
+        self.on_change = on_change  # told the links whenever they were re-measured
 
     def pick(self, candidates: list[str]) -> list[str]:
         """The k nearest by last RTT, plus a random sample of the rest."""
@@ -182,10 +174,8 @@ class LinkMonitor:
                 continue
             fresh[peer_id] = LinkMeasure(rtt_s=rtt_s, bandwidth_bytes_s=bandwidth)
         # Keep older measurements of live peers that were not measured now; drop peers that left.
-        before = set(self.links)
         self.links = {p: m for p, m in self.links.items() if p in peers and p not in fresh} | fresh
-        if set(self.links) != before:
-            self.changed.set()
+        self.on_change(self.links)
 
     async def run(self) -> None:
         """A full round every refresh_s; in between, every poll_s, measure peers that just joined."""
@@ -196,6 +186,6 @@ class LinkMonitor:
                 await self.refresh(only_new=not full)
                 if full:
                     last_full = time.monotonic()
-            except (TimeoutError, OSError, RuntimeError) as e:
-                logger.warning("link measurement failed: %s", e)
+            except Exception as e:  # one failed round (DHT timeout, a bug) must not stop measuring
+                logger.warning("link measurement failed: %r", e)
             await asyncio.sleep(self.config.poll_s)

@@ -15,43 +15,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot
 from swarm.errors import PlanningError
+from swarm.peer.config import PlannerConfig
 from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems, solve
-from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
+from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}  # hidden states on the wire
 PLANNED_STATES = ("loading", "serving")  # a loading peer is following the plan: keep it in the cluster
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    """When and how the elected planner re-plans."""
-
-    period_s: float = 60.0  # re-solve at least this often
-    check_interval_s: float = 5.0  # how often to look for membership / measurement changes
-    solve_time_limit_s: float = 20.0  # MILP time limit per solve
-    method: str = "milp"  # swarm.planner.solve method
-    improve_fraction: float = 0.10  # publish only a plan this much faster than the current one
-    change_fraction: float = 0.20  # a measured speed or memory change this large triggers a re-solve
-    # Objective charged per layer a peer must load anew. Positive by default so that among placements of equal
-    # flow (common: identical peers) the solver keeps what peers hold, instead of swapping ranges for nothing.
-    reload_cost_tokens_s: float = 0.1
-    client_bandwidth_bytes_s: float = 12.5e6  # client <-> peer links are unmeasured: assume 100 Mbit/s
-    client_latency_s: float = 0.02
-    unmeasured_bandwidth_bytes_s: float | None = 12.5e6  # peer pairs with no probe yet; None = no link
-
-    def __post_init__(self) -> None:
-        if min(self.period_s, self.check_interval_s, self.solve_time_limit_s) <= 0:
-            raise ValueError("period_s, check_interval_s and solve_time_limit_s must be positive")
-        if self.improve_fraction < 0 or self.change_fraction < 0:
-            raise ValueError("improve_fraction and change_fraction must be >= 0")
-        if self.client_bandwidth_bytes_s <= 0:
-            raise ValueError("client_bandwidth_bytes_s must be positive")
 
 
 def planned_peers(snapshot: SwarmSnapshot) -> dict[str, PeerRecord]:
@@ -163,7 +136,7 @@ class PlannerService:
             if self.election.is_leader:
                 try:
                     await self.check()
-                except (TimeoutError, OSError, RuntimeError) as e:
+                except Exception as e:  # a bad snapshot or a solver failure must not stop planning for good
                     logger.warning("planner check failed: %r", e)
             else:
                 self._solved_cluster = None  # a new term starts from a fresh look at the swarm

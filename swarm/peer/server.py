@@ -4,9 +4,11 @@ run(config, stop)                       # returns after ``stop`` is set and the 
   SwarmDHT.create                       # hivemind DHT + p2pd, reachability options off unless opted in
   choose layers (auto: least covered)   # from a DHT snapshot and the memory budget
   load blocks, measure compute          # on the executor thread
-  TaskGroup: executor, announcer, idle-session reaper, link monitor, planner service
+  TaskGroup: executor, announcer, idle-session reaper, link monitor, planner service, plan follower
   dial-back check                       # another peer probes us: are we reachable?
   stop: refuse new sessions, drain open ones (grace), withdraw the record, stop the DHT
+
+The Peer (swarm.peer.state) owns all mutable state; every component here gets it and acts through it.
 """
 
 from __future__ import annotations
@@ -14,22 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind.p2p import P2P
 
-from swarm import PROTOCOL_VERSION
 from swarm.dht import (
     Announcer,
     DHTConfig,
     Directory,
     DirectoryConfig,
     Election,
-    ElectionConfig,
-    PeerRecord,
-    ReachabilityConfig,
     SwarmDHT,
     coverage,
 )
@@ -37,18 +33,17 @@ from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import Executor
-from swarm.peer.follow import FollowConfig, PlanFollower
-from swarm.peer.handlers import HandlerConfig, PeerHandlers
+from swarm.peer.follow import PlanFollower
+from swarm.peer.handlers import PeerHandlers, reap_idle_sessions
 from swarm.peer.measure import (
-    ComputeMeasure,
-    LinkConfig,
     LinkMonitor,
     choose_range,
     max_layers_within,
     measure_compute,
     memory_budget_bytes,
 )
-from swarm.peer.planner_service import PlannerConfig, PlannerService
+from swarm.peer.planner_service import PlannerService
+from swarm.peer.state import Identity, Peer
 from swarm.transport import call_probe, serve
 from swarm.types import LayerRange
 from swarm.wire import ProbeRequest
@@ -66,43 +61,23 @@ class _Leave(Exception):
     """Raised inside the TaskGroup to stop every child once the peer has drained."""
 
 
-@dataclass
-class _PeerState:
-    """The mutable facts a PeerRecord is built from."""
-
-    spec: ModelSpec
-    held: LayerRange
-    max_layers: int
-    memory_bytes: int
-    state: str = "loading"
-    compute: ComputeMeasure = ComputeMeasure(0.0, 0.0, 0.0)
-    reachable: bool | None = None
-
-
 async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
     """Run a peer until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM), then leave cleanly."""
     stop = stop or asyncio.Event()
     began = time.monotonic()
     logger.info("resolving model %s", config.model)
     source = await asyncio.to_thread(resolve_model, config.model)
-    spec = source.spec
     if config.layers != "auto":  # a bad range fails now, before we join the swarm
-        LayerRange.parse(config.layers).check_within(spec.num_layers)
+        LayerRange.parse(config.layers).check_within(source.spec.num_layers)
     dht_config = DHTConfig(
         initial_peers=config.initial_peers,
         host=config.host,
         port=config.port,
         identity_path=config.identity_path,
-        reachability=ReachabilityConfig(
-            use_relay=config.use_relay or config.use_auto_relay,
-            use_auto_relay=config.use_auto_relay,
-            nat_port_map=config.nat_port_map,
-            auto_nat=config.auto_nat,
-            announce_maddrs=config.announce_maddrs,
-        ),
+        reachability=config.reachability,
     )
     logger.info("joining the DHT (%s)", "new swarm" if not config.initial_peers else "via initial peers")
-    dht = await SwarmDHT.create(dht_config, spec.weights_hash)
+    dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
     try:
         p2p = await dht.replicate_p2p()
         await _serve(config, source, dht, p2p, stop, began)
@@ -114,132 +89,119 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
 async def _serve(
     config: PeerConfig, source: ModelSource, dht: SwarmDHT, p2p: P2P, stop: asyncio.Event, began: float
 ) -> None:
-    spec = source.spec
-    dtype = config.torch_dtype_name
+    """Wire the components around one Peer under one TaskGroup; return once the peer has left."""
     directory = Directory(dht, DirectoryConfig(ttl_s=config.record_ttl_s))
-    budget = memory_budget_bytes(config.device, config.max_memory_gb)
-    max_layers = max_layers_within(spec, dtype, budget, config.cache_tokens)
-    if max_layers == 0:
-        raise ValueError(
-            f"a memory budget of {budget / 1024**3:.2f} GiB does not fit one layer of {spec.name} with "
-            f"{config.cache_tokens} cache tokens: raise --max-memory-gb or lower --cache-tokens"
-        )
-    held = await _choose_layers(config, directory, spec, max_layers)
-    peer = _PeerState(spec, held, max_layers, budget)
-    maddrs = dht.visible_maddrs()
-    name = config.name or dht.peer_id[-6:]
-    logger.info(
-        "loading layers %s of %s (%d layers fit in %.2f GiB)", held, spec.name, max_layers, budget / 1024**3
-    )
-    blocks = await asyncio.to_thread(
-        source.load_blocks, held.start, held.end, config.device, dtype, config.cache_tokens
-    )
-    executor = Executor(blocks, name=f"torch-{config.device}")
-    handlers = PeerHandlers(
-        peer_id=dht.peer_id,
-        name=name,
-        p2p=p2p,
-        executor=executor,
-        spec=spec,
-        held=held,
-        dtype=blocks.dtype,
-        config=HandlerConfig(session_idle_timeout_s=config.session_idle_timeout_s),
-        state=lambda: peer.state,
-    )
-    links = LinkMonitor(p2p, dht.peer_id, directory.read_peers, LinkConfig(refresh_s=config.link_refresh_s))
-
-    def record() -> PeerRecord:
-        return PeerRecord(
-            peer_id=dht.peer_id,
-            name=name,
-            maddrs=maddrs,
-            protocol_version=PROTOCOL_VERSION,
-            model_name=spec.name,
-            model_hash=spec.weights_hash,
-            num_layers=spec.num_layers,
-            hidden_size=spec.hidden_size,
-            device=str(blocks.device),
-            dtype=dtype,
-            memory_bytes=budget,
-            state=peer.state,  # type: ignore[arg-type]
-            range_start=handlers.held.start,  # the follower moves it to the plan's range
-            range_end=handlers.held.end,
-            decode_layer_tokens_s_b1=peer.compute.decode_layer_tokens_s_b1,
-            decode_layer_tokens_s_b8=peer.compute.decode_layer_tokens_s_b8,
-            prefill_layer_tokens_s=peer.compute.prefill_layer_tokens_s,
-            max_layers=max_layers,
-            cache_tokens_total=handlers.cache_tokens_total,
-            free_cache_tokens=handlers.free_cache_tokens if peer.state == "serving" else 0,
-            active_sessions=len(handlers.sessions),
-            load=min(1.0, 1.0 - handlers.free_cache_tokens / max(1, handlers.cache_tokens_total)),
-            links=dict(links.links),
-            reachable=peer.reachable,
-            updated_at=0.0,
-        )
-
-    announcer = Announcer(directory, record)
+    identity = _identity(config, source.spec, dht)
+    layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
+    executor = Executor(config.executor, name=f"torch-{config.device}")
+    peer = Peer(identity, source.spec, executor, config.sessions)
+    announcer = Announcer(directory, peer.record)
+    links = LinkMonitor(p2p, peer.peer_id, directory.read_peers, config.links, on_change=peer.set_links)
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
-            logger.info("measuring compute speed of one layer")
-            peer.compute = await executor.call(lambda: measure_compute(blocks))
-            logger.info(
-                "measured per layer: decode %.0f tok/s (batch 1), %.0f tok/s (batch 8), prefill %.0f tok/s",
-                peer.compute.decode_layer_tokens_s_b1,
-                peer.compute.decode_layer_tokens_s_b8,
-                peer.compute.prefill_layer_tokens_s,
-            )
-            await serve(p2p, handlers)
-            peer.state = "serving"
+            await _load_and_measure(config, source, peer, layers)
+            await serve(p2p, PeerHandlers(peer, p2p, config.sessions))
             tg.create_task(announcer.run())
-            tg.create_task(handlers.run())
+            tg.create_task(_announce_changes(directory, peer))
+            tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
             tg.create_task(links.run())
-            tg.create_task(_announce_link_changes(directory, links, record))
-            _start_planner(tg, config, directory)
+            if config.plan:  # the election runs always; the planner plans while we hold the lease
+                election = Election(directory, config.election)
+                tg.create_task(election.run())
+                tg.create_task(PlannerService(directory, election, config.planner).run())
             if config.follow_plan:
-                tg.create_task(
-                    _follower(config, directory, source, executor, handlers, max_layers, record).run()
-                )
+                tg.create_task(_follower(config, peer, directory, source).run())
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
-            logger.info("serving layers %s as %s after %.1f s", held, dht.peer_id, time.monotonic() - began)
-            if config.maddr_file:
-                _write_atomic(Path(config.maddr_file), "\n".join(maddrs) + "\n")
-            print(
-                "\n".join(["Peer is serving. Others join with:", *[f"  --initial-peers {m}" for m in maddrs]])
-            )
-            peer.reachable = await _check_reachable(p2p, directory, dht.peer_id, maddrs)
+            _report_serving(config, peer, began)
+            peer.reachable = await _check_reachable(p2p, directory, peer.peer_id, list(identity.maddrs))
             await stop.wait()
-            logger.info(
-                "leaving: no new sessions; %d open ones get %.0f s",
-                len(handlers.sessions),
-                config.shutdown_grace_s,
-            )
-            peer.state = "leaving"
-            handlers.accepting = False
-            try:
-                async with asyncio.timeout(5):
-                    await directory.announce(record())
-            except (TimeoutError, OSError, RuntimeError) as e:
-                logger.warning("could not announce that we are leaving: %s", e)
-            await handlers.drain(config.shutdown_grace_s)
+            await _leave(peer, directory, config.shutdown_grace_s)
             raise _Leave
     except* _Leave:
         pass
 
 
-async def _announce_link_changes(
-    directory: Directory, links: LinkMonitor, record: Callable[[], PeerRecord]
-) -> None:
-    """Announce as soon as we have links to new peers, instead of waiting for the next refresh."""
+def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT) -> Identity:
+    budget = memory_budget_bytes(config.device, config.max_memory_gb)
+    max_layers = max_layers_within(spec, config.torch_dtype_name, budget, config.cache_tokens)
+    if max_layers == 0:
+        raise ValueError(
+            f"a memory budget of {budget / 1024**3:.2f} GiB does not fit one layer of {spec.name} with "
+            f"{config.cache_tokens} cache tokens: raise --max-memory-gb or lower --cache-tokens"
+        )
+    name = config.name or dht.peer_id[-6:]
+    return Identity(dht.peer_id, name, tuple(dht.visible_maddrs()), budget, max_layers)
+
+
+async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer, layers: LayerRange) -> None:
+    spec, identity = source.spec, peer.identity
+    logger.info(
+        "loading layers %s of %s (%d layers fit in %.2f GiB)",
+        layers,
+        spec.name,
+        identity.max_layers,
+        identity.memory_bytes / 1024**3,
+    )
+    blocks = await asyncio.to_thread(
+        source.load_blocks,
+        layers.start,
+        layers.end,
+        config.device,
+        config.torch_dtype_name,
+        config.cache_tokens,
+    )
+    logger.info("measuring compute speed of one layer")
+    peer.compute = await peer.executor.call(lambda: measure_compute(blocks))
+    logger.info(
+        "measured per layer: decode %.0f tok/s (batch 1), %.0f tok/s (batch 8), prefill %.0f tok/s",
+        peer.compute.decode_layer_tokens_s_b1,
+        peer.compute.decode_layer_tokens_s_b8,
+        peer.compute.prefill_layer_tokens_s,
+    )
+    peer.serve(blocks)
+
+
+def _report_serving(config: PeerConfig, peer: Peer, began: float) -> None:
+    maddrs = peer.identity.maddrs
+    logger.info("serving layers %s as %s after %.1f s", peer.held, peer.peer_id, time.monotonic() - began)
+    if config.maddr_file:
+        _write_atomic(Path(config.maddr_file), "\n".join(maddrs) + "\n")
+    print("\n".join(["Peer is serving. Others join with:", *[f"  --initial-peers {m}" for m in maddrs]]))
+
+
+async def _leave(peer: Peer, directory: Directory, grace_s: float) -> None:
+    """Refuse new sessions, say so in the DHT, let open sessions finish within ``grace_s``."""
+    logger.info("leaving: no new sessions; %d open ones get %.0f s", peer.session_count, grace_s)
+    peer.stop_accepting()
+    try:
+        async with asyncio.timeout(5):
+            await directory.announce(peer.record())
+    except (TimeoutError, OSError, RuntimeError) as e:
+        logger.warning("could not announce that we are leaving: %s", e)
+    await peer.drain(grace_s)
+
+
+def _follower(config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource) -> PlanFollower:
+    async def announce() -> bool:
+        return await directory.announce(peer.record())
+
+    return PlanFollower(
+        peer=peer, directory=directory, source=source, announce=announce, config=config.follow
+    )
+
+
+async def _announce_changes(directory: Directory, peer: Peer) -> None:
+    """Announce as soon as the record changes in a way others should know (new range, new links)."""
     while True:
-        await links.changed.wait()
-        links.changed.clear()
+        await peer.changed.wait()
+        peer.changed.clear()
         try:
             async with asyncio.timeout(10):
-                await directory.announce(record())
-        except (TimeoutError, OSError, RuntimeError) as e:
-            logger.debug("announce after a link change failed: %s", e)
+                await directory.announce(peer.record())
+        except Exception as e:  # the periodic announcer carries the change if this one fails
+            logger.debug("announce after a change failed: %r", e)
 
 
 async def _choose_layers(
@@ -286,47 +248,6 @@ async def _check_reachable(p2p: P2P, directory: Directory, own_id: str, maddrs: 
         )
         return False
     return None
-
-
-def _start_planner(tg: asyncio.TaskGroup, config: PeerConfig, directory: Directory) -> None:
-    """Stand for planner: the election runs always, the planner service plans while we hold the lease."""
-    if not config.plan:
-        return
-    election = Election(directory, ElectionConfig(lease_s=config.planner_lease_s))
-    tg.create_task(election.run())
-    tg.create_task(
-        PlannerService(directory, election, PlannerConfig(check_interval_s=config.plan_check_s)).run()
-    )
-
-
-def _follower(
-    config: PeerConfig,
-    directory: Directory,
-    source: ModelSource,
-    executor: Executor,
-    handlers: PeerHandlers,
-    max_layers: int,
-    record: Callable[[], PeerRecord],
-) -> PlanFollower:
-    """Move to the layers the published plan gives us (announcing each change at once)."""
-
-    async def announce() -> bool:
-        return await directory.announce(record())
-
-    follow = FollowConfig(
-        check_interval_s=config.plan_check_s,
-        handover_timeout_s=config.handover_timeout_s,
-        session_grace_s=config.shutdown_grace_s,
-    )
-    return PlanFollower(
-        directory=directory,
-        source=source,
-        executor=executor,
-        handlers=handlers,
-        max_layers=max_layers,
-        announce=announce,
-        config=follow,
-    )
 
 
 def _write_atomic(path: Path, text: str) -> None:

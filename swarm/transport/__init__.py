@@ -3,7 +3,6 @@
 from swarm.transport.calls import (
     DEFAULT_TIMEOUT_S,
     call_close,
-    call_forward,
     call_info,
     call_probe,
     call_step,
@@ -15,7 +14,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RpcHandler",
     "call_close",
-    "call_forward",
     "call_info",
     "call_probe",
     "call_step",

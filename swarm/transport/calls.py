@@ -23,7 +23,6 @@ from swarm.wire import (
     CloseReply,
     CloseRequest,
     ErrorReply,
-    ForwardRequest,
     InfoReply,
     InfoRequest,
     ProbeReply,
@@ -88,26 +87,6 @@ async def call_step(
     Raises CapacityError (peer full), SessionError (unknown/expired session: reopen and replay),
     ModelMismatch, ProtocolError, TransportError.
     """
-    return await _call(
-        p2p,
-        peer_id,
-        request,
-        StepReply,
-        maddrs=maddrs,
-        timeout_s=timeout_s,
-        reply_bytes_hint=_hidden_bytes(request.hidden),
-    )
-
-
-async def call_forward(
-    p2p: P2P,
-    peer_id: str,
-    request: ForwardRequest,
-    *,
-    maddrs: tuple[str, ...] | list[str] = (),
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> StepReply:
-    """A stateless forward pass (no session, no KV cache) through ``peer_id`` and ``request.route_rest``."""
     return await _call(
         p2p,
         peer_id,

@@ -18,7 +18,6 @@ from swarm.wire import (
     CloseReply,
     CloseRequest,
     ErrorReply,
-    ForwardRequest,
     InfoReply,
     InfoRequest,
     ProbeReply,
@@ -37,11 +36,10 @@ logger = logging.getLogger(__name__)
 class RpcHandler(Protocol):
     """What a peer implements to serve requests (see swarm.peer.handlers)."""
 
-    peer_id: str
+    @property
+    def peer_id(self) -> str: ...
 
     async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply: ...
-
-    async def rpc_forward(self, request: ForwardRequest, remote_id: str) -> StepReply: ...
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply: ...
 

@@ -33,8 +33,10 @@ FAST = [
     "--max-memory-gb", "0.01",  # 4 tiny layers + their 8192-token KV cache each: nobody holds all 6
     "--record-ttl-s", "15",  # refreshed every 5 s: a busy machine must not expire a live record
     "--planner-lease-s", "3",
-    "--plan-check-s", "1",
-    "--handover-timeout-s", "30",
+    "--planner-check-interval-s", "1",
+    "--follow-check-interval-s", "1",
+    "--follow-handover-timeout-s", "30",
+    "--follow-session-grace-s", "2",
     "--shutdown-grace-s", "2",
 ]  # fmt: skip
 

@@ -152,7 +152,6 @@ def _raw_step(**overrides: object) -> bytes:
         "max_length_tokens": 16,
         "model_hash": "x",
         "route_rest": [],
-        "step_id": 0,
     }
     body.update(overrides)
     return msgpack.packb([PROTOCOL_VERSION, "step", body], use_bin_type=True)

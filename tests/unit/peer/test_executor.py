@@ -36,24 +36,24 @@ async def _with_executor(executor: Executor, body) -> object:  # type: ignore[no
 
 
 def test_concurrent_decode_steps_run_as_one_batch_with_the_same_results(blocks: BlockRange) -> None:
-    executor = Executor(blocks, ExecutorConfig(max_batch=8))
+    executor = Executor(ExecutorConfig(max_batch=8))
     sessions = [f"s{i}" for i in range(4)]
 
     async def body() -> list[torch.Tensor]:
         for sid in sessions:
-            await executor.open_session(sid, 16)
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
         for i, sid in enumerate(sessions):
-            await executor.forward(Step(sid, _hidden(blocks, 3, i), 0, 2, 0))
+            await executor.forward(blocks, Step(sid, _hidden(blocks, 3, i), 0, 2, 0))
         before = executor.batches_run
         results = await asyncio.gather(
             *(
-                executor.forward(Step(sid, _hidden(blocks, 1, 10 + i), 0, 2, 3))
+                executor.forward(blocks, Step(sid, _hidden(blocks, 1, 10 + i), 0, 2, 3))
                 for i, sid in enumerate(sessions)
             )
         )
         assert executor.batches_run - before == 1, "four concurrent decode steps should make one batch"
         for sid in sessions:
-            await executor.close_session(sid)
+            await executor.call(lambda s=sid: blocks.close_session(s))
         return [r.hidden for r in results]
 
     batched = asyncio.run(_with_executor(executor, body))
@@ -67,17 +67,17 @@ def test_concurrent_decode_steps_run_as_one_batch_with_the_same_results(blocks: 
 
 
 def test_a_bad_step_fails_alone_and_its_batch_mates_succeed(blocks: BlockRange) -> None:
-    executor = Executor(blocks)
+    executor = Executor()
 
     async def body() -> list[object]:
-        await executor.open_session("good", 16)
-        await executor.forward(Step("good", _hidden(blocks, 2, 0), 0, 2, 0))
+        await executor.call(lambda: blocks.open_session("good", 16))
+        await executor.forward(blocks, Step("good", _hidden(blocks, 2, 0), 0, 2, 0))
         results = await asyncio.gather(
-            executor.forward(Step("good", _hidden(blocks, 1, 1), 0, 2, 2)),
-            executor.forward(Step("missing", _hidden(blocks, 1, 2), 0, 2, 2)),
+            executor.forward(blocks, Step("good", _hidden(blocks, 1, 1), 0, 2, 2)),
+            executor.forward(blocks, Step("missing", _hidden(blocks, 1, 2), 0, 2, 2)),
             return_exceptions=True,
         )
-        await executor.close_session("good")
+        await executor.call(lambda: blocks.close_session("good"))
         return results
 
     good, bad = asyncio.run(_with_executor(executor, body))  # type: ignore[misc]
@@ -86,20 +86,46 @@ def test_a_bad_step_fails_alone_and_its_batch_mates_succeed(blocks: BlockRange) 
 
 
 def test_cache_budget_and_queue_bound_give_capacity_errors(blocks: BlockRange) -> None:
-    executor = Executor(blocks, ExecutorConfig(queue_jobs=2))
+    executor = Executor(ExecutorConfig(queue_jobs=2))
 
     async def body() -> None:
         with pytest.raises(CapacityError, match="KV cache full"):
-            await executor.open_session("huge", 10_000)
+            await executor.call(lambda: blocks.open_session("huge", 10_000))
         # Without the worker draining it, the bounded queue refuses the third job at once.
-        idle = Executor(blocks, ExecutorConfig(queue_jobs=2))
+        idle = Executor(ExecutorConfig(queue_jobs=2))
         pending = [
-            asyncio.ensure_future(idle.forward(Step(None, _hidden(blocks, 1, 0), 0, 2, 0))) for _ in range(2)
+            asyncio.ensure_future(idle.forward(blocks, Step(None, _hidden(blocks, 1, 0), 0, 2, 0)))
+            for _ in range(2)
         ]
         await asyncio.sleep(0)
         with pytest.raises(CapacityError, match="busy"):
-            await idle.forward(Step(None, _hidden(blocks, 1, 0), 0, 2, 0))
+            await idle.forward(blocks, Step(None, _hidden(blocks, 1, 0), 0, 2, 0))
         for p in pending:
             p.cancel()
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_steps_on_two_block_ranges_never_share_a_batch() -> None:
+    """A peer moving between ranges serves two BlockRanges: decode steps batch only with their own range's."""
+    source = resolve_model("tiny")
+    old, new = source.load_blocks(0, 2, cache_tokens=64), source.load_blocks(0, 2, cache_tokens=64)
+    executor = Executor(ExecutorConfig(max_batch=8))
+
+    async def body() -> tuple[int, list[torch.Tensor]]:
+        for blocks, sid in ((old, "a"), (new, "b"), (old, "c")):
+            await executor.call(lambda b=blocks, s=sid: b.open_session(s, 16))
+            await executor.forward(blocks, Step(sid, _hidden(blocks, 2, 0), 0, 2, 0))
+        before = executor.batches_run
+        results = await asyncio.gather(
+            *(
+                executor.forward(b, Step(sid, _hidden(b, 1, 5), 0, 2, 2))
+                for b, sid in ((old, "a"), (new, "b"), (old, "c"))
+            )
+        )
+        return executor.batches_run - before, [r.hidden for r in results]
+
+    batches, outputs = asyncio.run(_with_executor(executor, body))
+    assert batches == 2, "a and c (old range) batch together; b (new range) runs on its own"
+    assert old.active_sessions == ["a", "c"] and new.active_sessions == ["b"]
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)  # same weights, same input

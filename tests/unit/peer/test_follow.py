@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from swarm.dht import PlanRecord, SwarmSnapshot
-from swarm.errors import SessionError
-from swarm.models.blocks import Step
+from swarm.models.blocks import BlockRange, Step
+from swarm.peer.config import FollowConfig
 from swarm.peer.executor import Executor
 from swarm.peer.follow import (
-    FollowConfig,
     PlanFollower,
     assemble_blocks,
     dropped_layers,
@@ -24,8 +23,9 @@ from swarm.peer.follow import (
     unkept_layers,
 )
 from swarm.peer.handlers import PeerHandlers
+from swarm.peer.state import Identity, Peer, Status
 from swarm.types import LayerRange, NodeID, Plan
-from swarm.wire import StepRequest
+from swarm.wire import CloseRequest, StepRequest
 from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,7 +105,7 @@ def test_a_layer_is_kept_only_by_a_peer_that_stays_on_it():
 
 
 def test_config_checks():
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be positive"):
         FollowConfig(check_interval_s=0)
     with pytest.raises(ValueError, match="session_grace_s"):
         FollowConfig(session_grace_s=-1)
@@ -136,76 +136,93 @@ def test_assembled_blocks_compute_exactly_what_freshly_loaded_ones_do(tiny_sourc
 
 
 class _Directory:
-    """Serves snapshots the test sets: the follower's only input (the DHT path is the integration test's)."""
+    """Serves snapshots the test sets: the follower's only input (the DHT path is the integration test's).
+    Counts reads, so the test can wait for the follower to have looked again instead of sleeping."""
 
     def __init__(self, peer_id: str, snapshot: SwarmSnapshot) -> None:
         self.peer_id = peer_id
         self.current = snapshot
+        self.reads = 0
+        self._read = asyncio.Event()
 
     async def snapshot(self) -> SwarmSnapshot:
+        self.reads += 1
+        self._read.set()
         return self.current
+
+    async def read_more(self, count: int) -> None:
+        target = self.reads + count
+        while self.reads < target:
+            self._read.clear()
+            await self._read.wait()
+
+
+def _peer(blocks: BlockRange, peer_id: str, max_layers: int) -> Peer:
+    identity = Identity(peer_id, peer_id, (f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id}",), 1 << 30, max_layers)
+    peer = Peer(identity, blocks.spec, Executor())
+    peer.serve(blocks)
+    return peer
 
 
 def test_follower_serves_the_hull_until_others_keep_what_it_drops(tiny_source):
-    """QmA moves 0:3 -> 2:4 while QmB moves 4:6 -> 0:2: QmA must serve 0:4 until QmB serves 0:2."""
+    """QmA moves 0:3 -> 2:4 while QmB moves 4:6 -> 0:2: QmA must serve 0:4 until QmB serves 0:2. Its open
+    session keeps running on the old range (make before break) until it ends."""
     spec = tiny_source.spec
-    blocks = tiny_source.load_blocks(0, 3, "cpu", "float32", 256)
-    executor = Executor(blocks)
-    handlers = PeerHandlers(
-        peer_id="QmA",
-        name="a",
-        p2p=None,  # type: ignore[arg-type]  # no forwarding in this test
-        executor=executor,
-        spec=spec,
-        held=R(0, 3),
-        dtype=blocks.dtype,
-    )
+    peer = _peer(tiny_source.load_blocks(0, 3, "cpu", "float32", 256), "QmA", max_layers=4)
+    handlers = PeerHandlers(peer, p2p=None)  # type: ignore[arg-type]  # no forwarding in this test
     plan = plan_record(1, {"QmA": R(2, 4), "QmB": R(0, 2), "QmC": R(4, 6)})
-    directory = _Directory("QmA", snapshot(plan, ("QmA", 0, 3), ("QmB", 4, 6), ("QmC", 4, 6)))
+    others: list[tuple[str, int, int]] = [("QmB", 4, 6), ("QmC", 4, 6)]
+    directory = _Directory("QmA", snapshot(plan, ("QmA", 0, 3), *others))
     announced: list[LayerRange] = []
+    announcement = asyncio.Event()
 
     async def announce() -> None:
-        announced.append(handlers.held)
-        directory.current = snapshot(plan, ("QmA", handlers.held.start, handlers.held.end), *others)
+        held = peer.held
+        assert held is not None
+        announced.append(held)
+        directory.current = snapshot(plan, ("QmA", held.start, held.end), *others)
+        announcement.set()
 
-    others: list[tuple[str, int, int]] = [("QmB", 4, 6), ("QmC", 4, 6)]
     follower = PlanFollower(
+        peer=peer,
         directory=directory,  # type: ignore[arg-type]
         source=tiny_source,
-        executor=executor,
-        handlers=handlers,
-        max_layers=4,
         announce=announce,
-        config=FollowConfig(check_interval_s=0.02, handover_timeout_s=30, session_grace_s=0.2),
+        config=FollowConfig(check_interval_s=0.01, handover_timeout_s=60, session_grace_s=60),
     )
     hidden = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(1))
 
-    def step(position: int, tokens: int, start: int = 0, end: int = 2) -> StepRequest:
-        return StepRequest("s1", position, hidden[:tokens], start, end, 32, spec.weights_hash)
+    def step(sid: str, position: int, tokens: int, start: int = 0, end: int = 2) -> StepRequest:
+        return StepRequest(sid, position, hidden[:tokens], start, end, 32, spec.weights_hash)
 
     async def body() -> None:
-        await handlers.rpc_step(step(0, 3), "client")  # a session open on the old range
+        await handlers.rpc_step(step("s1", 0, 3), "client")  # a session open on the old range
+        old = peer.current
         move = asyncio.create_task(follower.check())
-        for _ in range(500):  # the hull 0:4 comes first: nothing dropped, new layer 3 served
-            if announced:
-                break
-            await asyncio.sleep(0.01)
-        assert announced == [R(0, 4)] and handlers.held == R(0, 4)
-        with pytest.raises(SessionError):  # the session got its grace, then was dropped: the client replays
-            await handlers.rpc_step(step(3, 1), "client")
-        await handlers.rpc_step(step(0, 3, 0, 4), "client")  # the replay, on the hull
-        await asyncio.sleep(0.3)
-        assert handlers.held == R(0, 4) and not move.done()  # 0:2 is nobody else's yet: keep it
+        await asyncio.wait_for(announcement.wait(), 30)  # the hull 0:4 comes first: nothing dropped
+        assert announced == [R(0, 4)] and peer.held == R(0, 4) and peer.status is Status.MOVING
+        await handlers.rpc_step(step("s1", 3, 1), "client")  # s1 still runs on the old range
+        await handlers.rpc_step(step("s2", 0, 3, 0, 4), "client")  # a new session opens on the hull
+        assert old is not None and set(old.sessions) == {"s1"} and len(peer.ranges) == 2
+        await handlers.rpc_close(CloseRequest("s1"), "client")  # its end lets the old range go
+        await directory.read_more(3)  # the follower looked three times more: 0:2 is nobody else's yet
+        assert peer.held == R(0, 4) and not move.done() and peer.ranges[-1].range == R(0, 4)
         others[0] = ("QmB", 0, 2)
+        announcement.clear()
         directory.current = snapshot(plan, ("QmA", 0, 4), *others)
-        await asyncio.wait_for(move, 10)
-        assert announced == [R(0, 4), R(2, 4)] and handlers.held == R(2, 4)
-        assert executor.blocks.range == R(2, 4) and follower.adopted_epoch == 1 and follower.moves == 1
-        reply = await handlers.rpc_step(step(0, 2, 2, 4), "client")
+        await asyncio.wait_for(announcement.wait(), 30)  # now 2:4 takes new sessions; s2 stays on the hull
+        await handlers.rpc_step(step("s2", 3, 1, 0, 4), "client")
+        assert not move.done()
+        await handlers.rpc_close(CloseRequest("s2"), "client")
+        await asyncio.wait_for(move, 30)
+        assert announced == [R(0, 4), R(2, 4)] and peer.held == R(2, 4)
+        assert [s.range for s in peer.ranges] == [R(2, 4)] and peer.status is Status.SERVING
+        assert follower.adopted_epoch == 1 and follower.moves == 1
+        reply = await handlers.rpc_step(step("s3", 0, 2, 2, 4), "client")
         assert reply.hidden.shape == (2, spec.hidden_size)
 
     async def main() -> None:
-        runner = asyncio.create_task(executor.run())
+        runner = asyncio.create_task(peer.executor.run())
         try:
             await body()
         finally:

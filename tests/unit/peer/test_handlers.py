@@ -1,94 +1,161 @@
-"""rpc_* handlers on a real tiny BlockRange (no network: steps without a route never call another peer)."""
+"""rpc_* handlers and the Peer that owns their state, on a real tiny BlockRange (no network: steps without a
+route never call another peer). Time is an injected clock; waits are on events, never on sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 
-from swarm.errors import CapacityError, SessionError
+from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.loading import resolve_model
+from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
-from swarm.peer.handlers import HandlerConfig, PeerHandlers
-from swarm.types import LayerRange
+from swarm.peer.handlers import PeerHandlers
+from swarm.peer.state import Identity, Peer, Status
 from swarm.wire import CloseRequest, InfoRequest, ProbeRequest, StepRequest
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _handlers(idle_timeout_s: float = 60.0) -> PeerHandlers:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _handlers(clock: Clock, idle_timeout_s: float = 60.0, cache_tokens: int = 64) -> PeerHandlers:
     torch.set_num_threads(1)
     source = resolve_model("tiny")
-    blocks = source.load_blocks(0, 2, cache_tokens=64)
-    return PeerHandlers(
-        peer_id="QmSelf",
-        name="unit",
-        p2p=None,  # type: ignore[arg-type]
-        executor=Executor(blocks),
-        spec=source.spec,
-        held=LayerRange(0, 2),
-        dtype=blocks.dtype,
-        config=HandlerConfig(session_idle_timeout_s=idle_timeout_s),
-    )
+    identity = Identity("QmSelf", "unit", ("/ip4/127.0.0.1/tcp/1/p2p/QmSelf",), 1 << 30, 6)
+    peer = Peer(identity, source.spec, Executor(), SessionConfig(idle_timeout_s=idle_timeout_s), clock=clock)
+    peer.serve(source.load_blocks(0, 2, cache_tokens=cache_tokens))
+    return PeerHandlers(peer, p2p=None)  # type: ignore[arg-type]
 
 
-def _step(h: PeerHandlers, sid: str, position: int, tokens: int, max_length: int = 32) -> StepRequest:
-    hidden = torch.randn(tokens, h.spec.hidden_size)
-    return StepRequest(sid, position, hidden, 0, 2, max_length, h.spec.weights_hash)
+def _step(
+    h: PeerHandlers, sid: str, position: int, tokens: int, max_length: int = 32, end: int = 2
+) -> StepRequest:
+    hidden = torch.randn(tokens, h.peer.spec.hidden_size)
+    return StepRequest(sid, position, hidden, 0, end, max_length, h.peer.spec.weights_hash)
 
 
-def test_sessions_open_implicitly_count_against_the_budget_and_expire_when_idle() -> None:
-    h = _handlers(idle_timeout_s=0.3)
-
-    async def body() -> None:
-        tasks = [asyncio.create_task(h.executor.run()), asyncio.create_task(h.run())]
+def _run(h: PeerHandlers, body: Callable[[], Awaitable[None]]) -> None:
+    async def main() -> None:
+        task = asyncio.create_task(h.peer.executor.run())
         try:
-            reply = await h.rpc_step(_step(h, "s1", 0, 4), "QmClient")
-            assert reply.hidden.shape == (4, h.spec.hidden_size) and reply.timings[0].peer_id == "QmSelf"
-            await h.rpc_step(_step(h, "s1", 4, 1), "QmClient")
-            info = await h.rpc_info(InfoRequest(), "QmClient")
-            assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 32, 64)
-            with pytest.raises(CapacityError, match="free"):
-                await h.rpc_step(_step(h, "s2", 0, 1, max_length=40), "QmClient")
-            with pytest.raises(SessionError, match="unknown session"):
-                await h.rpc_step(_step(h, "never-opened", 3, 1), "QmClient")
-            await asyncio.sleep(0.8)  # idle timeout: the reaper closes s1 and frees its cache
-            assert h.sessions == {} and h.free_cache_tokens == 64
-            with pytest.raises(SessionError):
-                await h.rpc_step(_step(h, "s1", 5, 1), "QmClient")
-            assert (await h.rpc_close(CloseRequest("s1"), "QmClient")).closed is False
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run(body())
-
-
-def test_draining_refuses_new_sessions_and_closes_the_rest() -> None:
-    h = _handlers()
-
-    async def body() -> None:
-        task = asyncio.create_task(h.executor.run())
-        try:
-            await h.rpc_step(_step(h, "open", 0, 2), "QmClient")
-            drain = asyncio.create_task(h.drain(grace_s=0.5))
-            await asyncio.sleep(0.1)
-            with pytest.raises(CapacityError, match="leaving"):
-                await h.rpc_step(_step(h, "new", 0, 1), "QmClient")
-            await h.rpc_step(_step(h, "open", 2, 1), "QmClient")  # an open session may still finish
-            await drain
-            assert h.sessions == {} and h.free_cache_tokens == 64
+            await body()
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(body())
+    asyncio.run(main())
+
+
+def test_sessions_open_implicitly_count_against_the_budget_and_expire_when_idle() -> None:
+    clock = Clock()
+    h = _handlers(clock, idle_timeout_s=30.0)
+
+    async def body() -> None:
+        reply = await h.rpc_step(_step(h, "s1", 0, 4), "QmClient")
+        assert reply.hidden.shape == (4, h.peer.spec.hidden_size) and reply.timings[0].peer_id == "QmSelf"
+        clock.now += 20
+        await h.rpc_step(_step(h, "s1", 4, 1), "QmClient")  # a step resets the idle clock
+        info = await h.rpc_info(InfoRequest(), "QmClient")
+        assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 32, 64)
+        with pytest.raises(CapacityError, match="free"):
+            await h.rpc_step(_step(h, "s2", 0, 1, max_length=40), "QmClient")
+        with pytest.raises(SessionError, match="unknown session"):
+            await h.rpc_step(_step(h, "never-opened", 3, 1), "QmClient")
+        clock.now += 29
+        assert await h.peer.reap() == 0, "29 s after its last step the session is not idle yet"
+        clock.now += 2
+        assert await h.peer.reap() == 1
+        assert h.peer.session_count == 0 and h.peer.free_cache_tokens == 64
+        with pytest.raises(SessionError):
+            await h.rpc_step(_step(h, "s1", 5, 1), "QmClient")
+        assert (await h.rpc_close(CloseRequest("s1"), "QmClient")).closed is False
+
+    _run(h, body)
+
+
+def test_draining_refuses_new_sessions_and_waits_for_open_ones() -> None:
+    h = _handlers(Clock())
+
+    async def body() -> None:
+        await h.rpc_step(_step(h, "open", 0, 2), "QmClient")
+        drain = asyncio.create_task(h.peer.drain(grace_s=60.0))
+        await asyncio.sleep(0)  # drain starts: the peer stops accepting
+        assert h.peer.status is Status.DRAINING and h.peer.record().state == "leaving"
+        with pytest.raises(CapacityError, match="leaving"):
+            await h.rpc_step(_step(h, "new", 0, 1), "QmClient")
+        await h.rpc_step(_step(h, "open", 2, 1), "QmClient")  # an open session may still finish
+        assert not drain.done()
+        await h.rpc_close(CloseRequest("open"), "QmClient")  # its end is what lets the drain finish
+        await asyncio.wait_for(drain, 10)
+        assert h.peer.status is Status.LEAVING and h.peer.free_cache_tokens == 64
+
+    _run(h, body)
+
+
+def test_draining_with_no_grace_closes_open_sessions() -> None:
+    h = _handlers(Clock())
+
+    async def body() -> None:
+        await h.rpc_step(_step(h, "open", 0, 2), "QmClient")
+        await h.peer.drain(grace_s=0.0)
+        assert h.peer.session_count == 0 and h.peer.free_cache_tokens == 64
+        with pytest.raises(SessionError):
+            await h.rpc_step(_step(h, "open", 2, 1), "QmClient")
+
+    _run(h, body)
+
+
+def test_two_ranges_each_keep_their_own_sessions_and_cache() -> None:
+    """Make before break: after serve(new), new sessions open on the new range, old ones stay on the old."""
+    h = _handlers(Clock())
+    source = resolve_model("tiny")
+
+    async def body() -> None:
+        await h.rpc_step(_step(h, "old", 0, 3), "QmClient")
+        old = h.peer.current
+        assert old is not None
+        new = h.peer.serve(source.load_blocks(0, 4, cache_tokens=64))
+        await h.rpc_step(_step(h, "fresh", 0, 2, end=4), "QmClient")
+        await h.rpc_step(_step(h, "old", 3, 1), "QmClient")  # still served by the range it opened on
+        assert set(old.sessions) == {"old"} and set(new.sessions) == {"fresh"}
+        assert h.peer.held == new.range and h.peer.record().range_end == 4
+        with pytest.raises(CapacityError, match="open on"):
+            await h.rpc_step(_step(h, "old", 4, 1, end=4), "QmClient")  # layers its range does not have
+        ended = asyncio.create_task(h.peer.wait_sessions_ended(old, timeout_s=60.0))
+        await asyncio.sleep(0)
+        assert not ended.done()
+        await h.rpc_close(CloseRequest("old"), "QmClient")
+        assert await asyncio.wait_for(ended, 10) is True
+        await h.peer.drop(old)
+        assert h.peer.ranges == [new] and old.blocks.free_cache_tokens == 64
+
+    _run(h, body)
+
+
+def test_a_wrong_hidden_size_is_a_protocol_error_and_opens_nothing() -> None:
+    h = _handlers(Clock())
+    bad = StepRequest("s", 0, torch.randn(2, 3), 0, 2, 32, h.peer.spec.weights_hash)
+
+    async def body() -> None:
+        with pytest.raises(ProtocolError, match="hidden size"):
+            await h.rpc_step(bad, "QmClient")
+        assert h.peer.session_count == 0
+
+    _run(h, body)
 
 
 def test_probe_echoes_sizes() -> None:
-    h = _handlers()
+    h = _handlers(Clock())
     reply = asyncio.run(h.rpc_probe(ProbeRequest(payload=b"x" * 1000, reply_bytes=10), "QmClient"))
     assert (reply.peer_id, reply.received_bytes, reply.payload, reply.dial_back_ok) == (
         "QmSelf",

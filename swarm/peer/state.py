@@ -1,0 +1,331 @@
+"""The peer's state and its one owner, ``Peer``: status, the block ranges it serves, the sessions on each.
+
+    status:   joining -> serving <-> moving -> draining -> leaving
+    ranges:   usually one ``Served`` (a BlockRange with its own KV cache and its sessions); two while the peer
+              moves (make before break): the newest range takes new sessions, an older one keeps serving the
+              sessions it opened until they end, then it is dropped. A session stays on the range it opened on.
+
+Handlers, the plan follower, the announcer and the reaper get the Peer and act through its methods; nobody else
+writes its fields. Everything here runs on the event loop; the torch work (opening a KV cache, a forward) goes
+through the Executor, which runs it on the device's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from swarm import PROTOCOL_VERSION
+from swarm.dht import LinkMeasure, PeerRecord
+from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError
+from swarm.models.blocks import BlockRange
+from swarm.models.spec import ModelSpec, dtype_name
+from swarm.peer.config import SessionConfig
+from swarm.peer.executor import Executor
+from swarm.peer.measure import ComputeMeasure
+from swarm.types import LayerRange
+
+logger = logging.getLogger(__name__)
+
+
+class Status(enum.StrEnum):
+    JOINING = "joining"  # loading layers and measuring: not serving yet
+    SERVING = "serving"
+    MOVING = "moving"  # following a new plan: serving while loading the next range
+    DRAINING = "draining"  # leaving: no new sessions, open ones may finish
+    LEAVING = "leaving"  # drained: withdrawing the record
+
+
+# What the DHT record says of each status (clients route only to "serving").
+_RECORD_STATE = {
+    Status.JOINING: "loading",
+    Status.SERVING: "serving",
+    Status.MOVING: "serving",
+    Status.DRAINING: "leaving",
+    Status.LEAVING: "leaving",
+}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who the peer is on the network (fixed for its lifetime)."""
+
+    peer_id: str
+    name: str
+    maddrs: tuple[str, ...]
+    memory_bytes: int  # memory budget
+    max_layers: int  # most layers that fit in it with the KV cache
+
+
+@dataclass
+class Session:
+    max_length_tokens: int
+    last_used_s: float  # the Peer's clock
+
+
+@dataclass(eq=False)
+class Served:
+    """One block range being served: its BlockRange (weights + KV cache) and the sessions opened on it."""
+
+    blocks: BlockRange
+    sessions: dict[str, Session] = field(default_factory=dict)
+    accepting: bool = True  # takes new sessions
+
+    @property
+    def range(self) -> LayerRange:
+        return self.blocks.range
+
+
+class Peer:
+    """Owns the peer's mutable state. Build it, then ``serve(blocks)`` once the first range is loaded."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        spec: ModelSpec,
+        executor: Executor,
+        config: SessionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.identity = identity
+        self.spec = spec
+        self.executor = executor
+        self.config = config or SessionConfig()
+        self.clock = clock
+        self.status = Status.JOINING
+        self.ranges: list[Served] = []  # oldest first; the last accepting one takes new sessions
+        self.compute = ComputeMeasure(0.0, 0.0, 0.0)
+        self.reachable: bool | None = None
+        self.links: Mapping[str, LinkMeasure] = {}
+        self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
+        self._sessions_changed = asyncio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    # ------------------------------------------------------------------ ranges
+
+    @property
+    def current(self) -> Served | None:
+        """The range that takes new sessions (the newest accepting one)."""
+        return next((s for s in reversed(self.ranges) if s.accepting), None)
+
+    @property
+    def held(self) -> LayerRange | None:
+        """The layers announced to the swarm: those of the current range."""
+        current = self.current
+        return current.range if current is not None else None
+
+    def serve(self, blocks: BlockRange) -> Served:
+        """Serve ``blocks`` from now on: new sessions open there; older ranges keep only their sessions."""
+        for older in self.ranges:
+            older.accepting = False
+        served = Served(blocks)
+        self.ranges.append(served)
+        if self.status is Status.JOINING:
+            self.status = Status.SERVING
+        self.changed.set()
+        logger.info("serving layers %s", blocks.range)
+        return served
+
+    def set_moving(self, moving: bool) -> None:
+        if self.status in (Status.SERVING, Status.MOVING):
+            self.status = Status.MOVING if moving else Status.SERVING
+
+    async def wait_sessions_ended(self, served: Served, timeout_s: float) -> bool:
+        """Wait until ``served`` has no sessions, at most ``timeout_s``; True if it emptied."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while served.sessions:
+                    self._sessions_changed.clear()
+                    await self._sessions_changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def drop(self, served: Served) -> None:
+        """Stop serving ``served``; sessions still on it are closed (their next step gets SessionError)."""
+        if served.sessions:
+            logger.info("closing %d sessions still open on layers %s", len(served.sessions), served.range)
+        for session_id in list(served.sessions):
+            await self._close_on(served, session_id)
+        if served in self.ranges:
+            self.ranges.remove(served)
+        self.changed.set()
+
+    # ------------------------------------------------------------------ sessions
+
+    def find(self, session_id: str) -> Served | None:
+        return next((s for s in self.ranges if session_id in s.sessions), None)
+
+    def check_request(self, model_hash: str, layers: LayerRange, hidden_size: int) -> None:
+        """Raise if a step for ``layers`` cannot run on this model (before any state is touched)."""
+        if model_hash != self.spec.weights_hash:
+            raise ModelMismatch(
+                f"this peer serves {self.spec.name} with hash {self.spec.weights_hash[:12]}, "
+                f"the request is for hash {model_hash[:12]}"
+            )
+        if hidden_size != self.spec.hidden_size:
+            raise ProtocolError(
+                f"hidden size {hidden_size} does not match the model's {self.spec.hidden_size}"
+            )
+
+    async def session_for(
+        self, session_id: str, layers: LayerRange, position: int, max_length_tokens: int
+    ) -> Served:
+        """The range that runs this step of ``session_id``: where it is open, else where it opens now."""
+        served = self.find(session_id)
+        if served is None:
+            served = await self._open(session_id, layers, position, max_length_tokens)
+        elif not served.range.covers(layers):
+            raise CapacityError(f"layers {layers} requested, session is open on {served.range}")
+        return served
+
+    def touch(self, session_id: str) -> None:
+        served = self.find(session_id)
+        if served is not None:
+            served.sessions[session_id].last_used_s = self.clock()
+
+    async def _open(
+        self, session_id: str, layers: LayerRange, position: int, max_length_tokens: int
+    ) -> Served:
+        if position != 0:
+            raise SessionError(
+                f"unknown session {session_id[:16]} at position {position} (expired or never opened): "
+                "reopen it and replay the prefix"
+            )
+        served = self.current
+        if self.status in (Status.DRAINING, Status.LEAVING) or served is None:
+            raise CapacityError("peer is leaving the swarm and takes no new sessions")
+        if not served.range.covers(layers):
+            # Usually a stale route after this peer followed a new plan: an honest peer, so "route elsewhere"
+            # (CapacityError) rather than ProtocolError, which would get it banned as misbehaving.
+            raise CapacityError(f"layers {layers} requested, this peer holds {served.range}")
+        if self.session_count >= self.config.max_open:
+            raise CapacityError(f"peer has {self.session_count} open sessions, its limit")
+        if max_length_tokens > served.blocks.free_cache_tokens:
+            raise CapacityError(
+                f"session needs {max_length_tokens} cache tokens, this peer has "
+                f"{served.blocks.free_cache_tokens} free"
+            )
+        # Reserve the slot before awaiting so two first steps of one session cannot both open it.
+        served.sessions[session_id] = Session(max_length_tokens, self.clock())
+        try:
+            await self.executor.call(lambda: served.blocks.open_session(session_id, max_length_tokens))
+        except BaseException:
+            served.sessions.pop(session_id, None)
+            self._sessions_changed.set()
+            raise
+        logger.debug("opened session %s (%d tokens) on %s", session_id[:8], max_length_tokens, served.range)
+        return served
+
+    async def close(self, session_id: str) -> bool:
+        """Close ``session_id`` wherever it is open; False if it is not."""
+        served = self.find(session_id)
+        if served is None:
+            return False
+        await self._close_on(served, session_id)
+        return True
+
+    async def _close_on(self, served: Served, session_id: str) -> None:
+        if served.sessions.pop(session_id, None) is None:
+            return
+        self._sessions_changed.set()
+        try:
+            await self.executor.call(lambda: served.blocks.close_session(session_id))
+        except SessionError:
+            pass  # never reached the cache (e.g. its open was cancelled): nothing to free
+        logger.debug("closed session %s", session_id[:8])
+
+    @property
+    def session_count(self) -> int:
+        return sum(len(s.sessions) for s in self.ranges)
+
+    def idle_sessions(self) -> list[str]:
+        """Sessions with no step for longer than the idle timeout."""
+        deadline = self.clock() - self.config.idle_timeout_s
+        return [sid for s in self.ranges for sid, sess in s.sessions.items() if sess.last_used_s < deadline]
+
+    async def reap(self) -> int:
+        """Close idle sessions; how many were closed."""
+        idle = self.idle_sessions()
+        for session_id in idle:
+            logger.info(
+                "session %s idle for over %.0f s: closing it", session_id[:8], self.config.idle_timeout_s
+            )
+            await self.close(session_id)
+        return len(idle)
+
+    def stop_accepting(self) -> None:
+        """Start leaving: no new sessions from now on (the record says "leaving")."""
+        if self.status is not Status.LEAVING:
+            self.status = Status.DRAINING
+        self.changed.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Take no new sessions; let open ones finish for up to ``grace_s``, then close the rest."""
+        self.stop_accepting()
+        deadline = self.clock() + grace_s
+        for served in list(self.ranges):
+            await self.wait_sessions_ended(served, max(0.0, deadline - self.clock()))
+        for served in list(self.ranges):
+            for session_id in list(served.sessions):
+                await self._close_on(served, session_id)
+        self.status = Status.LEAVING
+
+    # ------------------------------------------------------------------ what we announce
+
+    @property
+    def cache_tokens_total(self) -> int:
+        current = self.current
+        return int(current.blocks.cache.cache_tokens) if current is not None else 0
+
+    @property
+    def free_cache_tokens(self) -> int:
+        current = self.current
+        return int(current.blocks.free_cache_tokens) if current is not None else 0
+
+    def set_links(self, links: Mapping[str, LinkMeasure]) -> None:
+        """Fresh link measurements; a new or lost link is worth announcing at once."""
+        if set(links) != set(self.links):
+            self.changed.set()
+        self.links = dict(links)
+
+    def record(self) -> PeerRecord:
+        """Our DHT record as of now."""
+        held = self.held or LayerRange(0, 0)
+        serving = self.status in (Status.SERVING, Status.MOVING)
+        total, free = self.cache_tokens_total, self.free_cache_tokens
+        blocks = self.ranges[-1].blocks if self.ranges else None
+        return PeerRecord(
+            peer_id=self.peer_id,
+            name=self.identity.name,
+            maddrs=list(self.identity.maddrs),
+            protocol_version=PROTOCOL_VERSION,
+            model_name=self.spec.name,
+            model_hash=self.spec.weights_hash,
+            num_layers=self.spec.num_layers,
+            hidden_size=self.spec.hidden_size,
+            device=str(blocks.device) if blocks is not None else "",
+            dtype=dtype_name(blocks.dtype) if blocks is not None else "",
+            memory_bytes=self.identity.memory_bytes,
+            state=_RECORD_STATE[self.status],  # type: ignore[arg-type]
+            range_start=held.start,
+            range_end=held.end,
+            decode_layer_tokens_s_b1=self.compute.decode_layer_tokens_s_b1,
+            decode_layer_tokens_s_b8=self.compute.decode_layer_tokens_s_b8,
+            prefill_layer_tokens_s=self.compute.prefill_layer_tokens_s,
+            max_layers=self.identity.max_layers,
+            cache_tokens_total=total,
+            free_cache_tokens=free if serving else 0,
+            active_sessions=self.session_count,
+            load=min(1.0, 1.0 - free / max(1, total)),
+            links=dict(self.links),
+            reachable=self.reachable,
+            updated_at=0.0,
+        )
