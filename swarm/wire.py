@@ -26,7 +26,7 @@ import msgpack
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import ProtocolError, SwarmError, VersionMismatch, error_from_code
+from swarm.errors import NoRouteError, ProtocolError, SwarmError, VersionMismatch, error_from_code
 
 # Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
 MAX_MESSAGE_BYTES = 256 * 1024**2  # whole encoded message, streams included
@@ -91,7 +91,6 @@ class StepRequest:
     max_length_tokens: int
     model_hash: str
     route_rest: tuple[Hop, ...] = ()
-    step_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,9 +179,10 @@ class ErrorReply:
     code: str
     message: str
     failed_peer_id: str | None = None
+    missing_layers: tuple[int, ...] = ()  # a NoRouteError's layers that no live peer serves
 
     def to_error(self) -> SwarmError:
-        error = error_from_code(self.code, self.message)
+        error = error_from_code(self.code, self.message, self.missing_layers)
         error.failed_peer_id = self.failed_peer_id
         return error
 
@@ -190,7 +190,8 @@ class ErrorReply:
     def from_error(cls, error: BaseException, peer_id: str | None) -> ErrorReply:
         if isinstance(error, SwarmError):
             failed = error.failed_peer_id or peer_id
-            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed)
+            missing = tuple(error.missing_layers[:MAX_LAYER]) if isinstance(error, NoRouteError) else ()
+            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed, missing)
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
@@ -358,7 +359,6 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "max_length_tokens": msg.max_length_tokens,
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
-            "step_id": msg.step_id,
         }
     if isinstance(msg, ForwardRequest):
         return {
@@ -378,7 +378,12 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         if isinstance(msg, ProbeRequest):
             body["dial_back_maddrs"] = list(msg.dial_back_maddrs)
         return body
-    # CloseReply, InfoRequest, InfoReply, ErrorReply: flat fields of plain types.
+    if isinstance(msg, ErrorReply):
+        body = {"code": msg.code, "message": msg.message, "failed_peer_id": msg.failed_peer_id}
+        if msg.missing_layers:  # only no_route errors carry it; the others keep their old bytes
+            body["missing_layers"] = list(msg.missing_layers)
+        return body
+    # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
 
 
@@ -423,7 +428,6 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
             max_length_tokens=max_length,
             model_hash=_str(body, "model_hash", w, 256),
             route_rest=_route(body),
-            step_id=_int(body, "step_id", w),
         )
     if kind == "forward":
         start, end = _layers(body, w)
@@ -474,7 +478,12 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         failed = body.get("failed_peer_id")
         if failed is not None and not isinstance(failed, str):
             raise ProtocolError("error.failed_peer_id must be a string or nil")
-        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed)
+        missing = body.get("missing_layers", [])  # absent from every error but no_route
+        if not isinstance(missing, list) or len(missing) > MAX_LAYER:
+            raise ProtocolError(f"error.missing_layers must be a list of at most {MAX_LAYER} layers")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER for x in missing):
+            raise ProtocolError(f"error.missing_layers must hold layer numbers in [0, {MAX_LAYER})")
+        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed, tuple(missing))
     raise ProtocolError(f"unknown message kind {kind!r}")
 
 

@@ -137,7 +137,6 @@ class PeerHandlers:
             max_length_tokens=request.max_length_tokens,
             model_hash=request.model_hash,
             route_rest=rest,
-            step_id=request.step_id,
         )
         reply = await call_step(
             self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=self.config.forward_timeout_s
