@@ -43,7 +43,6 @@ class RemoteChain:
         self.wire_dtype = wire_dtype  # hidden states travel in the swarm's dtype, not the client's
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
-        self._step_ids = 0
 
     def _hops(self, stages: Sequence[Stage]) -> tuple[Hop, ...]:
         return tuple(
@@ -59,7 +58,6 @@ class RemoteChain:
         max_length_tokens: int,
     ) -> torch.Tensor:
         first, *rest = self._hops(stages)
-        self._step_ids += 1
         request = StepRequest(
             session_id=session_id,
             position=position,
@@ -69,7 +67,6 @@ class RemoteChain:
             max_length_tokens=max_length_tokens,
             model_hash=self.model_hash,
             route_rest=tuple(rest),
-            step_id=self._step_ids,
         )
         reply = await call_step(
             self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
