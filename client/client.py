@@ -55,7 +55,6 @@ class AsyncSwarmClient:
         routes: RouteSource,
         head: Head,
         tokenizer: Any,
-        num_layers: int,
         dht: SwarmDHT | None = None,
     ) -> None:
         self.config = config
@@ -63,7 +62,6 @@ class AsyncSwarmClient:
         self.routes = routes
         self.head = head
         self.tokenizer = tokenizer
-        self.num_layers = num_layers
         self.dht = dht
         self.policy = RetryPolicy(config.max_retries, config.retry_delay_s)
         self.eos_ids = _eos_ids(tokenizer)
@@ -116,7 +114,6 @@ class AsyncSwarmClient:
             routes=routes,
             head=head,
             tokenizer=tokenizer,
-            num_layers=spec.num_layers,
             dht=dht,
         )
 
@@ -157,13 +154,7 @@ class AsyncSwarmClient:
     def new_session(self, max_length_tokens: int) -> InferenceSession:
         """An inference session reserving `max_length_tokens` of KV cache on each peer of its route."""
         session = InferenceSession(
-            self.chain,
-            self.routes,
-            self.head,
-            self.num_layers,
-            self.policy,
-            self.config.step_timeout_s,
-            max_length_tokens,
+            self.chain, self.routes, self.head, self.policy, self.config.step_timeout_s, max_length_tokens
         )
         self.last_session = session
         return session
@@ -244,15 +235,6 @@ class SwarmClient:
         except BaseException:
             self._stop_loop()
             raise
-
-    @classmethod
-    def wrap(
-        cls, client: AsyncSwarmClient, loop: asyncio.AbstractEventLoop, thread: threading.Thread
-    ) -> SwarmClient:
-        """A facade over an AsyncSwarmClient already running on `loop` in `thread` (tests, embedding)."""
-        self = cls.__new__(cls)
-        self._loop, self._thread, self._client = loop, thread, client
-        return self
 
     @property
     def aclient(self) -> AsyncSwarmClient:

@@ -45,9 +45,6 @@ class ClientConfig:
     cache_high_water: float = 0.9
     """Peers whose KV cache is fuller than this fraction are skipped when routing a new session."""
 
-    max_length_tokens: int = 2048
-    """KV cache the client reserves per session on each peer: prompt plus generated tokens."""
-
     snapshot_max_age_s: float = 2.0
     """A DHT snapshot younger than this is reused instead of reading the DHT again."""
 
@@ -61,7 +58,5 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:
             raise ValueError(f"ClientConfig.cache_high_water must be in (0, 1], got {self.cache_high_water}")
-        if self.max_length_tokens < 1:
-            raise ValueError(f"ClientConfig.max_length_tokens must be >= 1, got {self.max_length_tokens}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"ClientConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,11 +1,13 @@
 """Text generation over an InferenceSession: the decode loop, incremental detokenizing and stop strings.
 
-Nothing here knows about the network; the same loop runs over the remote chain of peers and over the local
-in-process chain the unit tests use, which is how the tests prove it equals transformers' own generate.
+Nothing here knows about the network; the same loop runs over the remote chain of peers and over the
+in-process chain (client.local) the unit tests and benchmarks use, which is how the tests prove it equals
+transformers' own generate.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -59,6 +61,22 @@ async def generate_ids(session: Forward, request: GenerationRequest, pick: Pick)
         yield token
         if i + 1 < request.max_new_tokens:
             logits = await session.forward([token])
+
+
+async def timed_ids(
+    session: Forward, request: GenerationRequest, pick: Pick
+) -> tuple[list[int], list[float]]:
+    """The tokens of `generate_ids`, and perf_counter times: before the prefill, then as each token arrives.
+
+    For the benchmarks, so they time the same decode loop the client runs: prefill takes times[1] - times[0],
+    the decode steps times[-1] - times[1].
+    """
+    tokens, times = [], [time.perf_counter()]
+    async with aclosing(generate_ids(session, request, pick)) as stream:
+        async for token in stream:
+            times.append(time.perf_counter())
+            tokens.append(token)
+    return tokens, times
 
 
 class IncrementalDetokenizer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,10 +21,23 @@ from client.client import SwarmClient
 from swarm.models.head import SamplingParams
 
 
+class IdsClient(Protocol):
+    """What the model object needs of a client; SwarmClient has it."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def generate_ids(
+        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
+    ) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
 class SwarmModelForCausalLM:
     """`generate` with transformers' argument names and output layout, over a SwarmClient."""
 
-    def __init__(self, client: SwarmClient) -> None:
+    def __init__(self, client: IdsClient) -> None:
         self.client = client
 
     @classmethod

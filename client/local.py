@@ -1,19 +1,24 @@
-"""In-process stand-ins for the swarm: a chain of BlockRanges and a route source over them.
+"""The in-process chain: the client's sessions over BlockRanges held in this process instead of on peers.
 
-They implement the same interfaces as RemoteChain and SwarmRoutes (client.session.Chain / RouteSource), so the
-session, failover and generation logic can be checked against transformers without any network, and a peer
-can be "killed" by name to exercise failover deterministically.
+LocalChain and LocalRoutes implement the same interfaces as RemoteChain and SwarmRoutes (client.session.Chain
+and RouteSource), so `in_process_client` gives the very AsyncSwarmClient, InferenceSession and decode loop
+that talk to a swarm, with each hop a direct call. The unit tests check that path against transformers
+(failover included: a peer can be "killed" by name), and the benchmarks time it next to transformers.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from swarm.errors import TransportError
+from client.client import AsyncSwarmClient
+from client.config import ClientConfig
+from swarm.errors import SwarmError, TransportError
 from swarm.models.blocks import BlockRange, Step
+from swarm.models.head import ClientHead
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingView
 from swarm.routing.route import Stage
 from swarm.types import NodeID, SessionID
@@ -25,6 +30,7 @@ class LocalChain:
     def __init__(self, blocks: Mapping[NodeID, BlockRange]) -> None:
         self.blocks = dict(blocks)
         self.dead: set[NodeID] = set()  # peers that fail every call, as if SIGKILLed
+        self.refusing: dict[NodeID, SwarmError] = {}  # peers that answer every step with this error
         self.calls: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every stage run
         self.on_step: Callable[[int], None] | None = None  # called with the step count before each step
         self._steps = 0
@@ -45,12 +51,18 @@ class LocalChain:
                 error = TransportError(f"peer {stage.peer_id} is unreachable")
                 error.failed_peer_id = stage.peer_id
                 raise error
+            if stage.peer_id in self.refusing:
+                refusal = self.refusing[stage.peer_id]
+                refusal.failed_peer_id = stage.peer_id
+                raise refusal
             block = self.blocks[stage.peer_id]
             if session_id not in block.active_sessions:
                 block.open_session(session_id, max_length_tokens)
-            step = Step(session_id, hidden.to(block.dtype), stage.layers.start, stage.layers.end, position)
-            hidden = block.forward([step])[0]
-            self.calls.append((stage.peer_id, position, step.hidden.shape[0]))
+            inputs = hidden.to(block.device, block.dtype)
+            hidden = block.forward(
+                [Step(session_id, inputs, stage.layers.start, stage.layers.end, position)]
+            )[0]
+            self.calls.append((stage.peer_id, position, inputs.shape[0]))
         return hidden
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None:
@@ -70,21 +82,57 @@ class LocalRoutes:
     the session's failover sets keeps them out of new routes.
     """
 
-    def __init__(self, chain: LocalChain, num_layers: int, bans: BanConfig | None = None) -> None:
+    def __init__(
+        self,
+        chain: LocalChain,
+        num_layers: int,
+        bans: BanConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.chain = chain
         self.num_layers = num_layers
-        self.bans = BanList(time.monotonic, bans or BanConfig(base_s=60.0, max_s=60.0))
+        self.bans = BanList(clock, bans or BanConfig(base_s=60.0, max_s=60.0))
         self.router = Router(None, bans=self.bans)
 
-    def view(self) -> RoutingView:
+    def view(self, avoid: frozenset[NodeID] = frozenset()) -> RoutingView:
         peers = [
             PeerState(peer_id, block.range, block.free_cache_tokens)
             for peer_id, block in self.chain.blocks.items()
+            if peer_id not in avoid
         ]
         return RoutingView.of(self.num_layers, peers)
 
-    async def route(self, start_layer: int, prev: NodeID, session_tokens: int) -> Route:
-        return self.router.route_from(self.view(), start_layer, prev, session_tokens)
+    async def route(
+        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+    ) -> Route:
+        return self.router.route_from(self.view(avoid), start_layer, prev, session_tokens)
 
     def ban(self, peer_id: NodeID) -> None:
         self.bans.ban(peer_id)
+
+    def succeeded(self, peer_ids: Iterable[NodeID]) -> None:
+        for peer_id in peer_ids:
+            self.bans.succeeded(peer_id)
+
+
+def in_process_client(
+    head: ClientHead,
+    blocks: Mapping[str, BlockRange],
+    tokenizer: Any = None,
+    config: ClientConfig | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncSwarmClient:
+    """An AsyncSwarmClient whose "peers" are `blocks` (named by the mapping's keys) in this process.
+
+    Routes go by lowest latency over whichever blocks hold each layer; NoRouteError names layers none holds.
+    `clock` times the bans (inject one to test them without waiting).
+    """
+    chain = LocalChain({NodeID(name): block for name, block in blocks.items()})
+    num_layers = head.spec.num_layers
+    return AsyncSwarmClient(
+        config or ClientConfig(),
+        chain=chain,
+        routes=LocalRoutes(chain, num_layers, clock=clock),
+        head=head,
+        tokenizer=tokenizer,
+    )

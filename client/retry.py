@@ -3,12 +3,15 @@
 The session calls `decide(error, attempt)` after a failed step and acts on the answer; nothing else in the
 client catches swarm errors to retry them. The mapping follows the tree in swarm/errors.py:
 
-    TransportError  peer silent or connection broken   -> ban the peer, re-route, replay
-    ProtocolError   peer sent something malformed       -> ban the peer, re-route, replay
-    CapacityError   peer's KV cache or sessions full    -> ban the peer (it is skipped a while), re-route
-    SessionError    peer forgot our session             -> keep the route, replay the tokens
-    TimeoutError    our own step deadline passed        -> like TransportError
-    VersionMismatch, ModelMismatch, NoRouteError, other -> give up at once (retrying cannot help)
+    TransportError  peer silent or connection broken    -> find the silent hop, ban it, re-route, replay
+    TimeoutError    our own step deadline passed         -> like TransportError
+    ProtocolError   peer sent something malformed        -> ban the peer, re-route, replay
+    CapacityError   peer full, leaving, or moved away    -> re-route around it for this session, replay; no ban:
+                                                            it told the truth, and other sessions may still fit
+    SessionError    peer forgot our session              -> route afresh from its stage, replay; no ban
+    VersionMismatch, ModelMismatch, NoRouteError, other  -> give up at once (retrying cannot help)
+
+Every retry replays the session's tokens from position 0, so greedy output is the same as without the failure.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from swarm.types import NodeID
 
 
 class Action(enum.Enum):
-    REROUTE = "reroute"  # ban the failed peer, rebuild the route from its stage on, replay the tokens
-    REPLAY = "replay"  # same route, replay the tokens (the peer lost or truncated our KV cache)
-    GIVE_UP = "give_up"  # raise to the caller
+    BAN_AND_REROUTE = "ban and re-route"  # ban the failed peer, rebuild the route from its stage on, replay
+    REROUTE = "re-route"  # rebuild the route from the failed peer's stage, never through it again; no ban
+    REPLAY = "replay"  # rebuild the route from the failed peer's stage (it may be picked again), replay
+    GIVE_UP = "give up"  # raise to the caller
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Decision:
     action: Action
     failed_peer: NodeID | None
     delay_s: float = 0.0
+    # The error cannot say which hop failed (a hop further down may have hung): ask each peer of the route
+    # directly and blame the first silent one, so a healthy first hop is not banned for it.
+    find_silent: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,12 @@ class RetryPolicy:
         if isinstance(error, SessionError):
             return Decision(Action.REPLAY, failed)
         delay_s = self.retry_delay_s * (2**attempt)
-        if isinstance(error, CapacityError | TransportError | ProtocolError | TimeoutError | ConnectionError):
+        if isinstance(error, CapacityError):
             return Decision(Action.REROUTE, failed, delay_s)
+        if isinstance(error, ProtocolError):
+            return Decision(Action.BAN_AND_REROUTE, failed, delay_s)
+        if isinstance(error, TransportError | TimeoutError | ConnectionError):
+            return Decision(Action.BAN_AND_REROUTE, failed, delay_s, find_silent=True)
         return Decision(Action.GIVE_UP, failed)
 
 

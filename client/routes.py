@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from swarm.dht import PeerRecord, SwarmSnapshot
 from swarm.errors import NoRouteError
@@ -34,11 +34,14 @@ def peer_state(record: PeerRecord, cache_high_water: float) -> PeerState:
     )
 
 
-def routing_view(snapshot: SwarmSnapshot, num_layers: int, cache_high_water: float) -> RoutingView:
+def routing_view(
+    snapshot: SwarmSnapshot, num_layers: int, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
+) -> RoutingView:
+    """The serving peers of `snapshot` as routing sees them, less those in `avoid`."""
     peers = [
         peer_state(r, cache_high_water)
         for r in snapshot.serving().values()
-        if r.range_start < r.range_end <= num_layers
+        if r.range_start < r.range_end <= num_layers and NodeID(r.peer_id) not in avoid
     ]
     return RoutingView.of(num_layers, peers)
 
@@ -85,23 +88,37 @@ class SwarmRoutes:
                 logger.info("routing by plan epoch %d (%s)", plan.epoch, plan.method)
         return self._router
 
-    async def route(self, start_layer: int, prev: NodeID, session_tokens: int) -> Route:
-        """A route (or its tail from `start_layer`, after peer `prev`); NoRouteError names missing layers.
+    async def route(
+        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+    ) -> Route:
+        """A route (or its tail from `start_layer`, after peer `prev`) that never goes through a peer in
+        `avoid`; NoRouteError names missing layers.
 
         A failure on a cached snapshot is retried once on a fresh one: peers may have joined since.
         """
         try:
-            return self._route(await self.snapshot(), start_layer, prev, session_tokens)
+            return self._route(await self.snapshot(), start_layer, prev, session_tokens, avoid)
         except NoRouteError:
-            return self._route(await self.snapshot(force=True), start_layer, prev, session_tokens)
+            return self._route(await self.snapshot(force=True), start_layer, prev, session_tokens, avoid)
 
-    def _route(self, snapshot: SwarmSnapshot, start_layer: int, prev: NodeID, session_tokens: int) -> Route:
-        view = routing_view(snapshot, self.num_layers, self.cache_high_water)
+    def _route(
+        self,
+        snapshot: SwarmSnapshot,
+        start_layer: int,
+        prev: NodeID,
+        session_tokens: int,
+        avoid: frozenset[NodeID],
+    ) -> Route:
+        view = routing_view(snapshot, self.num_layers, self.cache_high_water, avoid)
         return self.router(snapshot).route_from(view, start_layer, prev, session_tokens)
 
     def ban(self, peer_id: NodeID) -> None:
         seconds = self.bans.ban(peer_id)
         logger.warning("banned peer %s for %.0f s", peer_id[-8:], seconds)
+
+    def succeeded(self, peer_ids: Iterable[NodeID]) -> None:
+        for peer_id in peer_ids:
+            self.bans.succeeded(peer_id)
 
     def maddrs(self, peer_id: NodeID) -> tuple[str, ...]:
         record = self._snapshot.peers.get(peer_id) if self._snapshot is not None else None

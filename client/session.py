@@ -1,27 +1,31 @@
-"""An inference session over a route of peers, with failover by ban, re-route and replay.
+"""An inference session over a route of peers, with failover by re-route and replay.
 
 The client keeps the embeddings and the LM head; the peers keep one KV cache per session, opened implicitly by
 the first step. The session remembers every token the peers have seen (prompt plus generated), so whatever
-goes wrong on the way it can rebuild the peers' caches: a failed step bans the peer at fault, builds a new
-route for the layers from that peer's stage on (the stages before it stay: their peers are alive and hold the
-cache), and sends all the tokens again at position 0, which makes every peer on the route truncate its cache
-and recompute it. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
+goes wrong on the way it can rebuild the peers' caches: after a failed step it builds a new route for the
+layers from the failed peer's stage on (the stages before it stay: their peers are alive and hold the cache),
+and sends all the tokens again at position 0, which makes every peer on the route truncate its cache and
+recompute it. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
+After every good step the route's peers are reported as having served, which forgets their past failures.
 
-Who decides what is not here: client/retry.py maps each error to an action, and this module only acts on it.
-"""
+The same session runs over the remote chain of peers (client.chain) and over in-process block ranges
+(client.local), which is how the tests and benchmarks compare it with transformers.
+
+Who decides what is not here: client/retry.py maps each error to an action, and this module only acts on it."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from client.retry import Action, RetryPolicy
-from swarm.errors import SwarmError, TransportError
+from swarm.errors import SwarmError
 from swarm.routing.route import Route, Stage, route_text
 from swarm.types import SOURCE, NodeID, SessionID
 
@@ -54,11 +58,15 @@ class Chain(Protocol):
 
 
 class RouteSource(Protocol):
-    """Builds routes (or their tails, for failover) and remembers which peers to avoid."""
+    """Builds routes (or their tails, for failover), and remembers which peers failed and which served."""
 
-    async def route(self, start_layer: int, prev: NodeID, session_tokens: int) -> Route: ...  # NoRouteError
+    async def route(
+        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+    ) -> Route: ...  # never through a peer in `avoid`; NoRouteError names the layers nobody else serves
 
     def ban(self, peer_id: NodeID) -> None: ...
+
+    def succeeded(self, peer_ids: Iterable[NodeID]) -> None: ...  # they served a step: forget their failures
 
 
 class InferenceSession:
@@ -69,7 +77,6 @@ class InferenceSession:
         chain: Chain,
         routes: RouteSource,
         head: Head,
-        num_layers: int,
         policy: RetryPolicy,
         step_timeout_s: float,
         max_length_tokens: int,
@@ -77,14 +84,14 @@ class InferenceSession:
         self.chain = chain
         self.routes = routes
         self.head = head
-        self.num_layers = num_layers
         self.policy = policy
         self.step_timeout_s = step_timeout_s
-        self.max_length_tokens = max_length_tokens
+        self.max_length_tokens = max_length_tokens  # KV cache reserved on each peer: prompt + new tokens
         self.session_id = SessionID(secrets.token_hex(16))
         self.token_ids: list[int] = []  # every token the peers' caches hold, in order
         self.stages: Route = ()
         self.failovers = 0  # how many times a step was retried on a new route or replayed
+        self.avoided: set[NodeID] = set()  # peers that could not take this session (full, leaving, moved)
         self._closed = False
 
     async def open(self) -> None:
@@ -108,63 +115,61 @@ class InferenceSession:
             )
         if not self.stages:
             await self.open()
-        replay = False
-        attempt = 0
-        while True:
-            ids = [*self.token_ids, *new_ids] if replay else list(new_ids)
-            position = 0 if replay else self.position
-            hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
+        ids, position = list(new_ids), self.position
+        for attempt in itertools.count():
             try:
-                async with asyncio.timeout(self.step_timeout_s):
-                    out = await self.chain.step(
-                        self.session_id, self.stages, position, hidden, self.max_length_tokens
-                    )
+                out = await self._step(ids, position)
                 break
             except Exception as error:
-                decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
-                if decision.action is Action.GIVE_UP:
-                    raise
-                logger.warning(
-                    "session %s step failed at peer %s (%s: %s); %s, try %d",
-                    self.session_id[:8],
-                    (decision.failed_peer or "?")[-8:],
-                    type(error).__name__,
-                    error,
-                    decision.action.value,
-                    attempt + 1,
-                )
-                if decision.action is Action.REROUTE:
-                    failed = await self._blame(error, decision.failed_peer)
-                    self.routes.ban(failed)
-                    await self._reroute(failed)
-                elif decision.failed_peer is not None:
-                    # REPLAY: the peer lost our cache (it restarted, or moved to other layers and dropped
-                    # the session): no ban, but route afresh from it, in case it no longer holds its stage.
-                    await self._reroute(decision.failed_peer)
-                await asyncio.sleep(decision.delay_s)
-                replay = True
-                attempt += 1
-                self.failovers += 1
-        if out.dim() != 2 or out.shape[0] != len(ids):
-            raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
+                await self._recover(error, attempt)
+            # after any failure, replay every token from position 0: each peer on the route then truncates
+            # (or, new to the session, fills) its cache, whatever it held before
+            ids, position = [*self.token_ids, *new_ids], 0
+        self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
         return self.head.logits(out[-1:])[0]
 
-    async def _blame(self, error: Exception, named: NodeID | None) -> NodeID:
-        """The peer to ban. A timeout or broken connection may be reported by (or pinned on) a healthy hop
-        while a peer further down hung or died, so ask each peer directly and blame the first silent one."""
-        if isinstance(error, TransportError | TimeoutError | ConnectionError):
-            silent = await self.chain.find_silent(self.stages, min(5.0, self.step_timeout_s))
-            if silent is not None:
-                return silent
-        return named if named is not None else self.stages[0].peer_id
+    async def _step(self, ids: list[int], position: int) -> torch.Tensor:
+        hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
+        async with asyncio.timeout(self.step_timeout_s):
+            out = await self.chain.step(
+                self.session_id, self.stages, position, hidden, self.max_length_tokens
+            )
+        if out.dim() != 2 or out.shape[0] != len(ids):
+            raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
+        return out
+
+    async def _recover(self, error: Exception, attempt: int) -> None:
+        """Act on the policy's decision about `error`: re-raise it, or fix the route for a replay."""
+        decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
+        if decision.action is Action.GIVE_UP:
+            raise error
+        failed = decision.failed_peer or self.stages[0].peer_id
+        if decision.find_silent:
+            failed = await self.chain.find_silent(self.stages, min(5.0, self.step_timeout_s)) or failed
+        logger.warning(
+            "session %s step failed at peer %s (%s: %s); %s, try %d",
+            self.session_id[:8],
+            failed[-8:],
+            type(error).__name__,
+            error,
+            decision.action.value,
+            attempt + 1,
+        )
+        if decision.action is Action.BAN_AND_REROUTE:
+            self.routes.ban(failed)
+        elif decision.action is Action.REROUTE:
+            self.avoided.add(failed)
+        await self._reroute(failed)
+        await asyncio.sleep(decision.delay_s)
+        self.failovers += 1
 
     async def _reroute(self, failed: NodeID) -> None:
         """Replace the stages from `failed`'s stage on; the stages before it are kept."""
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
         kept = self.stages[:index]
         start, prev = (kept[-1].layers.end, kept[-1].peer_id) if kept else (0, SOURCE)
-        tail = await self.routes.route(start, prev, self.max_length_tokens)
+        tail = await self.routes.route(start, prev, self.max_length_tokens, frozenset(self.avoided))
         dropped = [s for s in self.stages[index + 1 :] if s.peer_id not in {t.peer_id for t in tail}]
         self.stages = (*kept, *tail)
         logger.info("session %s re-routed: %s", self.session_id[:8], route_text(self.stages))

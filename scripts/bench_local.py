@@ -2,10 +2,13 @@
 """Local benchmark of the model layer: load times and split-vs-transformers decode/prefill speed.
 
 Prints ONE JSON object:
-  load_s_cold         resolve + load 3 block ranges + head into a FRESH cache dir (includes GGUF conversion)
-  load_s_warm         the same again from the cache (python imports excluded)
+  cold_load_s         resolve + load 3 block ranges + head into a FRESH cache dir (includes GGUF conversion)
+  warm_load_s         the same again from the converted cache, best of 2 (python imports excluded); the
+                      default model's target is under 3 s
   local_*_tok_s       transformers generate with its own KV cache (greedy)
-  split_*_tok_s       our BlockRanges [0,a) [a,b) [b,N) + ClientHead in this process, same prompt, greedy
+  split_*_tok_s       our BlockRanges [0,a) [a,b) [b,N) + ClientHead in this process, same prompt, greedy,
+                      through the client's own path (client.local: InferenceSession and decode loop)
+  tokens_match        whether the split run's tokens equal transformers' in every repeat
 Prefill tok/s = prompt tokens / time to the first new token; decode tok/s = (new tokens - 1) / time after it.
 Each figure is the best of --repeats runs (the machine is shared and noisy). Runs with 1 torch thread.
 """
@@ -13,6 +16,7 @@ Each figure is the best of --repeats runs (the machine is shared and noisy). Run
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -87,13 +91,21 @@ def run_local(reference, ids: list[int], new_tokens: int) -> tuple[float, float,
 
 
 def run_split(blocks, head, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:  # type: ignore[no-untyped-def]
-    from swarm.models import LocalPipeline
+    from client.generation import GenerationRequest, timed_ids
+    from client.local import in_process_client
+    from swarm.models import Sampler, SamplingParams
 
-    times = [time.perf_counter()]
-    tokens = []
-    for token in LocalPipeline(head, blocks).generate(ids, new_tokens):
-        times.append(time.perf_counter())
-        tokens.append(token)
+    client = in_process_client(head, {f"peer-{i}": block for i, block in enumerate(blocks)})
+    request = GenerationRequest(tuple(ids), new_tokens, eos_ids=frozenset())  # EOS ignored, like run_local
+
+    async def run() -> tuple[list[int], list[float]]:
+        session = client.new_session(len(ids) + new_tokens)
+        try:
+            return await timed_ids(session, request, Sampler(SamplingParams()).sample)
+        finally:
+            await session.close()
+
+    tokens, times = asyncio.run(run())
     return times[1] - times[0], times[-1] - times[1], tokens
 
 
@@ -115,8 +127,8 @@ def main() -> None:
     saved_cache = os.environ.get("FLOWSWARM_CACHE")
     os.environ["FLOWSWARM_CACHE"] = fresh_cache
     try:
-        cold_source, *_, load_s_cold = load_all(args.model)
-        load_s_warm = min(load_all(args.model)[3] for _ in range(2))
+        cold_source, *_, cold_load_s = load_all(args.model)
+        warm_load_s = min(load_all(args.model)[3] for _ in range(2))
     finally:
         shutil.rmtree(fresh_cache, ignore_errors=True)
         if saved_cache is None:
@@ -145,8 +157,8 @@ def main() -> None:
 
     report = {
         "model": source.spec.name,
-        "load_s_cold": round(load_s_cold, 2),
-        "load_s_warm": round(load_s_warm, 2),
+        "cold_load_s": round(cold_load_s, 2),
+        "warm_load_s": round(warm_load_s, 2),
         "local_decode_tok_s": round(best["local_decode"], 1),
         "split_decode_tok_s": round(best["split_decode"], 1),
         "local_prefill_tok_s": round(best["local_prefill"], 1),

@@ -23,12 +23,12 @@ from pathlib import Path
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from client import SwarmClient  # noqa: E402
-from swarm.models import ModelSource, resolve_model  # noqa: E402
+from client.generation import GenerationRequest, timed_ids  # noqa: E402
+from swarm.models import ModelSource, Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 
 QUESTION = "Tell me about the history of Paris in a few sentences."
@@ -45,19 +45,14 @@ def prompt_ids(source: ModelSource) -> list[int]:
 
 
 async def swarm_run(client: SwarmClient, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
-    """(prefill_s, decode_s, tokens) of one greedy session through the swarm."""
+    """(prefill_s, decode_s, tokens) of one greedy session through the swarm, by the client's decode loop."""
+    request = GenerationRequest(tuple(ids), new_tokens, eos_ids=frozenset())  # EOS ignored, like local_run
     session = client.aclient.new_session(len(ids) + new_tokens)
     try:
-        began = time.perf_counter()
-        logits = await session.forward(ids)
-        first = time.perf_counter()
-        tokens = [int(logits.argmax())]
-        for _ in range(new_tokens - 1):
-            logits = await session.forward(tokens[-1:])
-            tokens.append(int(logits.argmax()))
-        return first - began, time.perf_counter() - first, tokens
+        tokens, times = await timed_ids(session, request, Sampler(SamplingParams()).sample)
     finally:
         await session.close()
+    return times[1] - times[0], times[-1] - times[1], tokens
 
 
 def local_run(model: torch.nn.Module, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:

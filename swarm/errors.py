@@ -13,6 +13,8 @@ SwarmError
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class SwarmError(Exception):
     code = "swarm_error"
@@ -71,10 +73,13 @@ _BY_CODE: dict[str, type[SwarmError]] = {
 }
 
 
-def error_from_code(code: str, message: str) -> SwarmError:
-    """Rebuild a remote error with its original type (unknown codes become plain SwarmError)."""
+def error_from_code(code: str, message: str, missing_layers: Sequence[int] = ()) -> SwarmError:
+    """Rebuild a remote error with its original type (unknown codes become plain SwarmError).
+
+    `missing_layers` is the payload of a NoRouteError, so the user still learns which layers are missing.
+    """
     if code == NoRouteError.code:
-        return NoRouteError([], message)
+        return NoRouteError(list(missing_layers), message)
     return _BY_CODE.get(code, SwarmError)(message)
 
 

@@ -25,7 +25,7 @@ import msgpack
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import ProtocolError, SwarmError, VersionMismatch, error_from_code
+from swarm.errors import NoRouteError, ProtocolError, SwarmError, VersionMismatch, error_from_code
 from swarm.types import DTYPE_BYTES
 
 # Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
@@ -164,9 +164,10 @@ class ErrorReply:
     code: str
     message: str
     failed_peer_id: str | None = None
+    missing_layers: tuple[int, ...] = ()  # a NoRouteError's layers that no live peer serves
 
     def to_error(self) -> SwarmError:
-        error = error_from_code(self.code, self.message)
+        error = error_from_code(self.code, self.message, self.missing_layers)
         error.failed_peer_id = self.failed_peer_id
         return error
 
@@ -174,7 +175,8 @@ class ErrorReply:
     def from_error(cls, error: BaseException, peer_id: str | None) -> ErrorReply:
         if isinstance(error, SwarmError):
             failed = error.failed_peer_id or peer_id
-            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed)
+            missing = tuple(error.missing_layers[:MAX_LAYER]) if isinstance(error, NoRouteError) else ()
+            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed, missing)
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
@@ -351,7 +353,12 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         if isinstance(msg, ProbeRequest):
             body["dial_back_maddrs"] = list(msg.dial_back_maddrs)
         return body
-    # CloseReply, InfoRequest, InfoReply, ErrorReply: flat fields of plain types.
+    if isinstance(msg, ErrorReply):
+        body = {"code": msg.code, "message": msg.message, "failed_peer_id": msg.failed_peer_id}
+        if msg.missing_layers:  # only no_route errors carry it; the others keep their old bytes
+            body["missing_layers"] = list(msg.missing_layers)
+        return body
+    # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
 
 
@@ -443,7 +450,12 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         failed = body.get("failed_peer_id")
         if failed is not None and not isinstance(failed, str):
             raise ProtocolError("error.failed_peer_id must be a string or nil")
-        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed)
+        missing = body.get("missing_layers", [])  # absent from every error but no_route
+        if not isinstance(missing, list) or len(missing) > MAX_LAYER:
+            raise ProtocolError(f"error.missing_layers must be a list of at most {MAX_LAYER} layers")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER for x in missing):
+            raise ProtocolError(f"error.missing_layers must hold layer numbers in [0, {MAX_LAYER})")
+        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed, tuple(missing))
     raise ProtocolError(f"unknown message kind {kind!r}")
 
 

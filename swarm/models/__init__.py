@@ -9,14 +9,12 @@ head = source.load_head()
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.head import ClientHead, Sampler, SamplingParams
 from swarm.models.loading import DEFAULT_CACHE_TOKENS, ModelSource, parse_device, resolve_model
-from swarm.models.local import LocalPipeline
 from swarm.models.spec import ModelSpec, dtype_name, torch_dtype
 
 __all__ = [
     "DEFAULT_CACHE_TOKENS",
     "BlockRange",
     "ClientHead",
-    "LocalPipeline",
     "ModelSource",
     "ModelSpec",
     "Sampler",

@@ -1,16 +1,21 @@
 """Every benchmark and the simulator smoke-run at tiny size, so none of them can rot unnoticed.
 
-These check only that each script runs and prints the JSON it promises; the figures themselves are
-reported with the issues, measured at full size on a quiet machine.
+These check that each script runs and prints the JSON it promises, every field of the right type and in its
+possible range, and that greedy tokens through the split blocks and through the swarm equal local
+transformers'. The speed figures themselves are reported with the issues, measured at full size on a quiet
+machine; no test asserts a timing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,23 +37,62 @@ def _run_json(args: list[str], timeout_s: float) -> object:
         return json.loads(text[start:])
 
 
+def _positive(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def _non_negative(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    )
+
+
+def _check(out: object, fields: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """Every field present and passing its check; no field the test does not know about."""
+    assert isinstance(out, dict), out
+    assert set(out) == set(fields), f"fields differ: {sorted(set(out) ^ set(fields))}"
+    for key, ok in fields.items():
+        assert ok(out[key]), f"{key} = {out[key]!r}"
+    return out
+
+
+def _chained(ranges: object, count: int) -> bool:
+    """["0:2", "2:4", "4:6"]: `count` half-open ranges, each starting where the last ended, from layer 0."""
+    if not isinstance(ranges, list) or len(ranges) != count or not all(isinstance(r, str) for r in ranges):
+        return False
+    bounds = [tuple(int(x) for x in r.split(":")) for r in ranges]
+    return (
+        bounds[0][0] == 0
+        and all(a < b for a, b in bounds)
+        and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:], strict=False))
+    )
+
+
 @pytest.mark.timeout(240)
 def test_bench_local_tiny() -> None:
     out = _run_json(
         ["scripts/bench_local.py", "--json", "--model", "tiny", "--repeats", "1", "--new-tokens", "8"], 200
     )
-    assert isinstance(out, dict)
-    for key in (
-        "model",
-        "load_s_cold",
-        "load_s_warm",
-        "local_decode_tok_s",
-        "split_decode_tok_s",
-        "local_prefill_tok_s",
-        "split_prefill_tok_s",
-    ):
-        assert key in out, key
-    assert out["split_decode_tok_s"] > 0 and out["local_decode_tok_s"] > 0
+    _check(
+        out,
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "cold_load_s": _positive,
+            "warm_load_s": _non_negative,  # rounded to 0.01 s: a tiny model may show 0.0
+            "local_decode_tok_s": _positive,
+            "split_decode_tok_s": _positive,
+            "local_prefill_tok_s": _positive,
+            "split_prefill_tok_s": _positive,
+            "prompt_tokens": lambda v: isinstance(v, int) and v >= 1,
+            "new_tokens": lambda v: v == 8,
+            "repeats": lambda v: v == 1,
+            "tokens_match": lambda v: v is True,  # the split blocks decode exactly like transformers
+            "weights_hash_reproducible": lambda v: v is True,
+            "threads": lambda v: v == 1,
+        },
+    )
 
 
 @pytest.mark.timeout(240)
@@ -94,9 +138,44 @@ def test_simulator_small(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_peer_and_swarm_tiny() -> None:
-    peer = _run_json(["scripts/bench_peer.py", "--model", "tiny", "--steps", "3"], 280)
-    assert isinstance(peer, dict) and peer
-    swarm = _run_json(
-        ["scripts/bench_swarm.py", "--model", "tiny", "--new-tokens", "8", "--repeats", "1"], 280
+    peer = _check(
+        _run_json(["scripts/bench_peer.py", "--model", "tiny", "--steps", "3"], 280),
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "layers": lambda v: isinstance(v, int) and v >= 3,
+            "ranges": lambda v: _chained(v, 3),
+            "join_s": lambda v: isinstance(v, list) and len(v) == 3 and all(_positive(x) for x in v),
+            "join_s_first_peer": _positive,
+            "steps": lambda v: v == 3,
+            "local_decode_step_ms": _positive,
+            "route_decode_step_ms": _positive,
+            "route_compute_ms_sum_of_hops": _positive,
+            "overhead_per_hop_ms": lambda v: isinstance(v, float) and math.isfinite(v),
+            "route_step_ms_p90": _positive,
+        },
     )
-    assert isinstance(swarm, dict) and swarm
+    assert peer["join_s_first_peer"] == peer["join_s"][0]
+    assert peer["route_step_ms_p90"] >= peer["route_decode_step_ms"]  # p90 of the steps >= their median
+    swarm = _check(
+        _run_json(["scripts/bench_swarm.py", "--model", "tiny", "--new-tokens", "8", "--repeats", "1"], 280),
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "peers": lambda v: v == 3,
+            "route": lambda v: _chained(v, 3),  # --no-follow-plan: every token makes the three hops
+            "swarm_decode_tok_s": _positive,
+            "local_decode_tok_s": _positive,
+            "swarm_vs_local_decode": _positive,
+            "swarm_prefill_tok_s": _positive,
+            "local_prefill_tok_s": _positive,
+            "prompt_tokens": lambda v: isinstance(v, int) and v >= 1,
+            "new_tokens": lambda v: v == 8,
+            "repeats": lambda v: v == 1,
+            "tokens_match": lambda v: v is True,  # greedy through the swarm equals local transformers
+            "swarm_start_s": _positive,
+            "threads_per_process": lambda v: v == 1,
+            "load_avg_1m": _non_negative,
+        },
+    )
+    assert swarm["swarm_vs_local_decode"] == pytest.approx(
+        swarm["swarm_decode_tok_s"] / swarm["local_decode_tok_s"], rel=0.05
+    )

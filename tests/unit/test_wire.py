@@ -11,6 +11,7 @@ import torch
 from swarm import PROTOCOL_VERSION
 from swarm.errors import CapacityError, NoRouteError, ProtocolError, SessionError, VersionMismatch
 from swarm.wire import (
+    MAX_LAYER,
     MAX_LENGTH_TOKENS,
     MAX_TENSOR_BYTES,
     CloseReply,
@@ -113,6 +114,28 @@ def test_error_reply_keeps_the_error_type_and_failed_peer() -> None:
     assert isinstance(ErrorReply("no_route", "x").to_error(), NoRouteError)
     plain = ErrorReply.from_error(RuntimeError("boom"), "QmA")
     assert plain.code == "swarm_error" and "RuntimeError: boom" in plain.message
+
+
+def test_no_route_error_keeps_its_missing_layers_across_the_wire() -> None:
+    reply = decode_reply(encode_reply(ErrorReply.from_error(NoRouteError([4, 5, 9]), "QmA")))
+    assert isinstance(reply, ErrorReply) and reply.missing_layers == (4, 5, 9)
+    raised = reply.to_error()
+    assert isinstance(raised, NoRouteError) and raised.missing_layers == [4, 5, 9]
+    assert "4:6, 9:10" in str(raised) and raised.failed_peer_id == "QmA"
+    # other errors carry none, and encode exactly as before the field existed
+    plain = ErrorReply("capacity", "full", "QmB")
+    assert "missing_layers" not in msgpack.unpackb(encode_reply(plain), raw=False)[2]
+
+
+@pytest.mark.parametrize(
+    "missing",
+    ["4:6", [4, "5"], [True], [-1], [MAX_LAYER], list(range(MAX_LAYER + 1))],
+    ids=["not-a-list", "a-string", "a-bool", "negative", "past-max-layer", "too-many"],
+)
+def test_bad_missing_layers_are_rejected_clearly(missing: object) -> None:
+    body = {"code": "no_route", "message": "x", "failed_peer_id": None, "missing_layers": missing}
+    with pytest.raises(ProtocolError, match="missing_layers"):
+        decode_reply(_raw("error", body))
 
 
 def test_version_mismatch_fails_fast() -> None:

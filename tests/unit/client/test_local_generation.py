@@ -1,13 +1,14 @@
 """The client's session, failover and generation logic over in-process BlockRanges, against transformers.
 
-The same AsyncSwarmClient that talks to peers runs here over client.local (BlockRanges behind the remote
-chain's interface), so these tests check the client's own logic exactly, without any network.
+The same AsyncSwarmClient that talks to peers runs here over client.local's in-process chain (BlockRanges
+behind the remote chain's interface), so these tests check the client's own logic exactly, without any network.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -15,8 +16,8 @@ import torch
 
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
-from client.local import LocalChain, LocalRoutes
-from swarm.errors import NoRouteError
+from client.local import LocalChain, LocalRoutes, in_process_client
+from swarm.errors import CapacityError, NoRouteError, ProtocolError, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
 from swarm.types import NodeID
@@ -35,20 +36,13 @@ def _one_thread() -> Iterator[None]:
 
 
 def make_client(
-    source: ModelSource, ranges: dict[str, tuple[int, int]]
+    source: ModelSource, ranges: dict[str, tuple[int, int]], clock: Callable[[], float] = time.monotonic
 ) -> tuple[AsyncSwarmClient, LocalChain]:
-    blocks = {NodeID(p): source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
-    chain = LocalChain(blocks)
-    n = source.spec.num_layers
-    client = AsyncSwarmClient(
-        ClientConfig(retry_delay_s=0.0),
-        chain=chain,
-        routes=LocalRoutes(chain, n),
-        head=source.load_head(),
-        tokenizer=source.tokenizer(),
-        num_layers=n,
-    )
-    return client, chain
+    blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
+    config = ClientConfig(retry_delay_s=0.0)
+    client = in_process_client(source.load_head(), blocks, source.tokenizer(), config, clock=clock)
+    assert isinstance(client.chain, LocalChain)
+    return client, client.chain
 
 
 def greedy_reference(model: Any, ids: list[int], steps: int) -> list[int]:
@@ -143,6 +137,62 @@ def test_a_peer_that_lost_the_session_gets_a_replay_not_a_ban(tiny: ModelSource,
     assert ("b", 0, 8 + 3) in chain.calls  # replayed from position 0
 
 
+def _refuse_middle_at_step(
+    client: AsyncSwarmClient, chain: LocalChain, step: int, error: SwarmError, state: dict[str, NodeID]
+) -> Callable[[int], None]:
+    def hook(n: int) -> None:
+        if n == step:
+            assert client.last_session is not None
+            state["victim"] = client.last_session.stages[1].peer_id
+            chain.refusing[state["victim"]] = error
+
+    return hook
+
+
+def test_a_full_or_leaving_peer_is_routed_around_without_a_ban(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """CapacityError is the honest "not me, not now": the session avoids the peer, other sessions still may not."""
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)})
+    state: dict[str, NodeID] = {}
+    chain.on_step = _refuse_middle_at_step(client, chain, 4, CapacityError("draining: leaving"), state)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1
+    survivor = "b2" if state["victim"] == "b" else "b"
+    assert [s.peer_id for s in session.stages] == ["a", survivor, "c"]
+    assert session.avoided == {state["victim"]}
+    assert isinstance(client.routes, LocalRoutes)
+    assert not client.routes.bans.is_banned(state["victim"])
+    assert client.routes.bans.failures(state["victim"]) == 0
+
+
+def test_a_peer_sending_garbage_is_banned_and_routed_around(tiny: ModelSource, tiny_reference: Any) -> None:
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)})
+    state: dict[str, NodeID] = {}
+    chain.on_step = _refuse_middle_at_step(client, chain, 4, ProtocolError("hidden size 65"), state)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and not session.avoided
+    assert state["victim"] not in {s.peer_id for s in session.stages}
+    assert isinstance(client.routes, LocalRoutes)
+    assert client.routes.bans.is_banned(state["victim"])
+
+
+def test_a_good_step_forgets_the_past_failures_of_the_route_peers(tiny: ModelSource) -> None:
+    now = [0.0]
+    client, _ = make_client(tiny, TINY_SPLIT, clock=lambda: now[0])
+    assert isinstance(client.routes, LocalRoutes)
+    bans = client.routes.bans
+    bans.ban(NodeID("b"))
+    now[0] += 61.0  # the ban is over, but b's failure is remembered: the next would double its ban
+    assert not bans.is_banned(NodeID("b")) and bans.failures(NodeID("b")) == 1
+    asyncio.run(client.generate_ids(PROMPT_IDS, 2, SamplingParams()))
+    assert bans.failures(NodeID("b")) == 0
+
+
 def test_missing_layers_give_no_route_error_naming_them(tiny: ModelSource) -> None:
     client, _ = make_client(tiny, {"a": (0, 2), "b": (2, 4)})
     with pytest.raises(NoRouteError) as info:
@@ -227,19 +277,30 @@ def test_bad_prompts_get_clear_errors(default_client: AsyncSwarmClient) -> None:
         default_client.encode(prompt=123)  # type: ignore[arg-type]
 
 
+class _SyncIds:
+    """The blocking generate_ids that SwarmModelForCausalLM calls, over an in-process AsyncSwarmClient."""
+
+    def __init__(self, client: AsyncSwarmClient) -> None:
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.closed = False
+
+    def generate_ids(
+        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
+    ) -> list[int]:
+        return asyncio.run(self.client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def test_hf_style_generate_returns_input_plus_new_ids_like_transformers(
     tiny: ModelSource, tiny_reference: Any
 ) -> None:
-    import threading
-
-    from client.client import SwarmClient
     from client.hf import SwarmModelForCausalLM
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    aclient, _ = make_client(tiny, TINY_SPLIT)
-    with SwarmModelForCausalLM(SwarmClient.wrap(aclient, loop, thread)) as model:
+    client = _SyncIds(make_client(tiny, TINY_SPLIT)[0])
+    with SwarmModelForCausalLM(client) as model:
         ids = torch.tensor([PROMPT_IDS])
         out = model.generate(ids, max_new_tokens=7)
         with torch.inference_mode():
@@ -253,4 +314,4 @@ def test_hf_style_generate_returns_input_plus_new_ids_like_transformers(
         assert out[1, 8:].tolist() == greedy_reference(tiny_reference, PROMPT_IDS, 5)
         with pytest.raises(ValueError, match="LongTensor"):
             model.generate(torch.tensor([[1.0, 2.0]]))
-    assert loop.is_closed()
+    assert client.closed

@@ -29,9 +29,10 @@ def _named(error: Exception, peer: str) -> Exception:
 @pytest.mark.parametrize(
     ("error", "action"),
     [
-        (TransportError("gone"), Action.REROUTE),
-        (TimeoutError(), Action.REROUTE),
-        (ProtocolError("garbage"), Action.REROUTE),
+        (TransportError("gone"), Action.BAN_AND_REROUTE),
+        (TimeoutError(), Action.BAN_AND_REROUTE),
+        (ConnectionResetError(), Action.BAN_AND_REROUTE),
+        (ProtocolError("garbage"), Action.BAN_AND_REROUTE),
         (CapacityError("full"), Action.REROUTE),
         (SessionError("unknown session"), Action.REPLAY),
         (VersionMismatch("v2"), Action.GIVE_UP),
@@ -42,6 +43,35 @@ def _named(error: Exception, peer: str) -> Exception:
 )
 def test_each_error_class_has_one_action(error: Exception, action: Action) -> None:
     assert RetryPolicy(max_retries=3, retry_delay_s=0.1).decide(error, 0).action is action
+
+
+def test_capacity_errors_are_never_a_reason_to_ban() -> None:
+    """A peer that is full, leaving or moved says so honestly: route around it, but do not ban it."""
+    policy = RetryPolicy(max_retries=3, retry_delay_s=0.0)
+    for attempt in range(3):
+        assert policy.decide(_named(CapacityError("leaving"), "peer-b"), attempt).action is Action.REROUTE
+    assert policy.decide(_named(ProtocolError("bad"), "peer-b"), 0).action is Action.BAN_AND_REROUTE
+
+
+def test_only_errors_that_cannot_name_the_hop_ask_each_peer() -> None:
+    policy = RetryPolicy(max_retries=3, retry_delay_s=0.0)
+    asks = {
+        type(e).__name__: policy.decide(e, 0, NodeID("peer-a")).find_silent
+        for e in (
+            TransportError("x"),
+            TimeoutError(),
+            ProtocolError("x"),
+            CapacityError("x"),
+            SessionError("x"),
+        )
+    }
+    assert asks == {
+        "TransportError": True,
+        "TimeoutError": True,
+        "ProtocolError": False,
+        "CapacityError": False,
+        "SessionError": False,
+    }
 
 
 def test_retries_are_bounded_and_back_off() -> None:

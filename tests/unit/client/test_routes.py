@@ -91,6 +91,22 @@ def test_bans_steer_failover_and_missing_layers_are_named() -> None:
     assert asyncio.run(routes.route(4, NodeID("a"), 16))[0].peer_id == victim
 
 
+def test_avoided_peers_are_left_out_without_a_ban_and_a_success_forgets_failures() -> None:
+    clock = FakeClock()
+    routes, _ = make_routes(
+        [snapshot(peer_record("a", 0, 4), peer_record("b", 4, 8), peer_record("b2", 4, 8))], clock
+    )
+    for _ in range(3):  # plan-less routing may pick either replica; the avoided one never
+        tail = asyncio.run(routes.route(4, NodeID("a"), 16, avoid=frozenset({NodeID("b")})))
+        assert [s.peer_id for s in tail] == ["b2"]
+    assert routes.bans.failures(NodeID("b")) == 0
+    routes.ban(NodeID("b2"))
+    clock.now_s = 11.0  # the ban is over; the failure is still remembered
+    assert routes.bans.failures(NodeID("b2")) == 1
+    routes.succeeded([NodeID("a"), NodeID("b2")])
+    assert routes.bans.failures(NodeID("b2")) == 0
+
+
 def test_routes_follow_the_plan_flows_and_a_new_epoch_replaces_the_router() -> None:
     peers = [peer_record("a", 0, 4), peer_record("b", 4, 8), peer_record("c", 4, 8)]
     flows = (

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
+from client.local import in_process_client
 from swarm.errors import CapacityError, ProtocolError, SessionError
-from swarm.models import LocalPipeline, Step
+from swarm.models import SamplingParams, Step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,8 +48,8 @@ def test_hidden_states_match_transformers(split, head, reference) -> None:  # ty
     assert (head.logits(hidden) - out.logits[0]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_greedy_generation_matches_transformers(split, head, reference, use_cache) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_generation_matches_transformers(split, head, reference) -> None:  # type: ignore[no-untyped-def]
+    """Through the client's in-process chain (one InferenceSession, the client's decode loop)."""
     ids = torch.tensor([PROMPT])
     reference.generation_config.eos_token_id = (
         None  # (None in generate()'s kwargs would mean "model default")
@@ -54,9 +57,29 @@ def test_greedy_generation_matches_transformers(split, head, reference, use_cach
     expected = reference.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
     )
-    got = list(LocalPipeline(head, split).generate(PROMPT, 32, use_cache=use_cache))
+    client = in_process_client(head, {f"peer-{i}": block for i, block in enumerate(split)})
+    got = asyncio.run(client.generate_ids(PROMPT, 32, SamplingParams()))
     assert got == expected[0, len(PROMPT) :].tolist()
-    assert all(block.active_sessions == [] for block in split)  # the pipeline closed its sessions
+    assert all(block.active_sessions == [] for block in split)  # the session was closed on every range
+
+
+def test_stateless_greedy_generation_matches_transformers(split, head, reference) -> None:  # type: ignore[no-untyped-def]
+    """No session: every step recomputes the whole prefix, which must give the same tokens as a KV cache."""
+    ids = torch.tensor([PROMPT])
+    reference.generation_config.eos_token_id = None
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    tokens = list(PROMPT)
+    for _ in range(8):
+        hidden = _through(split, head.embed(torch.tensor(tokens)), None, 0)
+        tokens.append(int(head.logits(hidden[-1]).argmax()))
+    assert tokens == expected[0].tolist()
+
+
+def _through(blocks, hidden: torch.Tensor, session: str | None, position: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """hidden [T, H] through each block's whole range in turn."""
+    for block in blocks:
+        hidden = block.forward([Step(session, hidden, block.range.start, block.range.end, position)])[0]
+    return hidden
 
 
 def _prefill_and_decode(block, head, session: str, prompt: list[int], steps: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -94,7 +117,6 @@ def test_batched_decode_equals_separate_runs(tiny_source, head, whole) -> None: 
 
 def test_sub_range_steps_inside_a_block(head, whole, split) -> None:  # type: ignore[no-untyped-def]
     """A session run as [0,3) then [3,6) through one 0:6 block equals the 0:2/2:4/4:6 split."""
-    pipeline = LocalPipeline(head, split)
     whole.open_session("s", 20)
     for block in split:
         block.open_session("s", 20)
@@ -102,13 +124,13 @@ def test_sub_range_steps_inside_a_block(head, whole, split) -> None:  # type: ig
     mid = whole.forward([Step("s", hidden, 0, 3, 0)])[0]
     assert whole.session_length("s", 2) == len(PROMPT) and whole.session_length("s", 3) == 0
     got = whole.forward([Step("s", mid, 3, 6, 0)])[0]
-    expected = pipeline.hidden(hidden, "s", 0)
+    expected = _through(split, hidden, "s", 0)
     assert (got - expected).abs().max().item() <= 1e-5
     # a decode step, again split at a different layer
     token = head.embed(torch.tensor([int(head.logits(got[-1]).argmax())]))
     mid = whole.forward([Step("s", token, 0, 4, len(PROMPT))])[0]
     got = whole.forward([Step("s", mid, 4, 6, len(PROMPT))])[0]
-    assert (got - pipeline.hidden(token, "s", len(PROMPT))).abs().max().item() <= 1e-5
+    assert (got - _through(split, token, "s", len(PROMPT))).abs().max().item() <= 1e-5
 
 
 def test_replay_from_an_earlier_position_truncates_the_cache(head, whole) -> None:  # type: ignore[no-untyped-def]
