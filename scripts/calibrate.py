@@ -4,7 +4,7 @@
 1. Starts three `swarm-peer join --no-follow-plan --no-plan` processes on 127.0.0.1 with fixed ranges
    (0:10/10:20/20:30 for the default model, 0:2/2:4/4:6 for tiny) and waits until they announce measured
    numbers. No peer plans: the placement is fixed, and a re-plan would take a core in the middle of a probe.
-2. Probes, from the client, what the simulator needs (scripts/sim unchanged), and builds CLUSTER.json from it
+2. Probes, from the client, what the simulator needs (swarm/sim unchanged), and builds CLUSTER.json from it
    and the peers' records (written to --out-dir):
    * decode_s_per_layer of each peer: CPU seconds its process group (the peer and its p2pd) spends per
      one-stage decode step at batch 1 and 8 (PROBE_STEPS steps), per held layer. CPU, not wall time: three
@@ -15,7 +15,7 @@
      bookkeeping, LM head) -> SimConfig.client_step_s, with the client on the same host;
    * host "loopback" with this machine's cores, and host_parallel_speed: a peer's step time alone over its
      step time while another peer steps at once. Two decodes on idle cores still slow each other (each step
-     streams the weights from memory), by 5-20% here (0.79-0.95 measured); scripts/sim/hosts.py models both;
+     streams the weights from memory), by 5-20% here (0.79-0.95 measured); swarm/sim/hosts.py models both;
    * links: loopback latency 0 (an RPC's round trip is CPU work, already counted above), measured bandwidth.
    Also reported: route_cpu_s_per_token (every process, one session) against what the simulator charges.
 3. Measures end to end for each concurrency C: C concurrent greedy sessions (AsyncSwarmClient, P prompt
@@ -51,9 +51,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from sim.engine import SimConfig, Simulation  # noqa: E402
-from sim.scheduling import router_factory  # noqa: E402
-from sim.trace import Request  # noqa: E402
+from swarm.sim.engine import SimConfig, Simulation  # noqa: E402
+from swarm.sim.scheduling import router_factory  # noqa: E402
+from swarm.sim.trace import Request  # noqa: E402
 
 from client import AsyncSwarmClient  # noqa: E402
 from swarm.dht import SwarmSnapshot  # noqa: E402
@@ -65,7 +65,7 @@ from swarm.transport.calls import measure_link  # noqa: E402
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, SessionID  # noqa: E402
 
 DEFAULT_RANGES = {"default": ("0:10", "10:20", "20:30"), "tiny": ("0:2", "2:4", "4:6")}
-TESTBED_HOST = "loopback"  # the peers and the client share this machine's cores (scripts/sim/hosts.py)
+TESTBED_HOST = "loopback"  # the peers and the client share this machine's cores (swarm/sim/hosts.py)
 MEASURE_PREFILL_TOKENS = 128
 PROBE_STEPS = 48  # decode steps per probe: CPU readings have 10 ms resolution (one clock tick)
 FORWARD_STEPS = 96  # swarm.peer.measure.measure_compute's prefill length

@@ -6,7 +6,7 @@
         [--json OUT] [--png PLOT] [--churn SCHEDULE.json]
 
 CLUSTER.json is the planner's format (swarm/planner/cluster.py), optionally with measured timing tables per
-node (scripts/sim/timing.py) and "cache_tokens"; "helix24", "helix42" or "randomN" name synthetic clusters.
+node (swarm/sim/timing.py) and "cache_tokens"; "helix24", "helix42" or "randomN" name synthetic clusters.
 Prints {"rows": [...]} as JSON (one row per placement x scheduling).
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim.churn import Churn, initially_absent, load_schedule, present_cluster  # noqa: E402
-from sim.engine import SimConfig, Simulation  # noqa: E402
-from sim.report import plot, summarize  # noqa: E402
-from sim.scheduling import router_factory  # noqa: E402
-from sim.trace import TraceConfig, make_trace  # noqa: E402
+from swarm.sim.churn import Churn, initially_absent, load_schedule, present_cluster  # noqa: E402
+from swarm.sim.engine import SimConfig, Simulation  # noqa: E402
+from swarm.sim.report import plot, summarize  # noqa: E402
+from swarm.sim.scheduling import router_factory  # noqa: E402
+from swarm.sim.trace import TraceConfig, make_trace  # noqa: E402
 
 from swarm.planner import synthetic  # noqa: E402
 from swarm.planner.cluster import Cluster, load_cluster  # noqa: E402

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from sim.churn import Churn, ChurnEvent, present_cluster
-from sim.engine import SimConfig, Simulation
-from sim.report import summarize
-from sim.scheduling import router_factory
-from sim.timing import NodeTiming, Table, TimingDefaults
-from sim.trace import TraceConfig, make_trace
+from swarm.sim.churn import Churn, ChurnEvent, present_cluster
+from swarm.sim.engine import SimConfig, Simulation
+from swarm.sim.report import summarize
+from swarm.sim.scheduling import router_factory
+from swarm.sim.timing import NodeTiming, Table, TimingDefaults
+from swarm.sim.trace import TraceConfig, make_trace
 
 from swarm.planner.cluster import Cluster, ClusterNode, ModelInfo, full_mesh_links
 from swarm.planner.graph import max_flow

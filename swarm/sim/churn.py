@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.engine import Simulation
+from swarm.sim.engine import Simulation
 from swarm.planner.cluster import Cluster
 from swarm.types import LayerRange, NodeID, Plan
 
