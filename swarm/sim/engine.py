@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
-from swarm.sim.hosts import CLIENT, Host, hosts_of
-from swarm.sim.timing import NodeTiming, TimingDefaults
-from swarm.sim.trace import Request
 from swarm.errors import NoRouteError
 from swarm.planner.cluster import Cluster
 from swarm.routing import PeerState, Router, RoutingView
+from swarm.sim.hosts import CLIENT, Host, hosts_of
+from swarm.sim.timing import NodeTiming, TimingDefaults
+from swarm.sim.trace import Request
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
