@@ -157,4 +157,3 @@ def test_bad_input_is_a_clear_error() -> None:
         Router(OVERLAP).route_from(view, 6)
     with pytest.raises(ValueError):
         RoutingView(0, {})
-
