@@ -23,12 +23,8 @@ from swarm.sim.experiment import PLACEMENTS, SCHEDULINGS, Experiment, run_experi
 from swarm.sim.report import plot
 
 
-def parse_list(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
-    items = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise SystemExit(f"bad {what} {bad or text!r}: choose from {', '.join(allowed)}")
-    return items
+def split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,8 +32,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("cluster", help="CLUSTER.json, or helix24 / helix42 / randomN for a synthetic cluster")
     p.add_argument("--mode", choices=("online", "offline"), default="online")
     p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--placements", default="milp,greedy,swarm")
-    p.add_argument("--scheduling", default="iwrr,random,swarm")
+    p.add_argument(
+        "--placements", default="milp,greedy,swarm", help=f"comma-separated: {','.join(PLACEMENTS)}"
+    )
+    p.add_argument(
+        "--scheduling", default="iwrr,random,swarm", help=f"comma-separated: {','.join(SCHEDULINGS)}"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--load",
@@ -74,22 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    if args.requests < 1:
-        raise SystemExit("--requests must be >= 1")
-    experiment = Experiment(
-        cluster=args.cluster,
-        mode=args.mode,
-        requests=args.requests,
-        placements=parse_list(args.placements, PLACEMENTS, "placement"),
-        schedulings=parse_list(args.scheduling, SCHEDULINGS, "scheduling"),
-        seed=args.seed,
-        load=args.load,
-        plan_time_limit_s=args.plan_time_limit_s,
-        reload_s_per_layer=args.reload_s_per_layer,
-        cache_layer_tokens=args.cache_layer_tokens,
-        decode_quantum_tokens=args.decode_quantum,
-        churn=args.churn,
-    )
+    try:
+        experiment = Experiment(
+            cluster=args.cluster,
+            mode=args.mode,
+            requests=args.requests,
+            placements=split(args.placements),
+            schedulings=split(args.scheduling),
+            seed=args.seed,
+            load=args.load,
+            plan_time_limit_s=args.plan_time_limit_s,
+            reload_s_per_layer=args.reload_s_per_layer,
+            cache_layer_tokens=args.cache_layer_tokens,
+            decode_quantum_tokens=args.decode_quantum,
+            churn=args.churn,
+        )
+    except ValueError as e:  # bad placement / scheduling names, --requests < 1, no such churn schedule
+        raise SystemExit(str(e)) from None
     result = run_experiment(experiment)
     text = json.dumps(result, indent=1)
     if args.json_out:

@@ -53,7 +53,7 @@ class Experiment:
         if self.mode not in ("online", "offline"):
             raise ValueError(f"mode must be online or offline, got {self.mode!r}")
         if self.requests < 1:
-            raise ValueError("requests must be >= 1")
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
         for items, allowed, what in (
             (self.placements, PLACEMENTS, "placement"),
             (self.schedulings, SCHEDULINGS, "scheduling"),
@@ -61,6 +61,8 @@ class Experiment:
             bad = [x for x in items if x not in allowed]
             if bad or not items:
                 raise ValueError(f"bad {what} {bad or list(items)}: choose from {', '.join(allowed)}")
+        if self.churn is not None:
+            schedule_path(self.churn)  # a missing schedule fails here, before any planning
 
 
 def cluster_from_arg(arg: str) -> Cluster:
@@ -80,7 +82,7 @@ def schedule_path(arg: str) -> Path:
     bundled = resources.files("swarm.sim") / "data" / f"{Path(arg).stem}.json"
     if bundled.is_file():
         return Path(str(bundled))
-    raise FileNotFoundError(f"no churn schedule {arg!r} (a path, or a name in swarm/sim/data)")
+    raise ValueError(f"no churn schedule {arg!r} (a path, or a name in swarm/sim/data)")
 
 
 def make_plan(
