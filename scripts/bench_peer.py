@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -23,13 +22,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from swarm.models.blocks import Step  # noqa: E402
-from swarm.models.loading import resolve_model  # noqa: E402
-from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
-from swarm.transport import call_close, call_step  # noqa: E402
-from swarm.wire import CloseRequest, Hop, StepRequest  # noqa: E402
+from swarm.models.blocks import Step
+from swarm.models.loading import resolve_model
+from swarm.testing import LocalSwarm, swarm_client
+from swarm.transport import call_close, call_step
+from swarm.wire import CloseRequest, Hop, StepRequest
 
 
 def main() -> None:

@@ -4,8 +4,8 @@
 1. Starts three `swarm-peer join --no-follow-plan --no-plan` processes on 127.0.0.1 with fixed ranges
    (0:10/10:20/20:30 for the default model, 0:2/2:4/4:6 for tiny) and waits until they announce measured
    numbers. No peer plans: the placement is fixed, and a re-plan would take a core in the middle of a probe.
-2. Probes, from the client, what the simulator needs (scripts/sim unchanged), and builds CLUSTER.json from it
-   and the peers' records (written to --out-dir):
+2. Probes, from the client, what the simulator needs, and builds CLUSTER.json from it and the peers'
+   records (written to --out-dir; swarm/sim/calibration.py turns probes into node fields):
    * decode_s_per_layer of each peer: CPU seconds its process group (the peer and its p2pd) spends per
      one-stage decode step at batch 1 and 8 (PROBE_STEPS steps), per held layer. CPU, not wall time: three
      peers and the client share this machine, so what they cost it is what the simulator must charge;
@@ -15,14 +15,14 @@
      bookkeeping, LM head) -> SimConfig.client_step_s, with the client on the same host;
    * host "loopback" with this machine's cores, and host_parallel_speed: a peer's step time alone over its
      step time while another peer steps at once. Two decodes on idle cores still slow each other (each step
-     streams the weights from memory), by 5-20% here (0.79-0.95 measured); scripts/sim/hosts.py models both;
+     streams the weights from memory), by 5-20% here (0.79-0.95 measured); swarm/sim/hosts.py models both;
    * links: loopback latency 0 (an RPC's round trip is CPU work, already counted above), measured bandwidth.
    Also reported: route_cpu_s_per_token (every process, one session) against what the simulator charges.
 3. Measures end to end for each concurrency C: C concurrent greedy sessions (AsyncSwarmClient, P prompt
    tokens, N new tokens, EOS ignored), `--repeats` times; aggregate decode tokens/s = all generated tokens /
    time from start to the last session's end; the median is compared.
-4. Simulates the same workloads (same placement, C requests at t=0 = a closed loop of C sessions, same
-   lengths) and reports the error. For comparison it also reports the simulation without the shared host
+4. Simulates the same workloads (swarm.sim.calibration: same placement, C requests at t=0 = a closed loop
+   of C sessions, same lengths) and reports the error. For comparison it also reports the simulation without the shared host
    (each peer a core of its own) and with the peers' announced start-up tables.
 
     .venv/bin/python scripts/calibrate.py                        # default model, C = 1, 2, 4, 8
@@ -40,32 +40,26 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from sim.engine import SimConfig, Simulation  # noqa: E402
-from sim.scheduling import router_factory  # noqa: E402
-from sim.trace import Request  # noqa: E402
 
 from client import AsyncSwarmClient  # noqa: E402
 from swarm.dht import SwarmSnapshot  # noqa: E402
+from swarm.models import ModelSpec, resolve_model  # noqa: E402
 from swarm.peer.planner_service import PlannerConfig, cluster_from_snapshot  # noqa: E402
-from swarm.planner import Cluster, max_flow  # noqa: E402
+from swarm.planner import Cluster  # noqa: E402
 from swarm.routing.route import Stage  # noqa: E402
+from swarm.sim.calibration import Measured, Probed, apply_probes, compare_run, probe_report  # noqa: E402
 from swarm.testing import LocalSwarm, swarm_client  # noqa: E402
 from swarm.transport.calls import measure_link  # noqa: E402
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, SessionID  # noqa: E402
 
 DEFAULT_RANGES = {"default": ("0:10", "10:20", "20:30"), "tiny": ("0:2", "2:4", "4:6")}
-TESTBED_HOST = "loopback"  # the peers and the client share this machine's cores (scripts/sim/hosts.py)
 MEASURE_PREFILL_TOKENS = 128
 PROBE_STEPS = 48  # decode steps per probe: CPU readings have 10 ms resolution (one clock tick)
 FORWARD_STEPS = 96  # swarm.peer.measure.measure_compute's prefill length
@@ -114,10 +108,8 @@ def build_cluster(
 ) -> dict[str, Any]:
     """CLUSTER.json from the measured records (see the module docstring); `chain` = peer ids in route order.
 
-    decode_s_per_layer comes from the peers' own records, or, with `probed`, from the CPU seconds each peer's
-    processes spent per one-stage step at batch 1 and 8, per held layer (what a real step costs on the peer:
-    deserialising, the executor, the layers, p2pd relaying the request and the reply), with the peer's
-    measured forward_s; all nodes then share this machine's cores (host "loopback").
+    decode_s_per_layer comes from the peers' own records, or, with `probed`, from the probes
+    (swarm.sim.calibration.apply_probes); all nodes then share this machine's cores (host "loopback").
     """
     cluster = cluster_from_snapshot(snap, PlannerConfig())
     if cluster is None:
@@ -130,12 +122,7 @@ def build_cluster(
             [8, 8.0 / r.decode_layer_tokens_s_b8],
         ]
         if probed is not None:
-            held = r.range_end - r.range_start
-            b1_s, b8_s = (t / held for t in probed.step_cpu_s[node["id"]])
-            node["decode_s_per_layer"] = [[1, b1_s], [8, max(b8_s, b1_s)]]
-            node["forward_s"] = probed.forward_s.get(node["id"], 0.0)
-            node["host"], node["host_cores"] = TESTBED_HOST, os.cpu_count() or 1
-            node["host_parallel_speed"] = probed.parallel_speed
+            apply_probes(node, r.range_end - r.range_start, probed, os.cpu_count() or 1)
         node["prefill_s_per_layer"] = [
             [MEASURE_PREFILL_TOKENS, MEASURE_PREFILL_TOKENS / r.prefill_layer_tokens_s]
         ]
@@ -244,27 +231,6 @@ async def probe_routes(
     return statistics.median(times), cpu
 
 
-@dataclass
-class Probed:
-    """The simulator's inputs measured by the client: per peer CPU seconds of a one-stage decode step at
-    batch 1 and 8, the extra CPU seconds per session-step it spends forwarding to the next peer, and the
-    client's own CPU seconds per decode token."""
-
-    step_cpu_s: dict[str, tuple[float, float]]
-    step_wall_s: dict[str, tuple[float, float]]
-    forward_s: dict[str, float]
-    client_cpu_s: float
-    route_cpu_s: float  # every process of the testbed, per decode token of one session
-    parallel_speed: float  # a peer's one-stage step time alone / with another peer stepping at the same time
-
-    @property
-    def charged_cpu_s(self) -> float:
-        """CPU per decode token of one session that the simulator charges (client, steps, forwards): to
-        compare with route_cpu_s, which measured it whole."""
-        steps = sum(b1 for b1, _ in self.step_cpu_s.values())
-        return self.client_cpu_s + steps + sum(self.forward_s.values())
-
-
 async def probe_peers(client: AsyncSwarmClient, stages: list[Stage], pgids: dict[str, int]) -> Probed:
     step_cpu_s, step_wall_s, forward_s = {}, {}, {}
     for stage in stages:
@@ -306,15 +272,6 @@ async def parallel_speed(client: AsyncSwarmClient, first: Stage, second: Stage, 
     return statistics.median(ratios)
 
 
-@dataclass
-class Measured:
-    """The probes (the simulator's inputs), then what it must predict."""
-
-    probed: Probed
-    rates: dict[int, list[float]] = field(default_factory=dict)  # concurrency -> tokens/s of each repeat
-    cores: dict[int, float] = field(default_factory=dict)  # concurrency -> CPU cores the testbed used
-
-
 async def measure_workload(
     initial_peers: list[str],
     model: str,
@@ -350,37 +307,6 @@ async def measure_workload(
         await client.close()
 
 
-def simulate(
-    cluster: Cluster,
-    placement: dict[NodeID, LayerRange],
-    c: int,
-    p: int,
-    n: int,
-    client_cpu_s: float,
-    shared_host: bool = True,
-) -> float:
-    """Aggregate decode tokens/s the simulator predicts for the same closed-loop workload. shared_host=False
-    drops the nodes' "host" (each peer with a core of its own, the client's time a delay): the model the
-    simulator used before it knew about shared machines, reported for comparison."""
-    if not shared_host:
-        data = cluster.to_json()
-        for node in data["nodes"]:
-            for key in ("host", "host_cores", "host_parallel_speed"):
-                node.pop(key, None)
-        cluster = Cluster.from_json(data)
-    plan = max_flow(cluster, placement, "measured")
-    trace = [Request(i, 0.0, p, n) for i in range(c)]
-    # max_batch_tokens = the peers' executor batch limit (swarm.peer.executor.ExecutorConfig.max_batch).
-    config = SimConfig(
-        max_batch_tokens=8, client_step_s=client_cpu_s, client_host=TESTBED_HOST if shared_host else None
-    )
-    sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, config).run()
-    end_s = max(sim.done_s)
-    if min(sim.done_s) < 0:
-        raise RuntimeError("the simulation did not finish every request")
-    return sum(sim.generated) / end_s
-
-
 def parse_concurrencies(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -391,7 +317,7 @@ def parse_concurrencies(text: str) -> list[int]:
     return values
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -409,14 +335,14 @@ def main() -> None:
         parser.error(f"--model must be one of {', '.join(DEFAULT_RANGES)}")
     if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("need --prompt-tokens >= 1, --new-tokens >= 2, --repeats >= 1")
-    torch.set_num_threads(1)
-    from swarm.models import resolve_model
+    return args
 
-    spec = resolve_model(args.model).spec
+
+def run_testbed(
+    args: argparse.Namespace, spec: ModelSpec
+) -> tuple[SwarmSnapshot, dict[str, tuple[float, float]], list[str], list[Stage], Measured]:
+    """Start the three peers, wait for their measurements, probe them and measure the workloads."""
     ranges = DEFAULT_RANGES[args.model]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-calib-") as tmp,
         LocalSwarm(Path(tmp), model=args.model) as swarm,
@@ -453,37 +379,26 @@ def main() -> None:
                 pgids,
             )
         )
-    probed = measured.probed
-    data = build_cluster(snap, client_links, chain, probed)
+    return snap, client_links, chain, stages, measured
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = resolve_model(args.model).spec
+    snap, client_links, chain, stages, measured = run_testbed(args, spec)
+    data = build_cluster(snap, client_links, chain, measured.probed)
     (out_dir / "CLUSTER.json").write_text(json.dumps(data, indent=1))
-    cluster = Cluster.from_json(data)
     # The same with the decode tables the peers announced (measured once, at start-up, over 8 steps).
     announced = build_cluster(snap, client_links, chain, None)
     placement = {s.peer_id: s.layers for s in stages}
-    runs = []
-    for c in args.concurrency:
-        workload = (c, args.prompt_tokens, args.new_tokens, probed.client_cpu_s)
-        real = statistics.median(measured.rates[c])
-        simulated = simulate(cluster, placement, *workload)
-        error = (simulated - real) / real
-        runs.append(
-            {
-                "concurrency": c,
-                "measured_decode_tokens_s": round(real, 2),
-                "simulated_decode_tokens_s": round(simulated, 2),
-                "error_fraction": round(error, 4),
-                "within_15pct": abs(error) <= 0.15,
-                "measured_repeats_tokens_s": [round(r, 2) for r in measured.rates[c]],
-                "simulated_own_core_each_tokens_s": round(
-                    simulate(cluster, placement, *workload, shared_host=False), 2
-                ),
-                "simulated_with_announced_tables_tokens_s": round(
-                    simulate(Cluster.from_json(announced), placement, *workload, shared_host=False), 2
-                ),
-                "swarm_cpu_cores_used": round(measured.cores[c], 2),
-            }
-        )
-    by_id = {node["id"]: node for node in announced["nodes"]}
+    cluster, announced_cluster = Cluster.from_json(data), Cluster.from_json(announced)
+    runs = [
+        compare_run(measured, cluster, announced_cluster, placement, (c, args.prompt_tokens, args.new_tokens))
+        for c in args.concurrency
+    ]
     report = {
         "model": spec.name,
         "peers": len(chain),
@@ -492,16 +407,7 @@ def main() -> None:
         "runs": runs,
         "within_15pct": all(run["within_15pct"] for run in runs),
         "worst_error_fraction": max((run["error_fraction"] for run in runs), key=abs),
-        "probed_step_cpu_s_b1_b8": [[round(t, 5) for t in probed.step_cpu_s[p]] for p in chain],
-        "probed_step_wall_s_b1_b8": [[round(t, 5) for t in probed.step_wall_s[p]] for p in chain],
-        "probed_forward_cpu_s": [round(probed.forward_s.get(p, 0.0), 5) for p in chain],
-        "announced_decode_s_per_layer_b1_b8": [
-            [round(t, 5) for _, t in by_id[p]["decode_s_per_layer"]] for p in chain
-        ],
-        "client_cpu_s_per_token": round(probed.client_cpu_s, 5),
-        "route_cpu_s_per_token": round(probed.route_cpu_s, 5),
-        "charged_cpu_s_per_token": round(probed.charged_cpu_s, 5),
-        "host_parallel_speed": round(probed.parallel_speed, 4),
+        **probe_report(measured.probed, announced, chain),
         "machine_cores": os.cpu_count(),
         "cluster_json": str(out_dir / "CLUSTER.json"),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import logging
-import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from swarm.errors import NoRouteError
@@ -97,8 +95,8 @@ def check_route(route: Route, num_layers: int) -> None:
 class Router:
     """Builds routes from one plan. Keeps one IWRR per plan node, so consecutive routes interleave smoothly.
 
-    With `rng`, each hop is instead drawn at random among the unmasked candidates with probability
-    proportional to the plan's weights: the simulator's baseline schedulers (random, SWARM-style).
+    A subclass may pick among a hop's candidates another way by overriding `_choose` (the simulator's
+    baseline schedulers draw at random).
     """
 
     def __init__(
@@ -107,11 +105,8 @@ class Router:
         *,
         bans: BanList | None = None,
         config: RoutingConfig | None = None,
-        rng: random.Random | None = None,
     ) -> None:
         self.plan = plan
-        self.rng = rng
-        self._cum_weights: dict[int, list[float]] = {}  # by id() of the IWRR, which lives as long as we do
         self.bans = bans
         self.config = config or RoutingConfig()
         self._placement: dict[NodeID, LayerRange] = dict(plan.placement) if plan else {}
@@ -207,21 +202,11 @@ class Router:
                 viable[key] = ok
             return viable[key]
 
-        if self.rng is None:
-            return iwrr.pick(lambda v: not is_viable(v, done))
-        # Rejection sampling: a few draws over all candidates are cheap when most are usable; when they keep
-        # hitting masked ones, draw among the usable ones only.
-        for _ in range(4):
-            cum = self._cum_weights.get(id(iwrr))
-            if cum is None:
-                cum = self._cum_weights[id(iwrr)] = list(itertools.accumulate(iwrr.weights))
-            v = self.rng.choices(iwrr.candidates, cum_weights=cum)[0]
-            if is_viable(v, done):
-                return v
-        pairs = [(v, w) for v, w in zip(iwrr.candidates, iwrr.weights, strict=True) if is_viable(v, done)]
-        if not pairs:
-            return None
-        return self.rng.choices([v for v, _ in pairs], [w for _, w in pairs])[0]
+        return self._choose(iwrr, lambda v: not is_viable(v, done))
+
+    def _choose(self, iwrr: IWRR[NodeID], masked: Callable[[NodeID], bool]) -> NodeID | None:
+        """The next of `iwrr`'s candidates that is not masked, or None when all are."""
+        return iwrr.pick(masked)
 
     def _layer_iwrr(self, layer: int) -> IWRR[NodeID] | None:
         if layer not in self._by_layer:

@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "swarm.transport": {"swarm.models"},
     "swarm.peer": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.planner", "swarm.routing"},
     "swarm.testing": {"swarm.dht"},
+    "swarm.sim": {"swarm.planner", "swarm.routing"},  # the simulator runs the live planner and router, no I/O
     "client": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.routing", "swarm.planner"},
 }
 

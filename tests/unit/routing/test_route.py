@@ -157,14 +157,3 @@ def test_bad_input_is_a_clear_error() -> None:
         Router(OVERLAP).route_from(view, 6)
     with pytest.raises(ValueError):
         RoutingView(0, {})
-
-
-def test_weighted_random_picks_follow_weights_and_masks() -> None:
-    import random
-
-    router = Router(OVERLAP, rng=random.Random(7))
-    view = make_view(6, OVERLAP, d=PeerState(N("d"), LayerRange(3, 6), free_cache_tokens=0))
-    routes = [router.build(view, session_tokens=1) for _ in range(4000)]
-    assert all(s.peer_id != "d" for r in routes for s in r)
-    share_a = sum(r[0].peer_id == "a" for r in routes) / 4000
-    assert abs(share_a - 0.75) < 0.03

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from sim.engine import SimConfig, Simulation
-from sim.hosts import CLIENT, Host, hosts_of
-from sim.scheduling import router_factory
-from sim.trace import Request
 
 from swarm.planner.cluster import Cluster, ClusterNode, ModelInfo, full_mesh_links
 from swarm.planner.graph import max_flow
+from swarm.sim.engine import SimConfig, Simulation
+from swarm.sim.hosts import CLIENT, Host, hosts_of
+from swarm.sim.scheduling import router_factory
+from swarm.sim.trace import Request
 from swarm.types import LayerRange, NodeID
 
 pytestmark = pytest.mark.timeout(60)

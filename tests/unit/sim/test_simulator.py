@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
-from sim.churn import Churn, ChurnEvent, present_cluster
-from sim.engine import SimConfig, Simulation
-from sim.report import summarize
-from sim.scheduling import router_factory
-from sim.timing import NodeTiming, Table, TimingDefaults
-from sim.trace import TraceConfig, make_trace
 
 from swarm.planner.cluster import Cluster, ClusterNode, ModelInfo, full_mesh_links
 from swarm.planner.graph import max_flow
+from swarm.sim.churn import Churn, ChurnEvent, present_cluster
+from swarm.sim.engine import SimConfig, Simulation
+from swarm.sim.report import summarize
+from swarm.sim.scheduling import router_factory
+from swarm.sim.timing import NodeTiming, Table, TimingDefaults
+from swarm.sim.trace import TraceConfig, make_trace
 from swarm.types import LayerRange, NodeID, Plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,7 +147,7 @@ def test_trace_means_and_limits() -> None:
 
 
 def test_cli_writes_json(tmp_path: Path) -> None:
-    from simulate import main
+    main = runpy.run_path(str(Path(__file__).resolve().parents[3] / "scripts" / "simulate.py"))["main"]
 
     cluster = tiny_cluster({"a": 300.0, "b": 300.0})
     path = tmp_path / "cluster.json"

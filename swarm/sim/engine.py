@@ -8,15 +8,15 @@ What is modelled, and how:
   one token through all stages again, until the request's output length is reached.
 * Each node runs iterations back to back while it has work (continuous batching): every decode token waiting
   when an iteration starts joins it, plus prefill jobs up to a token budget. Iteration time comes from the
-  node's timing model (scripts/sim/timing.py).
+  node's timing model (swarm/sim/timing.py).
 * Each directed link is a FIFO pipe: a message waits for the previous one to finish sending, takes
   bytes / bandwidth to send, then arrives `latency_s` later. A node's outputs for the same next hop travel as
   one message.
-* Nodes may share a host's cores with other nodes and the client (scripts/sim/hosts.py): their iterations
+* Nodes may share a host's cores with other nodes and the client (swarm/sim/hosts.py): their iterations
   then slow down by processor sharing while more processes than cores are busy. The client on a host is one
   process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
   without a host, client_step_s is a plain delay (many independent clients).
-* Churn (scripts/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
+* Churn (swarm/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
   is rebuilt with Router.route_from and the client replays the prefix (prompt + generated tokens) into the
   new stages, as the live client does.
 
@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
-from sim.hosts import CLIENT, Host, hosts_of
-from sim.timing import NodeTiming, TimingDefaults
-from sim.trace import Request
 from swarm.errors import NoRouteError
 from swarm.planner.cluster import Cluster
 from swarm.routing import PeerState, Router, RoutingView
+from swarm.sim.hosts import CLIENT, Host, hosts_of
+from swarm.sim.timing import NodeTiming, TimingDefaults
+from swarm.sim.trace import Request
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class SimConfig:
     cache_layer_tokens: int = 20_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
     cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
     client_step_s: float = 0.0  # LM head + sampling on the client per decode step
-    client_host: str | None = None  # the client runs on this host (scripts/sim/hosts.py), sharing its cores
+    client_host: str | None = None  # the client runs on this host (swarm/sim/hosts.py), sharing its cores
     missing_link_latency_s: float = 0.1  # a hop with no link in CLUSTER.json (fallback routes only)
     missing_link_bandwidth_bytes_s: float = 12.5e6
     bucket_s: float = 10.0  # width of the throughput-over-time buckets

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.engine import Simulation
 from swarm.planner.cluster import Cluster
+from swarm.sim.engine import Simulation
 from swarm.types import LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sim.engine import SNK, SRC, Simulation
+from swarm.sim.engine import SNK, SRC, Simulation
 
 logger = logging.getLogger(__name__)
 
