@@ -51,7 +51,8 @@ import torch  # noqa: E402
 from client import AsyncSwarmClient  # noqa: E402
 from swarm.dht import SwarmSnapshot  # noqa: E402
 from swarm.models import ModelSpec, resolve_model  # noqa: E402
-from swarm.peer.planner_service import PlannerConfig, cluster_from_snapshot  # noqa: E402
+from swarm.peer.config import PlannerConfig  # noqa: E402
+from swarm.peer.planner_service import cluster_from_snapshot  # noqa: E402
 from swarm.planner import Cluster  # noqa: E402
 from swarm.routing.route import Stage  # noqa: E402
 from swarm.sim.calibration import Measured, Probed, apply_probes, compare_run, probe_report  # noqa: E402
