@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.types import DTYPE_BYTES
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -58,5 +60,5 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:
             raise ValueError(f"ClientConfig.cache_high_water must be in (0, 1], got {self.cache_high_water}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"ClientConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"ClientConfig.dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
