@@ -37,6 +37,7 @@ class ChatServer:
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         timeout_s: float = 120.0,
+        wait: bool = True,
     ) -> None:
         args = [sys.executable, "-m", "client.web", "--initial-peers", *initial_peers, "--model", model]
         args += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
@@ -47,17 +48,24 @@ class ChatServer:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=repo, start_new_session=True
             )
-        try:
-            self.url = self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self.url = ""
+        if wait:
+            self.wait_ready(timeout_s)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return "(no log)"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> str:
+        """The base URL once the server listens (stops it and raises if it died or took too long)."""
+        try:
+            self.url = self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
 
     def _wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

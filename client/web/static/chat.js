@@ -105,6 +105,7 @@ async function ask(question) {
       if (delta && delta.content) {
         answer += delta.content;
         text.textContent = answer;
+        div.dataset.pieces = String(Number(div.dataset.pieces || 0) + 1);  // tests check the answer streamed
         div.dataset.state = "streaming";
         setMeta(div, "streaming…");
         $("notice").textContent = "";
