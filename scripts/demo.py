@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     port = args.port if args.port is not None else (0 if args.once else 8000)
-    # SIGTERM ends the demo like Ctrl-C does: through the `with` blocks below, which stop every child.
+    # SIGTERM ends the demo like Ctrl-C does: through the `with` blocks below, which stop every child. SIGINT is
+    # set too, since a shell starting us in the background leaves it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     with tempfile.TemporaryDirectory(prefix="flowswarm-demo.") as tmp:
         work = Path(tmp)
         try:

@@ -49,7 +49,7 @@ function drawFlows(data) {
   const names = Object.fromEntries(data.peers.map((p) => [p.peer_id, p.name]));
   const placement = plan.placement || {};
   const starts = [...new Set(Object.values(placement).map((r) => r[0]))].sort((a, b) => a - b);
-  const W = 960, colW = 150, nodeH = 44, gapY = 24;
+  const W = 960, colW = 120, nodeH = 44, gapY = 34;
   const columns = starts.length + 2;
   const xOf = (col) => 20 + col * ((W - 40 - colW) / (columns - 1));
   const byColumn = starts.map((s) => Object.keys(placement).filter((id) => placement[id][0] === s));
@@ -62,6 +62,7 @@ function drawFlows(data) {
   });
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "plan flow graph" }, box);
   const biggest = Math.max(1e-9, ...plan.flows.map((f) => f.tokens_s));
+  const labels = [];  // drawn last, over the nodes and edges
   for (const f of plan.flows) {
     const a = pos[f.src], b = pos[f.dst];
     if (!a || !b) continue;
@@ -70,8 +71,7 @@ function drawFlows(data) {
       "stroke-width": (2 + 16 * f.tokens_s / biggest).toFixed(1) }, root);
     path.dataset.src = f.src; path.dataset.dst = f.dst;
     svg("title", {}, path).textContent = `${f.src_name} → ${f.dst_name}: ${fmt(f.tokens_s, 1)} tokens/s`;
-    const label = svg("text", { class: "flow-label", x: mx, y: (y1 + y2) / 2 - 6, "text-anchor": "middle" }, root);
-    label.textContent = `${fmt(f.tokens_s, 1)} tok/s`;
+    labels.push([mx, (y1 + y2) / 2 - 12, `${fmt(f.tokens_s, 1)} tok/s`]);
   }
   const drawNode = (id, title, sub, client) => {
     const p = pos[id];
@@ -84,6 +84,9 @@ function drawFlows(data) {
   drawNode("source", "client", "embeddings", true);
   drawNode("sink", "client", "LM head", true);
   for (const [id, r] of Object.entries(placement)) drawNode(id, names[id] || id.slice(-8), `layers ${r[0]}:${r[1]}`, false);
+  for (const [x, y, text] of labels) {
+    svg("text", { class: "flow-label", x, y, "text-anchor": "middle" }, root).textContent = text;
+  }
 }
 
 function drawRecent(recent) {
