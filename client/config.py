@@ -61,4 +61,6 @@ class ClientConfig:
         if not 0.0 < self.cache_high_water <= 1.0:
             raise ValueError(f"ClientConfig.cache_high_water must be in (0, 1], got {self.cache_high_water}")
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"ClientConfig.dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"ClientConfig.dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}"
+            )

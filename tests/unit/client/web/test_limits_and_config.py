@@ -1,0 +1,89 @@
+"""The rate limiter and generation slots (injected clock, no sleeping), and the CLI built from WebConfig."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import fields
+
+import pytest
+
+from client.web.config import WebConfig, build_parser, parse_config
+from client.web.errors import APIError
+from client.web.limits import GenerationSlots, RateLimiter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rate_limit_allows_a_burst_then_the_rate_per_address() -> None:
+    clock = Clock()
+    limiter = RateLimiter(per_min=60, burst=3, clock=clock)
+    for _ in range(3):
+        limiter.check("a")
+    with pytest.raises(APIError) as caught:
+        limiter.check("a")
+    assert caught.value.status == 429 and caught.value.type == "rate_limit_error"
+    limiter.check("b")  # another address has its own bucket
+    clock.now = 1.0  # one request per second refills
+    limiter.check("a")
+    with pytest.raises(APIError):
+        limiter.check("a")
+
+
+def test_full_buckets_are_forgotten() -> None:
+    clock = Clock()
+    limiter = RateLimiter(per_min=60, burst=2, clock=clock)
+    for address in ("a", "b", "c"):
+        limiter.check(address)
+    clock.now = 10.0
+    limiter.check("d")
+    assert set(limiter._buckets) == {"d"}
+
+
+def test_generation_slots_queue_then_429() -> None:
+    async def scenario() -> None:
+        slots = GenerationSlots(running=1, queued=1)
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with slots.slot():
+                await release.wait()
+
+        first = asyncio.create_task(hold())
+        await asyncio.sleep(0)
+        second = asyncio.create_task(hold())  # waits in the queue
+        await asyncio.sleep(0)
+        assert (slots.running, slots.waiting) == (1, 1)
+        with pytest.raises(APIError) as caught:
+            await slots.acquire()
+        assert caught.value.status == 429 and caught.value.code == "queue_full"
+        release.set()
+        await asyncio.gather(first, second)
+        assert (slots.running, slots.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_every_config_field_is_a_flag_with_its_default_and_help() -> None:
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    for f in fields(WebConfig):
+        assert f.name in flags and flags[f.name].help.startswith(f.metadata["help"])
+    config = parse_config(
+        ["--initial-peers", "/ip4/1", "/ip4/2", "--max-tokens-limit", "10", "--default-max-tokens", "5"]
+    )
+    assert config == WebConfig(initial_peers=("/ip4/1", "/ip4/2"), max_tokens_limit=10, default_max_tokens=5)
+    assert parse_config(["--initial-peers", "x"]).host == "127.0.0.1"  # private unless told otherwise
+
+
+@pytest.mark.parametrize(
+    "argv", [["--rate-limit-burst", "0"], ["--port", "70000"], ["--max-tokens-limit", "8"]]
+)
+def test_bad_settings_exit_with_a_usage_error(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--initial-peers", "x", *argv])
