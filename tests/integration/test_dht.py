@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -346,6 +347,23 @@ async def _test_joining_and_leaving_leave_the_event_loop_running(monkeypatch: py
     finally:
         await leaving.watch(dht.aclose())
     assert leaving.loop_ran_meanwhile, "SwarmDHT.aclose blocked the event loop while hivemind shut down"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_cancelling_a_join_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_test_cancelling_a_join_leaves_nothing_running(monkeypatch))
+
+
+async def _test_cancelling_a_join_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    joining = BlockingCall(monkeypatch, "wait_until_ready")
+    task = asyncio.create_task(SwarmDHT.create(DHTConfig(), MODEL_HASH))
+    while not joining.in_progress:  # cancel while the worker thread waits for hivemind's bootstrap
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert multiprocessing.active_children() == []  # the DHT child was started, then stopped and reaped
 
 
 @pytest.mark.integration
