@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from swarm.dht import PeerRecord, SwarmSnapshot
 from swarm.errors import NoRouteError
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingView
-from swarm.types import LayerRange, NodeID, Plan
+from swarm.types import LayerRange, NodeID, Plan, coverage
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ class SwarmRoutes:
         while True:
             snapshot = await self.snapshot(force=True)
             view = routing_view(snapshot, self.num_layers, 1.0)
-            covered = {layer for p in view.peers.values() for layer in range(p.layers.start, p.layers.end)}
-            missing = [layer for layer in range(self.num_layers) if layer not in covered]
+            counts = coverage((p.layers for p in view.peers.values()), self.num_layers)
+            missing = [layer for layer, count in enumerate(counts) if count == 0]
             if not missing:
                 return snapshot
             if self._clock() >= deadline:

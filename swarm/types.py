@@ -5,10 +5,11 @@ Everything here is plain data with no I/O, importable from every layer.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NewType
 
-PeerID = NewType("PeerID", str)  # base58 libp2p peer id, as hivemind prints it
 SessionID = NewType("SessionID", str)  # client-chosen random hex id of an inference session
 NodeID = NewType("NodeID", str)  # a planner graph node: a peer id live, any string offline
 
@@ -58,6 +59,17 @@ class LayerRange:
 
     def to_list(self) -> list[int]:
         return [self.start, self.end]
+
+
+def coverage(ranges: Iterable[LayerRange], num_layers: int) -> list[int]:
+    """How many of `ranges` hold each layer of [0, num_layers); parts past the last layer are ignored."""
+    # Difference array: +1 where a range starts, -1 where it ends, then a running sum.
+    steps = [0] * (num_layers + 1)
+    for r in ranges:
+        if r.start < num_layers:
+            steps[r.start] += 1
+            steps[min(r.end, num_layers)] -= 1
+    return list(itertools.accumulate(steps[:num_layers]))
 
 
 @dataclass(frozen=True)

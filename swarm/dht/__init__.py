@@ -1,6 +1,6 @@
 """The only code that touches hivemind's DHT: signed records, the directory, the planner election.
 
-dht = await SwarmDHT.create(DHTConfig(initial_peers=(...,)), model_hash)   # blocks while joining
+dht = await SwarmDHT.create(DHTConfig(initial_peers=(...,)), model_hash)   # joins on a worker thread
 try:
     p2p = await dht.replicate_p2p()               # for RPC; dht.peer_id, dht.visible_maddrs()
     directory = Directory(dht, DirectoryConfig(ttl_s=30.0))
@@ -10,16 +10,16 @@ try:
         tg.create_task(Announcer(directory, current_record).run())   # refresh every ttl/3, withdraw on exit
         tg.create_task(Election(directory, ElectionConfig()).run())  # then PlannerService (swarm.peer)
 finally:
-    dht.shutdown()                                # stops the DHT child and its p2pd
+    await dht.aclose()                            # stops the DHT child and its p2pd off the loop
+                                                  # (dht.shutdown(): the same, blocking, for sync code)
 """
 
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage
 from swarm.dht.election import Election, ElectionConfig, decide, lease_holder
 from swarm.dht.node import DHTConfig, ReachabilityConfig, SwarmDHT
-from swarm.dht.schemas import PROTOCOL_VERSION, LeaseRecord, LinkMeasure, PeerRecord, PlanRecord
+from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, PlanRecord
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "Announcer",
     "DHTConfig",
     "Directory",

@@ -19,6 +19,8 @@ from swarm.dht.election import lease_holder
 from swarm.dht.identity import owner_peer_id
 from swarm.dht.node import SwarmDHT
 from swarm.dht.schemas import LeaseRecord, PeerRecord, PlanRecord, lease_key, peers_key, plan_key
+from swarm.types import LayerRange
+from swarm.types import coverage as layer_coverage
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +34,11 @@ class DirectoryConfig:
     ttl_s: float = 30.0  # a peer record vanishes this long after its writer stops refreshing it
     plan_ttl_s: float = 300.0  # a plan outlives its planner long enough for a successor to take over
     read_timeout_s: float = 15.0  # deadline of one snapshot read
+    write_timeout_s: float = 5.0  # deadline of one announcement or withdrawal
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0 or self.plan_ttl_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("ttl_s, plan_ttl_s and read_timeout_s must be positive")
+        if min(self.ttl_s, self.plan_ttl_s, self.read_timeout_s, self.write_timeout_s) <= 0:
+            raise ValueError("ttl_s, plan_ttl_s, read_timeout_s and write_timeout_s must be positive")
 
     @property
     def refresh_s(self) -> float:
@@ -59,11 +62,12 @@ class SwarmSnapshot:
 
 def coverage(snapshot: SwarmSnapshot, num_layers: int) -> list[int]:
     """How many serving peers hold each layer (a 0 means no route can exist)."""
-    counts = [0] * num_layers
-    for record in snapshot.serving().values():
-        for layer in range(record.range_start, min(record.range_end, num_layers)):
-            counts[layer] += 1
-    return counts
+    held = (
+        LayerRange(r.range_start, r.range_end)
+        for r in snapshot.serving().values()
+        if r.range_end > r.range_start  # a record may hold nothing yet
+    )
+    return layer_coverage(held, num_layers)
 
 
 def parse_records(raw: Mapping[Any, tuple[Any, float]], model: type[R], what: str) -> dict[str, R]:
@@ -191,21 +195,32 @@ class Announcer:
     async def run(self) -> None:
         try:
             while True:
-                try:
-                    if await self.directory.announce(self.current_record()):
-                        self.announced.set()
-                    else:
-                        logger.warning("no DHT node accepted our record; retrying in %.1f s", self._period_s)
-                except (TimeoutError, OSError, RuntimeError) as e:
-                    logger.warning("announce failed (%r); retrying in %.1f s", e, self._period_s)
+                await self._announce_once()
                 await asyncio.sleep(self._period_s)
         finally:
             # Shielded with a deadline: the record must go even when we are being cancelled.
             try:
-                async with asyncio.timeout(5.0):
+                async with asyncio.timeout(self.directory.config.write_timeout_s):
                     await asyncio.shield(self.directory.withdraw())
             except (TimeoutError, OSError, RuntimeError) as e:
                 logger.warning("could not withdraw our record (%r); it expires on its own", e)
+
+    async def _announce_once(self) -> None:
+        """One refresh, with a deadline. A failure is logged and the next period tries again: the record
+        outlives two missed refreshes, while an announcer that died would drop a live peer from the swarm."""
+        try:
+            async with asyncio.timeout(self.directory.config.write_timeout_s):
+                stored = await self.directory.announce(self.current_record())
+        except Exception as e:
+            expected = isinstance(e, TimeoutError | OSError | RuntimeError)
+            logger.warning(
+                "announce failed (%r); retrying in %.1f s", e, self._period_s, exc_info=not expected
+            )
+            return
+        if stored:
+            self.announced.set()
+        else:
+            logger.warning("no DHT node accepted our record; retrying in %.1f s", self._period_s)
 
     @property
     def _period_s(self) -> float:

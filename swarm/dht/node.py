@@ -8,6 +8,8 @@ unless a home user opts in through ReachabilityConfig.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -96,47 +98,46 @@ class SwarmDHT:
 
     @classmethod
     async def create(cls, config: DHTConfig, model_hash: str) -> SwarmDHT:
-        """Start the DHT child process and join the swarm (blocks the loop while hivemind bootstraps)."""
-        prefix = model_key(model_hash)
-        identity_path, temporary = ensure_identity_file(config.identity_path)
-        private_key = load_private_key(identity_path)
-        validators = [
-            RSASignatureValidator(private_key),
-            # Unknown keys are allowed: one DHT may host other models whose schemas this node lacks.
-            SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=prefix),
-        ]
-        ip = "ip6" if ":" in config.host else "ip4"
-        host_maddrs = [f"/{ip}/{config.host}/tcp/{config.port}"]
+        """Start the DHT child process and join the swarm, waiting on a worker thread (the loop keeps running).
+
+        Cancelling this waits for the bootstrap thread to end (within config.start_timeout_s), then stops the
+        DHT it started: a thread cannot be interrupted, and nothing may be left running.
+        """
+        # Key generation and reading are CPU and disk work: off the loop too.
+        identity_path, temporary = await asyncio.to_thread(ensure_identity_file, config.identity_path)
         dht: hivemind.DHT | None = None
         try:
-            dht = hivemind.DHT(
-                initial_peers=list(config.initial_peers) or None,
-                start=True,
-                await_ready=False,
-                record_validators=validators,
-                client_mode=config.client_mode,
-                host_maddrs=host_maddrs,
-                identity_path=str(identity_path),
-                check_if_identity_free=not temporary,  # a fresh key cannot be taken; skip the probe
-                wait_timeout=config.request_timeout_s,
-                **config.reachability.p2p_kwargs(),
+            # Forking the child takes milliseconds; it is done here so that it never forks from a worker thread.
+            dht = _start_dht(config, model_hash, identity_path, temporary)
+            joining = asyncio.ensure_future(
+                asyncio.to_thread(cls._join, dht, config, model_hash, identity_path, temporary)
             )
             try:
-                dht.wait_until_ready(timeout=config.start_timeout_s)
-            except Exception as e:
-                where = (
-                    f"via {', '.join(config.initial_peers)}" if config.initial_peers else "as the first node"
-                )
-                raise TransportError(f"could not join the DHT {where}: {type(e).__name__}: {e}") from e
-            self = cls(dht, model_hash, identity_path, temporary)
+                self = await asyncio.shield(joining)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await joining
+                raise
         except BaseException:
             if dht is not None:
-                dht.shutdown()
+                await asyncio.shield(asyncio.to_thread(dht.shutdown))
             if temporary:
                 identity_path.unlink(missing_ok=True)
             raise
         logger.info("joined the DHT as %s (client_mode=%s)", self.peer_id, config.client_mode)
         return self
+
+    @classmethod
+    def _join(
+        cls, dht: hivemind.DHT, config: DHTConfig, model_hash: str, identity_path: Path, temporary: bool
+    ) -> SwarmDHT:
+        """Blocking: wait until the child has joined, then ask it for its peer id (a pipe round trip)."""
+        try:
+            dht.wait_until_ready(timeout=config.start_timeout_s)
+        except Exception as e:
+            where = f"via {', '.join(config.initial_peers)}" if config.initial_peers else "as the first node"
+            raise TransportError(f"could not join the DHT {where}: {type(e).__name__}: {e}") from e
+        return cls(dht, model_hash, identity_path, temporary)
 
     @property
     def hivemind_dht(self) -> hivemind.DHT:
@@ -179,7 +180,8 @@ class SwarmDHT:
         return float(get_dht_time())
 
     def shutdown(self) -> None:
-        """Stop the DHT child and its p2pd daemon; safe to call twice."""
+        """Stop the DHT child and its p2pd daemon; safe to call twice. Blocks for up to hivemind's
+        shutdown_timeout: from async code prefer `await aclose()`; this stays for sync `finally` blocks."""
         started = time.monotonic()
         try:
             self._dht.shutdown()
@@ -188,8 +190,35 @@ class SwarmDHT:
                 self._identity_path.unlink(missing_ok=True)
         logger.debug("DHT shut down in %.1f s", time.monotonic() - started)
 
+    async def aclose(self) -> None:
+        """`shutdown()` on a worker thread; shielded, so a cancelled caller still leaves nothing running."""
+        await asyncio.shield(asyncio.to_thread(self.shutdown))
+
     async def __aenter__(self) -> SwarmDHT:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.shutdown()
+        await self.aclose()
+        return None
+
+
+def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporary: bool) -> hivemind.DHT:
+    """Fork the hivemind DHT child with signed, schema-checked records; it bootstraps in the background."""
+    validators = [
+        RSASignatureValidator(load_private_key(identity_path)),
+        # Unknown keys are allowed: one DHT may host other models whose schemas this node lacks.
+        SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=model_key(model_hash)),
+    ]
+    ip = "ip6" if ":" in config.host else "ip4"
+    return hivemind.DHT(
+        initial_peers=list(config.initial_peers) or None,
+        start=True,
+        await_ready=False,
+        record_validators=validators,
+        client_mode=config.client_mode,
+        host_maddrs=[f"/{ip}/{config.host}/tcp/{config.port}"],
+        identity_path=str(identity_path),
+        check_if_identity_free=not temporary,  # a fresh key cannot be taken; skip the probe
+        wait_timeout=config.request_timeout_s,
+        **config.reachability.p2p_kwargs(),
+    )

@@ -25,10 +25,10 @@ import pydantic.v1 as pydantic_v1
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 1
+from swarm.wire import MAX_MADDRS  # one set of wire limits for messages and records
+
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
-MAX_MADDRS = 16
 
 PeerState = Literal["loading", "serving", "leaving"]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -92,10 +92,6 @@ class PeerRecord(_Record):
         if self.free_cache_tokens > self.cache_tokens_total:
             raise ValueError(f"free_cache_tokens {self.free_cache_tokens} > cache_tokens_total")
         return self
-
-    @property
-    def num_held_layers(self) -> int:
-        return self.range_end - self.range_start
 
     def to_dht(self) -> dict[str, Any]:
         return self.model_dump(mode="python")

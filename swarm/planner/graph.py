@@ -23,8 +23,8 @@ import networkx as nx
 from networkx.algorithms.flow import preflow_push
 
 from swarm.planner.cluster import Cluster
-from swarm.planner.placement import Placement, coverage_counts
-from swarm.types import SINK, SOURCE, EdgeFlow, NodeID, Plan
+from swarm.planner.placement import Placement
+from swarm.types import SINK, SOURCE, EdgeFlow, NodeID, Plan, coverage
 
 _SCALE = 1000.0  # integer capacities in milli-tokens/s
 
@@ -112,7 +112,7 @@ def coverage_score(cluster: Cluster, placement: Placement) -> float:
         t = node_capacity(cluster, placement, node_id)
         delta[r.start] += t
         delta[min(r.end, num_layers)] -= t
-    if 0 in coverage_counts(cluster, placement):
+    if 0 in coverage(placement.values(), cluster.model.num_layers):
         return 0.0
     best, running = float("inf"), 0.0
     for layer in range(num_layers):

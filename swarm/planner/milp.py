@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
@@ -145,6 +145,31 @@ class _Model:
         )
 
 
+Edge = tuple[NodeID, NodeID, int, int]  # (src, dst, x column: tokens/s on it, y column: the edge is valid)
+
+
+@dataclass
+class _Helix:
+    """The MILP's columns by meaning: per node its first layer s, length choice b and throughput f."""
+
+    m: _Model
+    nodes: list[ClusterNode]
+    s: dict[NodeID, int]
+    b: dict[NodeID, list[int]]
+    f: dict[NodeID, int]
+    peak: dict[NodeID, float]  # the node's best tokens/s at any length it fits
+    edges: list[Edge] = field(default_factory=list)
+    overlap_cols: dict[NodeID, tuple[int, int]] = field(default_factory=dict)  # (ov, z) per reloading node
+    groups: list[list[NodeID]] = field(default_factory=list)  # identical nodes, ordered by start
+
+    def end_terms(self, i: NodeID, sign: float) -> dict[int, float]:
+        """sign * e_i, where e_i = s_i + sum_k k b_ik is the node's end layer."""
+        terms = {self.s[i]: sign}
+        for k, col in enumerate(self.b[i], start=1):
+            terms[col] = sign * k
+        return terms
+
+
 def solve_milp(
     cluster: Cluster,
     config: MilpConfig,
@@ -160,83 +185,14 @@ def solve_milp(
     pruned = prune_links(cluster, config.prune_k, keep)
     pruned_any = len(pruned.link_by_pair) < len(cluster.link_by_pair)
     reload = config.reload_cost_tokens_s if current else 0.0
-    L = cluster.model.num_layers
-    act, tok = cluster.model.activation_bytes_per_token, cluster.model.token_id_bytes
-    nodes = [n for n in cluster.nodes if cluster.layer_cap(n) > 0]
-    m = _Model()
-    s = {n.id: m.var(0, L - 1, integer=True) for n in nodes}
-    b = {n.id: [m.var(0, 1, integer=True) for _ in range(cluster.layer_cap(n))] for n in nodes}
-    peak = {n.id: max(n.tokens_s_by_layers[: cluster.layer_cap(n)]) for n in nodes}
-    f = {n.id: m.var(0, peak[n.id]) for n in nodes}
-
-    def end_terms(i: NodeID, sign: float) -> dict[int, float]:
-        terms = {s[i]: sign}
-        for k, col in enumerate(b[i], start=1):
-            terms[col] = sign * k
-        return terms
-
-    edges: list[tuple[NodeID, NodeID, int, int]] = []  # (src, dst, x col, y col)
-    for (u, v), link in pruned.link_by_pair.items():
-        if u == SOURCE:
-            big_m = min(link.bandwidth_bytes_s / tok, peak.get(v, 0.0))
-        elif v == SINK:
-            big_m = min(link.bandwidth_bytes_s / act, peak.get(u, 0.0))
-        else:
-            big_m = min(link.bandwidth_bytes_s / act, peak.get(u, 0.0), peak.get(v, 0.0))
-        if big_m <= 0:
-            continue
-        x = m.var(0, big_m, cost=1.0 if u == SOURCE else 0.0)
-        y = m.var(0, 1, integer=True)
-        edges.append((u, v, x, y))
-        m.row(-highspy.kHighsInf, 0.0, {x: 1.0, y: -big_m})
-        if u == SOURCE:
-            m.row(-highspy.kHighsInf, L - 1, {s[v]: 1.0, y: L - 1})
-        elif v == SINK:
-            m.row(0.0, highspy.kHighsInf, {**end_terms(u, 1.0), y: -float(L)})
-        else:
-            m.row(-highspy.kHighsInf, L - 1, {s[v]: 1.0, **end_terms(u, -1.0), y: L - 1})
-            terms = end_terms(u, 1.0)
-            for col, c in end_terms(v, -1.0).items():
-                terms[col] = terms.get(col, 0.0) + c
-            terms[y] = L + 1
-            m.row(-highspy.kHighsInf, L, terms)
-
-    work_terms: dict[int, float] = {}
-    overlap_cols: dict[NodeID, tuple[int, int]] = {}
-    for n in nodes:
-        i = n.id
-        m.row(-highspy.kHighsInf, 1.0, {col: 1.0 for col in b[i]})
-        m.row(-highspy.kHighsInf, L, end_terms(i, 1.0))
-        m.row(-highspy.kHighsInf, 0.0, {f[i]: 1.0, **{col: -n.tokens_s(k) for k, col in enumerate(b[i], 1)}})
-        inflow = {x: 1.0 for (_, v, x, _) in edges if v == i}
-        outflow = {x: 1.0 for (u, _, x, _) in edges if u == i}
-        m.row(0.0, 0.0, {**inflow, f[i]: -1.0})
-        m.row(0.0, 0.0, {**outflow, f[i]: -1.0})
-        for k, col in enumerate(b[i], 1):
-            work_terms[col] = -k * n.tokens_s(k)
-        if reload:
-            cols = _add_reload(m, i, s[i], b[i], current.get(i) if current else None, reload, L)
-            if cols is not None:
-                overlap_cols[i] = cols
-    source_x = {x: 1.0 for (u, _, x, _) in edges if u == SOURCE}
-    m.row(-highspy.kHighsInf, 0.0, {**{x: float(L) for x in source_x}, **work_terms})
-    if target_tokens_s is not None and target_tokens_s > 0:
-        m.row(-highspy.kHighsInf, target_tokens_s, source_x)
-    groups = _identical_groups(pruned, nodes) if not reload else []
-    for g in groups:
-        for a_id, b_id in zip(g, g[1:], strict=False):
-            m.row(-highspy.kHighsInf, 0.0, {s[a_id]: 1.0, s[b_id]: -1.0})
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", float(config.mip_rel_gap))
-    h.setOptionValue("random_seed", int(config.seed))
-    h.setOptionValue("threads", int(config.threads))
-    m.load(h)
-    h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    helix = _node_columns(cluster)
+    _add_edges(helix, pruned)
+    _add_node_rows(helix, current, reload, cluster.model.num_layers)
+    _add_cut_and_symmetry(helix, pruned, target_tokens_s, reload)
+    h = _highs(config, helix.m)
     if warm_start is not None:
-        warm = _sorted_within_groups(warm_start, groups)
-        values = _warm_values(pruned, warm, m, s, b, f, edges, current, overlap_cols)
+        warm = _sorted_within_groups(warm_start, helix.groups)
+        values = _warm_values(pruned, warm, helix, current)
         h.setSolution(len(values), np.arange(len(values), dtype=np.int32), np.array(values))
     # The limit covers building the model too (seconds on large clusters).
     h.setOptionValue("time_limit", max(config.time_limit_s - (time.perf_counter() - started), 0.05))
@@ -244,15 +200,7 @@ def solve_milp(
     info = h.getInfo()
     status = h.modelStatusToString(h.getModelStatus())
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    placement: Placement | None = None
-    if has_solution:
-        solution: list[float] = list(h.getSolution().col_value)
-        placement = {}
-        for n in nodes:
-            count = sum(k for k, c in enumerate(b[n.id], 1) if solution[c] > 0.5)
-            if count > 0:
-                start = int(round(solution[s[n.id]]))
-                placement[n.id] = LayerRange(start, start + count)
+    placement = _read_placement(helix, list(h.getSolution().col_value)) if has_solution else None
     logger.info(
         "milp: %s, objective %.1f, bound %.1f, %d nodes explored",
         status,
@@ -267,6 +215,108 @@ def solve_milp(
         dual_bound_valid=not pruned_any and not reload and np.isfinite(info.mip_dual_bound),
         status=status,
     )
+
+
+def _node_columns(cluster: Cluster) -> _Helix:
+    """Columns s, b, f of every node that can hold a layer (in that order: column indices are the model)."""
+    L = cluster.model.num_layers
+    nodes = [n for n in cluster.nodes if cluster.layer_cap(n) > 0]
+    m = _Model()
+    s = {n.id: m.var(0, L - 1, integer=True) for n in nodes}
+    b = {n.id: [m.var(0, 1, integer=True) for _ in range(cluster.layer_cap(n))] for n in nodes}
+    peak = {n.id: max(n.tokens_s_by_layers[: cluster.layer_cap(n)]) for n in nodes}
+    f = {n.id: m.var(0, peak[n.id]) for n in nodes}
+    return _Helix(m, nodes, s, b, f, peak)
+
+
+def _add_edges(helix: _Helix, pruned: Cluster) -> None:
+    """Columns x, y and the validity rows of every kept link with a positive capacity (tight big-M)."""
+    m, s, peak = helix.m, helix.s, helix.peak
+    L = pruned.model.num_layers
+    act, tok = pruned.model.activation_bytes_per_token, pruned.model.token_id_bytes
+    for (u, v), link in pruned.link_by_pair.items():
+        if u == SOURCE:
+            big_m = min(link.bandwidth_bytes_s / tok, peak.get(v, 0.0))
+        elif v == SINK:
+            big_m = min(link.bandwidth_bytes_s / act, peak.get(u, 0.0))
+        else:
+            big_m = min(link.bandwidth_bytes_s / act, peak.get(u, 0.0), peak.get(v, 0.0))
+        if big_m <= 0:
+            continue
+        x = m.var(0, big_m, cost=1.0 if u == SOURCE else 0.0)
+        y = m.var(0, 1, integer=True)
+        helix.edges.append((u, v, x, y))
+        m.row(-highspy.kHighsInf, 0.0, {x: 1.0, y: -big_m})
+        if u == SOURCE:
+            m.row(-highspy.kHighsInf, L - 1, {s[v]: 1.0, y: L - 1})
+        elif v == SINK:
+            m.row(0.0, highspy.kHighsInf, {**helix.end_terms(u, 1.0), y: -float(L)})
+        else:
+            m.row(-highspy.kHighsInf, L - 1, {s[v]: 1.0, **helix.end_terms(u, -1.0), y: L - 1})
+            terms = helix.end_terms(u, 1.0)
+            for col, c in helix.end_terms(v, -1.0).items():
+                terms[col] = terms.get(col, 0.0) + c
+            terms[y] = L + 1
+            m.row(-highspy.kHighsInf, L, terms)
+
+
+def _add_node_rows(helix: _Helix, current: Placement | None, reload: float, L: int) -> None:
+    """Per node: one length at most, end within the model, throughput, flow conservation, reload charge."""
+    m, b, f = helix.m, helix.b, helix.f
+    for n in helix.nodes:
+        i = n.id
+        m.row(-highspy.kHighsInf, 1.0, {col: 1.0 for col in b[i]})
+        m.row(-highspy.kHighsInf, L, helix.end_terms(i, 1.0))
+        m.row(-highspy.kHighsInf, 0.0, {f[i]: 1.0, **{col: -n.tokens_s(k) for k, col in enumerate(b[i], 1)}})
+        inflow = {x: 1.0 for (_, v, x, _) in helix.edges if v == i}
+        outflow = {x: 1.0 for (u, _, x, _) in helix.edges if u == i}
+        m.row(0.0, 0.0, {**inflow, f[i]: -1.0})
+        m.row(0.0, 0.0, {**outflow, f[i]: -1.0})
+        if reload:
+            cols = _add_reload(m, i, helix.s[i], b[i], current.get(i) if current else None, reload, L)
+            if cols is not None:
+                helix.overlap_cols[i] = cols
+
+
+def _add_cut_and_symmetry(
+    helix: _Helix, pruned: Cluster, target_tokens_s: float | None, reload: float
+) -> None:
+    """The compute cut, the target bound on F, and start order among identical nodes (without reload)."""
+    m, L = helix.m, pruned.model.num_layers
+    work_terms: dict[int, float] = {}
+    for n in helix.nodes:
+        for k, col in enumerate(helix.b[n.id], 1):
+            work_terms[col] = -k * n.tokens_s(k)
+    source_x = {x: 1.0 for (u, _, x, _) in helix.edges if u == SOURCE}
+    m.row(-highspy.kHighsInf, 0.0, {**{x: float(L) for x in source_x}, **work_terms})
+    if target_tokens_s is not None and target_tokens_s > 0:
+        m.row(-highspy.kHighsInf, target_tokens_s, source_x)
+    helix.groups = _identical_groups(pruned, helix.nodes) if not reload else []
+    for g in helix.groups:
+        for a_id, b_id in zip(g, g[1:], strict=False):
+            m.row(-highspy.kHighsInf, 0.0, {helix.s[a_id]: 1.0, helix.s[b_id]: -1.0})
+
+
+def _highs(config: MilpConfig, m: _Model) -> highspy.Highs:
+    """A quiet, seeded HiGHS holding the model, maximising."""
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", float(config.mip_rel_gap))
+    h.setOptionValue("random_seed", int(config.seed))
+    h.setOptionValue("threads", int(config.threads))
+    m.load(h)
+    h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    return h
+
+
+def _read_placement(helix: _Helix, solution: list[float]) -> Placement:
+    placement: Placement = {}
+    for n in helix.nodes:
+        count = sum(k for k, c in enumerate(helix.b[n.id], 1) if solution[c] > 0.5)
+        if count > 0:
+            start = int(round(solution[helix.s[n.id]]))
+            placement[n.id] = LayerRange(start, start + count)
+    return placement
 
 
 def _add_reload(
@@ -344,17 +394,10 @@ def _sorted_within_groups(placement: Placement, groups: list[list[NodeID]]) -> P
 
 
 def _warm_values(
-    cluster: Cluster,
-    placement: Placement,
-    m: _Model,
-    s: dict[NodeID, int],
-    b: dict[NodeID, list[int]],
-    f: dict[NodeID, int],
-    edges: list[tuple[NodeID, NodeID, int, int]],
-    current: Placement | None,
-    overlap_cols: dict[NodeID, tuple[int, int]],
+    cluster: Cluster, placement: Placement, helix: _Helix, current: Placement | None
 ) -> list[float]:
     """A full feasible column vector for `placement`, with its max flow on the (pruned) cluster."""
+    m, s, b, f, edges = helix.m, helix.s, helix.b, helix.f, helix.edges
     values = [0.0] * len(m.cost)
     plan = max_flow(cluster, placement)
     flow_on = {(e.src, e.dst): e.tokens_s for e in plan.flows}
@@ -377,7 +420,7 @@ def _warm_values(
         values[y] = 1.0 if valid else 0.0
     for i, col in f.items():
         values[col] = sum(values[x] for (_, v, x, _) in edges if v == i)
-    for i, (ov, z) in overlap_cols.items():
+    for i, (ov, z) in helix.overlap_cols.items():
         old, new = (current or {}).get(i), placement.get(i)
         both = old.intersect(new) if old is not None and new is not None else None
         values[ov] = float(len(both)) if both is not None else 0.0

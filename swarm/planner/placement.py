@@ -4,26 +4,13 @@ from __future__ import annotations
 
 from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
-from swarm.types import LayerRange, NodeID
+from swarm.types import LayerRange, NodeID, coverage
 
 Placement = dict[NodeID, LayerRange]
 
 
-def coverage_counts(cluster: Cluster, placement: Placement) -> list[int]:
-    """How many nodes hold each layer."""
-    counts = [0] * (cluster.model.num_layers + 1)
-    for r in placement.values():
-        counts[r.start] += 1
-        counts[min(r.end, cluster.model.num_layers)] -= 1
-    out, running = [], 0
-    for layer in range(cluster.model.num_layers):
-        running += counts[layer]
-        out.append(running)
-    return out
-
-
 def uncovered_layers(cluster: Cluster, placement: Placement) -> list[int]:
-    return [layer for layer, c in enumerate(coverage_counts(cluster, placement)) if c == 0]
+    return [layer for layer, c in enumerate(coverage(placement.values(), cluster.model.num_layers)) if c == 0]
 
 
 def placement_problems(cluster: Cluster, placement: Placement) -> list[str]:
@@ -114,7 +101,7 @@ def _fill_gap(cluster: Cluster, placement: Placement, gap_start: int, gap_end: i
             best = (key, node.id, new)
     if best is None:
         # Every node is busy and not adjacent: move the node whose move loses least coverage elsewhere.
-        counts = coverage_counts(cluster, placement)
+        counts = coverage(placement.values(), cluster.model.num_layers)
         movable = [
             (min(counts[r.start : r.end]), node_id)
             for node_id, r in placement.items()

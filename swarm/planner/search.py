@@ -94,95 +94,122 @@ def anneal(
     ids = [n.id for n in cluster.nodes if cluster.layer_cap(n) > 0]
     if not ids:
         return dict(start)
-    exact = config.exact_flow if config.exact_flow is not None else len(cluster.regions) > 1
-    state = _State(cluster, ids, start)
-    scorer = FlowScorer(cluster, ids) if exact else None
-    old = [current.get(i) if current else None for i in ids]
-    reload = config.reload_cost_tokens_s if current else 0.0
+    starts, counts = _Annealer(cluster, ids, start, config, current).run(rng)
+    placement: Placement = {
+        ids[i]: LayerRange(starts[i], starts[i] + counts[i]) for i in range(len(ids)) if counts[i] > 0
+    }
+    return repair(cluster, placement)
 
-    def new_layers(i: int) -> int:
+
+class _Annealer:
+    """One annealing run: the state, how it is scored, and the Metropolis loop over random moves."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        ids: list[NodeID],
+        start: Placement,
+        config: SearchConfig,
+        current: Placement | None,
+    ) -> None:
+        self.cluster, self.config = cluster, config
+        exact = config.exact_flow if config.exact_flow is not None else len(cluster.regions) > 1
+        self.state = _State(cluster, ids, start)
+        self.scorer = FlowScorer(cluster, ids) if exact else None
+        self.old = [current.get(i) if current else None for i in ids]
+        self.reload = config.reload_cost_tokens_s if current else 0.0
+        self.tie_weight = config.tie_weight * upper_bound(cluster) / self.state.num_layers
+        # "shortfall" anneals the summed shortfall below a target a little above the best minimum so far:
+        # unlike the minimum itself it moves with every layer, so the annealer gets a slope, not plateaus.
+        self.shortfall = config.objective == "shortfall" and self.scorer is None
+        self.target = 0.0
+
+    def new_layers(self, i: int) -> int:
+        """Layers node i holds now but not in `current`."""
+        state, old = self.state, self.old[i]
         count = state.counts[i]
-        if old[i] is None or count == 0:
+        if old is None or count == 0:
             return count
-        lo, hi = max(state.starts[i], old[i].start), min(state.starts[i] + count, old[i].end)  # type: ignore[union-attr]
+        lo, hi = max(state.starts[i], old.start), min(state.starts[i] + count, old.end)
         return count - max(0, hi - lo)
 
-    tie_weight = config.tie_weight * upper_bound(cluster) / state.num_layers
-    # "shortfall" anneals the summed shortfall below a target a little above the best minimum so far: unlike
-    # the minimum itself it moves with every layer, so the annealer gets a slope instead of plateaus.
-    shortfall = config.objective == "shortfall" and scorer is None
-    target = 0.0
+    def penalty(self) -> float:
+        return self.reload * sum(self.new_layers(i) for i in range(len(self.old))) if self.reload else 0.0
 
-    def penalty() -> float:
-        return reload * sum(new_layers(i) for i in range(len(ids))) if reload else 0.0
-
-    def true_score(bound_only: bool = False) -> float:
+    def true_score(self, bound_only: bool = False) -> float:
         """The objective we report: coverage (or exact flow) minus the reload charge."""
-        cov = state.smooth_coverage(tie_weight) if scorer is None else state.coverage()
+        state, scorer = self.state, self.scorer
+        cov = state.smooth_coverage(self.tie_weight) if scorer is None else state.coverage()
         if scorer is None or bound_only or cov == 0.0:
-            return cov - penalty()
-        return scorer.value(state.starts, state.counts) - penalty()
+            return cov - self.penalty()
+        return scorer.value(state.starts, state.counts) - self.penalty()
 
-    def energy() -> float:
+    def energy(self) -> float:
         """What the annealer climbs (higher is better)."""
-        if shortfall:
-            return -float(np.maximum(target - state.cov, 0.0).sum()) - penalty()
-        return true_score()
+        if self.shortfall:
+            return -float(np.maximum(self.target - self.state.cov, 0.0).sum()) - self.penalty()
+        return self.true_score()
 
-    def retarget() -> None:
-        nonlocal target
-        target = max(target, state.coverage() * (1.0 + config.target_step))
+    def retarget(self) -> None:
+        self.target = max(self.target, self.state.coverage() * (1.0 + self.config.target_step))
 
-    scale = max(upper_bound(cluster), 1e-9)
-    t_start, t_end = config.start_temperature * scale, config.end_temperature * scale
-    retarget()
-    current_score = energy()
-    best_score, best = true_score(), (list(state.starts), list(state.counts))
-    started = time.perf_counter()
-    progress = 0.0
-    n, num_layers = len(ids), state.num_layers
-    since_best = 0
-    for it in range(config.max_iters):
-        if it % 64 == 0:
-            elapsed = time.perf_counter() - started
-            if elapsed >= config.time_limit_s:
-                break
-            progress = max(it / config.max_iters, elapsed / config.time_limit_s)
-        temperature = t_start * (t_end / t_start) ** progress
-        changes = _propose(rng, state, n, num_layers)
-        if not changes:
-            continue
+    def try_move(
+        self, rng: random.Random, changes: list[tuple[int, int, int]], score: float, temperature: float
+    ) -> float | None:
+        """Apply a move; keep it and return its energy if Metropolis accepts it, else undo it (None)."""
+        state = self.state
         saved = [(i, state.starts[i], state.counts[i]) for i, _, _ in changes]
         for i, s, c in changes:
             state.set(i, s, c)
-        threshold = current_score + temperature * math.log(1.0 - rng.random())
-        accept = False
-        # Only valid states (every layer held) are ever accepted, so `best` stays valid.
-        if state.coverage() > 0.0 and (scorer is None or true_score(bound_only=True) >= threshold):
-            new_score = energy()
-            accept = new_score >= threshold
-        if accept:
-            current_score = new_score
-            value = true_score() if shortfall else current_score
-            if value > best_score + 1e-9:
-                best_score, best = value, (list(state.starts), list(state.counts))
-                since_best = 0
-            if shortfall and state.coverage() >= target:
-                retarget()
-                current_score = energy()
-        else:
-            for i, s, c in reversed(saved):
-                state.set(i, s, c)
-        since_best += 1
-        if since_best > 20_000:
-            # Stuck: go back to the best state seen (the annealer keeps its temperature schedule).
-            for i in range(n):
-                state.set(i, best[0][i], best[1][i])
-            current_score, since_best = energy(), 0
-    placement: Placement = {
-        ids[i]: LayerRange(best[0][i], best[0][i] + best[1][i]) for i in range(n) if best[1][i] > 0
-    }
-    return repair(cluster, placement)
+        threshold = score + temperature * math.log(1.0 - rng.random())
+        # Only valid states (every layer held) are ever accepted, so the best state stays valid.
+        if state.coverage() > 0.0 and (self.scorer is None or self.true_score(bound_only=True) >= threshold):
+            new_score = self.energy()
+            if new_score >= threshold:
+                return new_score
+        for i, s, c in reversed(saved):
+            state.set(i, s, c)
+        return None
+
+    def run(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """The best (starts, counts) seen within the config's time and move budgets."""
+        config, state = self.config, self.state
+        scale = max(upper_bound(self.cluster), 1e-9)
+        t_start, t_end = config.start_temperature * scale, config.end_temperature * scale
+        self.retarget()
+        current_score = self.energy()
+        best_score, best = self.true_score(), (list(state.starts), list(state.counts))
+        started = time.perf_counter()
+        progress = 0.0
+        n, num_layers = len(self.old), state.num_layers
+        since_best = 0
+        for it in range(config.max_iters):
+            if it % 64 == 0:
+                elapsed = time.perf_counter() - started
+                if elapsed >= config.time_limit_s:
+                    break
+                progress = max(it / config.max_iters, elapsed / config.time_limit_s)
+            temperature = t_start * (t_end / t_start) ** progress
+            changes = _propose(rng, state, n, num_layers)
+            if not changes:
+                continue
+            accepted = self.try_move(rng, changes, current_score, temperature)
+            if accepted is not None:
+                current_score = accepted
+                value = self.true_score() if self.shortfall else current_score
+                if value > best_score + 1e-9:
+                    best_score, best = value, (list(state.starts), list(state.counts))
+                    since_best = 0
+                if self.shortfall and state.coverage() >= self.target:
+                    self.retarget()
+                    current_score = self.energy()
+            since_best += 1
+            if since_best > 20_000:
+                # Stuck: go back to the best state seen (the annealer keeps its temperature schedule).
+                for i in range(n):
+                    state.set(i, best[0][i], best[1][i])
+                current_score, since_best = self.energy(), 0
+        return best
 
 
 def _propose(rng: random.Random, state: _State, n: int, num_layers: int) -> list[tuple[int, int, int]]:

@@ -108,6 +108,34 @@ class _Best:
         return self.plan.placement
 
 
+@dataclass
+class _Run:
+    """One solve: its inputs, its clock, and the best placement and bound so far, shared by the phases."""
+
+    cluster: Cluster
+    method: str
+    time_limit_s: float
+    started: float
+    held: Placement | None
+    reload_cost: float
+    seed: int
+    prune_k: int
+    best: _Best
+    bound: float
+
+    def budget(self, share: float) -> float:
+        """Seconds for a phase given its share of the time limit, capped by what is left."""
+        # Each phase's result is judged afterwards (an exact max flow, ~0.4 s on 256 nodes), and HiGHS
+        # notices its time limit only at its next check: keep time back for both, so that the whole
+        # solve ends within time_limit_s.
+        reserve = 1.5 * self.best.offer_s + 0.02 * self.time_limit_s
+        left = self.time_limit_s - (time.perf_counter() - self.started) - reserve
+        return max(0.0, min(share * self.time_limit_s, left))
+
+    def optimal(self) -> bool:
+        return self.best.reaches(self.bound)
+
+
 def solve(
     cluster: Cluster,
     method: str = "milp",
@@ -133,7 +161,9 @@ def solve(
     # Reload is charged against what nodes really hold now; the repaired copy is only a candidate start.
     held = {n: r for n, r in (current or {}).items() if n in cluster.node_by_id} or None
     best = _Best(cluster, held, reload_cost)
-    bound = upper_bound(cluster)
+    run = _Run(
+        cluster, method, time_limit_s, started, held, reload_cost, seed, prune_k, best, upper_bound(cluster)
+    )
     if method in HEURISTICS:
         best.offer(HEURISTICS[method](cluster))
     else:
@@ -141,78 +171,92 @@ def solve(
         start_flows = [best.offer(placement) for placement in starts]
         best.offer(_usable_current(cluster, current), "current" if current else None)
         regional = len(cluster.regions) > 1
-        small = len(cluster.nodes) <= SMALL_CLUSTER_NODES
         shares = _shares(cluster, method, regional)
-
-        def budget(share: float) -> float:
-            # Each phase's result is judged afterwards (an exact max flow, ~0.4 s on 256 nodes), and HiGHS
-            # notices its time limit only at its next check: keep time back for both, so that the whole
-            # solve ends within time_limit_s.
-            reserve = 1.5 * best.offer_s + 0.02 * time_limit_s
-            left = time_limit_s - (time.perf_counter() - started) - reserve
-            return max(0.0, min(share * time_limit_s, left))
-
-        if not regional:
-            # Two chains, from the best start and from the best other heuristic: which start anneals best
-            # varies by cluster and seed by a few percent (measured), so two basins beat one longer run.
-            chain_s = budget(shares.coverage_anneal) / 2
-            others = [
-                (f, i)
-                for i, (p, f) in enumerate(zip(starts, start_flows, strict=True))
-                if p != best.placement
-            ]
-            second = starts[max(others)[1]] if others else None
-            for chain, start in enumerate([best.placement, second or best.placement]):
-                if best.reaches(bound):
-                    break
-                config = SearchConfig(
-                    time_limit_s=chain_s, seed=seed + chain, reload_cost_tokens_s=reload_cost
-                )
-                best.offer(anneal(cluster, start, config, current=held), f"search{chain}")
-            if shares.coverage_ip > 0 and not best.reaches(bound):
-                # Small clusters afford exact kinds, whose dual bound is then valid even with jittered tables.
-                result = solve_coverage_ip(
-                    cluster, budget(shares.coverage_ip), best.placement, held, seed, pool=not small
-                )
-                best.offer(result.placement, "coverage_ip")
-                if result.bound_valid:
-                    bound = min(bound, result.dual_bound_tokens_s)
+        if regional:
+            _regional_phases(run, shares)
         else:
-            if held is None and not best.reaches(bound):
-                # Place each region on its own first (fast, ignores links), then search jointly from there.
-                joined = _per_region(
-                    cluster, budget(shares.coverage_anneal), budget(shares.coverage_ip), seed
-                )
-                best.offer(joined, "regional")
-            config = SearchConfig(
-                time_limit_s=budget(shares.exact_anneal + (0.0 if held is None else shares.coverage_anneal)),
-                seed=seed,
-                reload_cost_tokens_s=reload_cost,
-            )
-            if not best.reaches(bound):
-                best.offer(anneal(cluster, best.placement, config, current=held), "search")
-        milp_s = budget(1.0)
-        if method == "milp" and milp_s > 0 and not best.reaches(bound):
-            result_milp = solve_milp(
-                cluster,
-                MilpConfig(time_limit_s=milp_s, prune_k=prune_k, reload_cost_tokens_s=reload_cost, seed=seed),
-                warm_start=best.placement,
-                current=held,
-                target_tokens_s=bound,
-            )
-            best.offer(result_milp.placement, "milp")
-            if result_milp.dual_bound_valid:
-                bound = min(bound, result_milp.dual_bound_tokens_s)
-    plan = best.plan
+            _anneal_chains(run, shares, starts, start_flows)
+            _coverage_ip_phase(run, shares)
+        _milp_phase(run)
+    return _finish(run)
+
+
+def _anneal_chains(run: _Run, shares: _Shares, starts: list[Placement], start_flows: list[float]) -> None:
+    """One region: two annealing chains on the coverage score, from the best start and the best other."""
+    # Two chains, from the best start and from the best other heuristic: which start anneals best
+    # varies by cluster and seed by a few percent (measured), so two basins beat one longer run.
+    best = run.best
+    chain_s = run.budget(shares.coverage_anneal) / 2
+    others = [(f, i) for i, (p, f) in enumerate(zip(starts, start_flows, strict=True)) if p != best.placement]
+    second = starts[max(others)[1]] if others else None
+    for chain, start in enumerate([best.placement, second or best.placement]):
+        if run.optimal():
+            break
+        config = SearchConfig(
+            time_limit_s=chain_s, seed=run.seed + chain, reload_cost_tokens_s=run.reload_cost
+        )
+        best.offer(anneal(run.cluster, start, config, current=run.held), f"search{chain}")
+
+
+def _coverage_ip_phase(run: _Run, shares: _Shares) -> None:
+    """One region: the coverage integer program over node kinds, warm-started from the best placement."""
+    if shares.coverage_ip <= 0 or run.optimal():
+        return
+    # Small clusters afford exact kinds, whose dual bound is then valid even with jittered tables.
+    small = len(run.cluster.nodes) <= SMALL_CLUSTER_NODES
+    result = solve_coverage_ip(
+        run.cluster, run.budget(shares.coverage_ip), run.best.placement, run.held, run.seed, pool=not small
+    )
+    run.best.offer(result.placement, "coverage_ip")
+    if result.bound_valid:
+        run.bound = min(run.bound, result.dual_bound_tokens_s)
+
+
+def _regional_phases(run: _Run, shares: _Shares) -> None:
+    """Several regions: each region placed alone first (from scratch only), then annealing on exact flow."""
+    if run.held is None and not run.optimal():
+        # Place each region on its own first (fast, ignores links), then search jointly from there.
+        joined = _per_region(
+            run.cluster, run.budget(shares.coverage_anneal), run.budget(shares.coverage_ip), run.seed
+        )
+        run.best.offer(joined, "regional")
+    config = SearchConfig(
+        time_limit_s=run.budget(shares.exact_anneal + (0.0 if run.held is None else shares.coverage_anneal)),
+        seed=run.seed,
+        reload_cost_tokens_s=run.reload_cost,
+    )
+    if not run.optimal():
+        run.best.offer(anneal(run.cluster, run.best.placement, config, current=run.held), "search")
+
+
+def _milp_phase(run: _Run) -> None:
+    """The per-node Helix MILP, warm-started from the best placement, for whatever time is left."""
+    milp_s = run.budget(1.0)
+    if run.method != "milp" or milp_s <= 0 or run.optimal():
+        return
+    config = MilpConfig(
+        time_limit_s=milp_s, prune_k=run.prune_k, reload_cost_tokens_s=run.reload_cost, seed=run.seed
+    )
+    result = solve_milp(
+        run.cluster, config, warm_start=run.best.placement, current=run.held, target_tokens_s=run.bound
+    )
+    run.best.offer(result.placement, "milp")
+    if result.dual_bound_valid:
+        run.bound = min(run.bound, result.dual_bound_tokens_s)
+
+
+def _finish(run: _Run) -> Plan:
+    """The best placement as a checked Plan with the tightest bound proven."""
+    plan = run.best.plan
     if plan is None:
         raise PlanningError("no planning phase produced a valid placement")
-    check_placement(cluster, plan.placement)
+    check_placement(run.cluster, plan.placement)
     # The best placement's flow is itself a lower bound on the optimum; a bound below it is rounding.
-    bound = max(bound, plan.max_flow_tokens_s)
-    solve_s = time.perf_counter() - started
+    bound = max(run.bound, plan.max_flow_tokens_s)
+    solve_s = time.perf_counter() - run.started
     logger.info(
         "planned %s: %.1f tokens/s, bound %.1f (%.0f%%), %d nodes busy, %.1f s",
-        method,
+        run.method,
         plan.max_flow_tokens_s,
         bound,
         100.0 * plan.max_flow_tokens_s / bound if bound > 0 else 0.0,
@@ -220,13 +264,13 @@ def solve(
         solve_s,
     )
     return Plan(
-        method=method,
+        method=run.method,
         placement=plan.placement,
         max_flow_tokens_s=plan.max_flow_tokens_s,
         flows=plan.flows,
         upper_bound_tokens_s=bound,
         solve_s=solve_s,
-        extra=best.extra,
+        extra=run.best.extra,
     )
 
 

@@ -62,11 +62,6 @@ class BanList:
         ban = self._bans.get(peer)
         return ban is not None and self._clock() < ban.until_s
 
-    def banned_until_s(self, peer: NodeID) -> float | None:
-        """Clock time when the ban of `peer` ends, or None if it is not banned now."""
-        ban = self._bans.get(peer)
-        return ban.until_s if ban is not None and self._clock() < ban.until_s else None
-
     def failures(self, peer: NodeID) -> int:
         """Consecutive failures still remembered for `peer`."""
         ban = self._bans.get(peer)

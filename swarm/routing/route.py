@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from swarm.errors import NoRouteError
 from swarm.routing.bans import BanList
 from swarm.routing.iwrr import IWRR
-from swarm.types import SOURCE, LayerRange, NodeID, Plan
+from swarm.types import SOURCE, LayerRange, NodeID, Plan, coverage
 
 logger = logging.getLogger(__name__)
 
@@ -280,9 +280,6 @@ class Router:
 
     def _uncovered(self, view: RoutingView, start_layer: int, session_tokens: int) -> list[int]:
         """Layers in [start_layer, num_layers) that no usable live peer holds."""
-        covered = [False] * view.num_layers
-        for p in view.peers.values():
-            if self._usable_state(p, session_tokens):
-                for layer in range(max(p.layers.start, start_layer), min(p.layers.end, view.num_layers)):
-                    covered[layer] = True
-        return [layer for layer in range(start_layer, view.num_layers) if not covered[layer]]
+        usable = (p.layers for p in view.peers.values() if self._usable_state(p, session_tokens))
+        counts = coverage(usable, view.num_layers)
+        return [layer for layer in range(start_layer, view.num_layers) if counts[layer] == 0]

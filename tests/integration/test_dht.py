@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,7 +18,9 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
+import hivemind
 import pytest
 
 from swarm.dht import (
@@ -38,6 +41,7 @@ from swarm.types import LayerRange, NodeID, Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 TTL_S = 4.0  # short for fast tests, long enough that a loaded 2-core machine still refreshes in time
 
 
@@ -55,7 +59,7 @@ async def _child_main(initial_peers: list[str], start: int, end: int, ttl_s: flo
             if elect:
                 tasks.create_task(Election(directory, ElectionConfig(lease_s=ttl_s)).run())
     finally:
-        dht.shutdown()
+        await dht.aclose()
 
 
 def _child_entry() -> None:
@@ -133,7 +137,7 @@ async def observer(**config: object) -> AsyncIterator[SwarmDHT]:
     try:
         yield dht
     finally:
-        dht.shutdown()
+        await dht.aclose()
 
 
 async def wait_for(
@@ -298,6 +302,68 @@ async def _test_identity_file_keeps_the_peer_id(tmp_path: Path) -> None:
             assert "/ip4/127.0.0.1/" in dht.visible_maddrs()[0]
     assert ids[0] == ids[1]
     assert path.exists()
+
+
+class BlockingCall:
+    """Wraps a blocking hivemind.DHT method to record whether the event loop ran while it was in progress."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.in_progress = False
+        self.loop_ran_meanwhile = False
+        original = getattr(hivemind.DHT, name)
+
+        def wrapped(dht: hivemind.DHT, *args: object, **kwargs: object) -> object:
+            self.in_progress = True
+            try:
+                return original(dht, *args, **kwargs)
+            finally:
+                self.in_progress = False
+
+        monkeypatch.setattr(hivemind.DHT, name, wrapped)
+
+    async def watch(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable` while checking, at every turn of the loop, whether the call is in progress."""
+        task = asyncio.ensure_future(awaitable)
+        while not task.done():
+            await asyncio.sleep(0.001)
+            self.loop_ran_meanwhile |= self.in_progress
+        return task.result()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_joining_and_leaving_leave_the_event_loop_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_test_joining_and_leaving_leave_the_event_loop_running(monkeypatch))
+
+
+async def _test_joining_and_leaving_leave_the_event_loop_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    joining = BlockingCall(monkeypatch, "wait_until_ready")
+    leaving = BlockingCall(monkeypatch, "shutdown")
+    dht = await joining.watch(SwarmDHT.create(DHTConfig(), MODEL_HASH))
+    try:
+        assert joining.loop_ran_meanwhile, (
+            "SwarmDHT.create blocked the event loop while hivemind bootstrapped"
+        )
+    finally:
+        await leaving.watch(dht.aclose())
+    assert leaving.loop_ran_meanwhile, "SwarmDHT.aclose blocked the event loop while hivemind shut down"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_cancelling_a_join_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_test_cancelling_a_join_leaves_nothing_running(monkeypatch))
+
+
+async def _test_cancelling_a_join_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    joining = BlockingCall(monkeypatch, "wait_until_ready")
+    task = asyncio.create_task(SwarmDHT.create(DHTConfig(), MODEL_HASH))
+    while not joining.in_progress:  # cancel while the worker thread waits for hivemind's bootstrap
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert multiprocessing.active_children() == []  # the DHT child was started, then stopped and reaped
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from swarm.dht import (
     Election,
     ElectionConfig,
     PeerRecord,
+    PlanRecord,
     SwarmDHT,
     SwarmSnapshot,
 )
@@ -28,6 +30,26 @@ from tests.unit.dht.records import MODEL_HASH, peer_record
 
 def constant(record: PeerRecord) -> Callable[[], PeerRecord]:
     return lambda: record
+
+
+class CountingPlanner(PlannerService):
+    """The live planner, counting its completed checks so that a test can wait for them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks = 0
+        self._checked = asyncio.Condition()
+
+    async def check(self) -> PlanRecord | None:
+        stored = await super().check()
+        async with self._checked:
+            self.checks += 1
+            self._checked.notify_all()
+        return stored
+
+    async def wait_for_checks(self, count: int) -> None:
+        async with self._checked:
+            await self._checked.wait_for(lambda: self.checks >= count)
 
 
 PLANNER = PlannerConfig(period_s=60.0, check_interval_s=0.5, solve_time_limit_s=1.0, method="milp")
@@ -52,7 +74,7 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
         held = [(0, 4), (4, 8), (2, 6)]
         records = [peer_record(d.peer_id, s, e, max_layers=6) for d, (s, e) in zip(dhts, held, strict=True)]
         election = Election(directories[0], ElectionConfig(lease_s=TTL_S, settle_s=0.0))
-        service = PlannerService(directories[0], election, PLANNER)
+        service = CountingPlanner(directories[0], election, PLANNER)
         async with asyncio.TaskGroup() as tasks:
             announcers = [
                 tasks.create_task(Announcer(directory, constant(r)).run())
@@ -73,8 +95,11 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
                 assert covered == list(range(8))
                 assert all(len(r) <= 6 for r in plan.placement.values())
 
-                # Nothing changes: no new epoch (the 2 s window spans four checks).
-                await asyncio.sleep(2.0)
+                # Nothing changes: four more completed checks (each reads the swarm and may re-solve) publish
+                # no new epoch. Waiting on the checks themselves, not on a sleep that hopes they happened.
+                checked = service.checks
+                async with asyncio.timeout(20.0):
+                    await service.wait_for_checks(checked + 4)
                 assert service.published == 1
                 still = (await reader.snapshot()).plan
                 assert still is not None and still.epoch == first_plan.epoch
@@ -101,4 +126,4 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
     finally:
         for dht in dhts:
             with contextlib.suppress(Exception):
-                dht.shutdown()
+                await dht.aclose()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from swarm.dht.schemas import PROTOCOL_VERSION, LinkMeasure, PeerRecord
+from swarm import PROTOCOL_VERSION
+from swarm.dht.schemas import LinkMeasure, PeerRecord
 
 MODEL_HASH = "abc123def456"
 

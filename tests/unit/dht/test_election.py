@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from swarm.dht.election import ElectionConfig, decide, lease_holder
@@ -46,9 +48,36 @@ def test_leaving_records_are_ignored():
     assert decide(table(lease("QmA", leaving=True)), now=100.0, settle_s=0.0) is None
 
 
-def test_everyone_agrees_on_the_same_records():
-    leases = table(lease("QmZ", 0.0), lease("QmM", 0.0), lease("QmK", 50.0))
-    assert {decide(leases, now=100.0, settle_s=10.0) for _ in range(3)} == {"QmK"}
+AGREEMENT_CASES: dict[str, tuple[list[LeaseRecord], str | None]] = {
+    "empty lease: smallest settled id": ([lease("QmZ", 0.0), lease("QmM", 0.0), lease("QmK", 50.0)], "QmK"),
+    "empty lease: smallest id not settled yet": ([lease("QmB", 0.0), lease("QmA", 95.0)], None),
+    "claims tied in time: smallest id": (
+        [lease("QmC", 0.0, held=10.0), lease("QmA", 0.0, held=10.0), lease("QmB", 0.0, held=10.0)],
+        "QmA",
+    ),
+    "earliest claim beats a smaller id": (
+        [lease("QmA", 0.0, held=20.0), lease("QmC", 0.0, held=10.0), lease("QmB", 0.0)],
+        "QmC",
+    ),
+    "leaving holder ignored": (
+        [lease("QmA", 0.0, held=5.0, leaving=True), lease("QmD", 0.0, held=30.0), lease("QmB", 0.0)],
+        "QmD",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGREEMENT_CASES))
+def test_everyone_agrees_on_the_same_records(case: str):
+    # Peers read the same records in whatever order the DHT returns them: shuffle, so that a rule that
+    # depends on order (say, "the first claim wins") fails here. Seeded per case, so a failure replays.
+    records, expected = AGREEMENT_CASES[case]
+    rng = random.Random(f"election {case}")
+    views = []
+    for _ in range(12):
+        shuffled = list(records)
+        rng.shuffle(shuffled)
+        views.append(table(*shuffled))
+    assert {decide(view, now=100.0, settle_s=10.0) for view in views} == {expected}
 
 
 def test_config_checks():
