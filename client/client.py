@@ -105,7 +105,7 @@ class AsyncSwarmClient:
                 config.close_timeout_s,
             )
         except BaseException:
-            dht.shutdown()
+            await dht.aclose()
             raise
         logger.info("connected to the swarm serving %s (%d layers)", spec.name, spec.num_layers)
         return cls(
@@ -207,7 +207,7 @@ class AsyncSwarmClient:
             await self.chain.p2p.shutdown()
         if self.dht is not None:
             dht, self.dht = self.dht, None
-            await asyncio.to_thread(dht.shutdown)
+            await dht.aclose()
 
     async def __aenter__(self) -> AsyncSwarmClient:
         return self

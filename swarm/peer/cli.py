@@ -120,7 +120,7 @@ async def _status(args: argparse.Namespace) -> None:
     try:
         snapshot = await Directory(dht).snapshot()
     finally:
-        dht.shutdown()
+        await dht.aclose()
     data = snapshot_json(snapshot, spec.num_layers)
     if args.json:
         print(json.dumps(data, indent=2))

@@ -82,7 +82,7 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
         p2p = await dht.replicate_p2p()
         await _serve(config, source, dht, p2p, stop, began)
     finally:
-        dht.shutdown()
+        await dht.aclose()
         logger.info("left the swarm")
 
 

@@ -194,4 +194,4 @@ async def swarm_client(initial_peers: Sequence[str], model_hash: str) -> AsyncIt
         p2p = await dht.replicate_p2p()
         yield dht, Directory(dht), p2p
     finally:
-        dht.shutdown()
+        await dht.aclose()

@@ -31,7 +31,6 @@ def test_the_checker_finds_a_long_function(tmp_path):
     assert len(found) == 1 and "too_long" in found[0]
 
 
-@pytest.mark.xfail(strict=False, reason="other refactors in flight")
 @pytest.mark.parametrize("package", ["swarm", "client"])
 def test_no_function_is_longer_than_80_lines(package):
     assert long_functions(ROOT / package) == []
