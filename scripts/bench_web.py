@@ -27,13 +27,12 @@ from pathlib import Path
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from client import AsyncSwarmClient  # noqa: E402
-from client.web.launcher import ChatServer  # noqa: E402
-from swarm.testing import LocalSwarm  # noqa: E402
+from client import AsyncSwarmClient
+from client.web.launcher import ChatServer
+from swarm.testing import LocalSwarm
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 

@@ -23,10 +23,9 @@ from pathlib import Path
 
 os.environ.setdefault("FLOWSWARM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.web.launcher import ChatServer, stream_chat  # noqa: E402
-from swarm.testing import LocalSwarm  # noqa: E402
+from client.web.launcher import ChatServer, stream_chat
+from swarm.testing import LocalSwarm
 
 QUESTION = "What is the capital of France?"
 LAYERS = ("0:10", "10:20", "20:30")

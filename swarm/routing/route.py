@@ -143,11 +143,7 @@ class Router:
     def usable(self, view: RoutingView, peer: NodeID, needed: LayerRange, session_tokens: int) -> bool:
         """Can `peer` run `needed` for a new session of `session_tokens` tokens right now?"""
         state = view.peers.get(peer)
-        if state is None or not state.layers.covers(needed):
-            return False
-        if state.free_cache_tokens - state.cache_high_water_tokens < session_tokens:
-            return False
-        return self.bans is None or not self.bans.is_banned(peer)
+        return state is not None and state.layers.covers(needed) and self._usable_state(state, session_tokens)
 
     # -- building routes -------------------------------------------------------------------------------
 
@@ -265,6 +261,7 @@ class Router:
         return tuple(reversed(stages))
 
     def _usable_state(self, p: PeerState, session_tokens: int) -> bool:
+        """Room for a session of `session_tokens` above the high-water mark, and not banned."""
         if p.free_cache_tokens - p.cache_high_water_tokens < session_tokens:
             return False
         return self.bans is None or not self.bans.is_banned(p.peer_id)
