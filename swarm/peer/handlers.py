@@ -54,6 +54,7 @@ class PeerHandlers:
         received = time.perf_counter()
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
+        self.peer.check_route(layers, request.route_rest)
         sid = request.session_id
         served = await self.peer.session_for(sid, layers, request.position, request.max_length_tokens)
         step = Step(sid, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)

@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm import PROTOCOL_VERSION
@@ -28,6 +28,7 @@ from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.measure import ComputeMeasure
 from swarm.types import LayerRange
+from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,30 @@ class Peer:
             raise ProtocolError(
                 f"hidden size {hidden_size} does not match the model's {self.spec.hidden_size}"
             )
+
+    def check_route(self, layers: LayerRange, route_rest: Sequence[Hop]) -> None:
+        """Raise ProtocolError unless this step and the hops after it are one pass over the model.
+
+        A route that names a peer twice (A, B, A, B, ...) or repeats layers would make the swarm compute up to
+        MAX_ROUTE_HOPS times the work of an honest step for one request; so: contiguous layers, at most
+        ``num_layers`` hops, no peer twice, this one included. Checked before any session or compute.
+        """
+        num_layers = self.spec.num_layers
+        if layers.end > num_layers:
+            raise ProtocolError(f"layers {layers} are past the model's {num_layers} layers")
+        if 1 + len(route_rest) > num_layers:
+            raise ProtocolError(f"route of {1 + len(route_rest)} hops for a model of {num_layers} layers")
+        seen, end = {self.peer_id}, layers.end
+        for i, hop in enumerate(route_rest):
+            if hop.peer_id in seen:
+                raise ProtocolError(f"route names peer {hop.peer_id[-8:]} twice (hop {i + 1})")
+            if hop.start != end or hop.end > num_layers:
+                raise ProtocolError(
+                    f"route hop {i + 1} runs layers {hop.start}:{hop.end} after layer {end} of "
+                    f"{num_layers}: hops must be contiguous and within the model"
+                )
+            seen.add(hop.peer_id)
+            end = hop.end
 
     async def session_for(
         self, session_id: str, layers: LayerRange, position: int, max_length_tokens: int
