@@ -32,12 +32,15 @@ class SessionConfig:
     )
     close_timeout_s: float = setting(5.0, "deadline of passing a close down the route")
     dial_back_timeout_s: float = setting(5.0, "deadline of dialling a peer back for its reachability check")
+    max_probe_reply_bytes: int = setting(
+        4 * 1024**2, "most bytes a probe may ask back (download measurement)"
+    )
     max_open: int = setting(1024, "most sessions open on this peer at once")
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
 
     def __post_init__(self) -> None:
         _positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
-        _positive(self, "max_open", "reap_interval_s")
+        _positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes")
 
 
 @dataclass(frozen=True)

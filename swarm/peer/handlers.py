@@ -17,6 +17,7 @@ import time
 
 from hivemind.p2p import P2P
 
+from swarm.errors import ProtocolError
 from swarm.models.blocks import Step
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
@@ -36,6 +37,8 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+DIAL_BACK_FAILED = "could not dial you back at the addresses you gave"  # the only failure a probe reports
 
 
 class PeerHandlers:
@@ -118,19 +121,32 @@ class PeerHandlers:
         )
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:
+        """Echo sizes, send ``reply_bytes`` back (capped), and dial the caller back if it asks.
+
+        Dial-back goes only to the caller itself and reports a bare yes/no: echoing dial errors to anyone, for
+        any address, would make every peer a port scanner; large replies would make it a traffic amplifier.
+        """
+        limit = self.config.max_probe_reply_bytes
+        if request.reply_bytes > limit:
+            raise ProtocolError(
+                f"probe asks for {request.reply_bytes} bytes back, this peer sends at most {limit}"
+            )
         ok: bool | None = None
         error = ""
         if request.dial_back_peer_id:
+            if request.dial_back_peer_id != remote_id:
+                raise ProtocolError("dial-back is only to the peer that asks for it")
             try:
                 await call_probe(
                     self.p2p,
-                    request.dial_back_peer_id,
+                    remote_id,
                     maddrs=request.dial_back_maddrs,
                     timeout_s=self.config.dial_back_timeout_s,
                 )
                 ok = True
             except Exception as e:  # any failure to dial back is the answer, not an error of this call
-                ok, error = False, f"{type(e).__name__}: {e}"[:500]
+                logger.debug("could not dial %s back: %r", remote_id[-8:], e)
+                ok, error = False, DIAL_BACK_FAILED
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
 

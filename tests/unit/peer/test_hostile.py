@@ -6,13 +6,15 @@ someone else, one remote squatting the KV cache, reservations leaked by cancelle
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
 
 from swarm.errors import ProtocolError
+from swarm.peer.handlers import DIAL_BACK_FAILED
 from swarm.types import LayerRange
-from swarm.wire import Hop
+from swarm.wire import MAX_PROBE_BYTES, Hop, ProbeRequest
 from tests.unit.peer.test_handlers import Clock, _handlers, _run, _step
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,3 +56,21 @@ def test_honest_routes_pass_the_check() -> None:
     peer.check_route(LayerRange(0, 2), _hops(("QmB", 2, 4), ("QmC", 4, 6)))
     peer.check_route(LayerRange(0, 2), _hops(("QmB", 2, 3)))  # a route may end early (a middle hop's view)
     peer.check_route(LayerRange(4, 6), ())
+
+
+def test_a_probe_sends_back_at_most_its_configured_bytes() -> None:
+    h = _handlers(Clock())
+    limit = h.config.max_probe_reply_bytes
+    assert limit <= 4 * 1024**2
+    assert len(asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=limit), "QmClient")).payload) == limit
+    with pytest.raises(ProtocolError, match="bytes back"):
+        asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=MAX_PROBE_BYTES), "QmClient"))
+
+
+def test_dial_back_is_only_to_the_caller_and_never_echoes_the_dial_error() -> None:
+    h = _handlers(Clock())  # no P2P: every dial fails
+    with pytest.raises(ProtocolError, match="only to the peer that asks"):
+        asyncio.run(h.rpc_probe(ProbeRequest(dial_back_peer_id="QmVictim"), "QmClient"))
+    ask = ProbeRequest(dial_back_peer_id="QmClient", dial_back_maddrs=("/ip4/127.0.0.1/tcp/22",))
+    reply = asyncio.run(h.rpc_probe(ask, "QmClient"))
+    assert reply.dial_back_ok is False and reply.dial_back_error == DIAL_BACK_FAILED
