@@ -5,8 +5,9 @@ output straight to the next hop with call_step (which does the same), so the cli
 token and only the last hop's output travels back up the chain. When the next hop fails, the error that comes
 back names it (``failed_peer_id``), so the client knows whom to ban.
 
-Sessions open implicitly on their first step and close on rpc_close, on idle timeout (the reaper), or when the
-peer leaves (``Peer.drain``).
+Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
+(the reaper), or when the peer leaves (``Peer.drain``). A session belongs to the remote peer that opened it
+here (``session_key``): only that peer can step or close it, and it counts against that peer's share.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from swarm.errors import ProtocolError
 from swarm.models.blocks import Step
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
-from swarm.peer.state import Peer
+from swarm.peer.state import Peer, session_key
 from swarm.transport.calls import call_close, call_probe, call_step
 from swarm.types import LayerRange
 from swarm.wire import (
@@ -58,13 +59,15 @@ class PeerHandlers:
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         self.peer.check_route(layers, request.route_rest)
-        sid = request.session_id
-        served = await self.peer.session_for(sid, layers, request.position, request.max_length_tokens)
-        step = Step(sid, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
+        sid, key = request.session_id, session_key(remote_id, request.session_id)
+        served = await self.peer.session_for(
+            key, remote_id, layers, request.position, request.max_length_tokens
+        )
+        step = Step(key, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
         try:
             result = await self.peer.executor.forward(served.blocks, step)
         finally:
-            self.peer.touch(sid)
+            self.peer.touch(key)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -85,8 +88,10 @@ class PeerHandlers:
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
-        closed = await self.peer.close(request.session_id)
-        if request.route_rest:
+        closed = await self.peer.close(session_key(remote_id, request.session_id))
+        # Passed on only when it was ours to close: the next hop knows this peer as the session's owner, so
+        # forwarding a stranger's close would let anyone close sessions they never opened.
+        if closed and request.route_rest:
             hop = request.route_rest[0]
             try:
                 await call_close(
