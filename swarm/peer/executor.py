@@ -44,7 +44,6 @@ class _Job:
     blocks: BlockRange | None  # what the step runs on
     future: asyncio.Future[Any]
     submitted: float = field(default_factory=time.perf_counter)
-    undo: Callable[[], Any] | None = None  # run after ``call`` if its caller stopped waiting meanwhile
 
     @property
     def is_decode(self) -> bool:
@@ -72,14 +71,13 @@ class Executor:
             raise CapacityError(f"peer is busy: {self.config.queue_jobs} requests already queued") from None
         return job.future
 
-    async def call(self, fn: Callable[[], _T], undo: Callable[[], Any] | None = None) -> _T:
+    async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the torch thread, in queue order with the steps.
 
-        A job whose caller is cancelled before it starts is skipped. One already running cannot be stopped:
-        then ``undo`` runs right after it on the same thread (e.g. to free what an open reserved).
+        A job whose caller is cancelled before it starts is skipped; one already running runs to its end.
         """
         loop = asyncio.get_running_loop()
-        result: _T = await self._submit(_Job(fn, None, None, loop.create_future(), undo=undo))
+        result: _T = await self._submit(_Job(fn, None, None, loop.create_future()))
         return result
 
     async def release(self, fn: Callable[[], None]) -> None:
@@ -175,13 +173,8 @@ class Executor:
             logger.exception("executor call failed")
             _fail(job, e)
             return
-        if not job.future.done():
+        if not job.future.done():  # else its caller gave up while it ran
             job.future.set_result(result)
-        elif job.undo is not None:  # the caller gave up while it ran: nobody will use (or free) the result
-            try:
-                await loop.run_in_executor(self._thread, job.undo)
-            except Exception:
-                logger.exception("undoing an abandoned executor call failed")
 
 
 def _fail(job: _Job, error: BaseException) -> None:

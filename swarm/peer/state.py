@@ -247,14 +247,15 @@ class Peer:
         now = self.clock()
         session = served.sessions[key] = Session(owner, max_length_tokens, now, now)
         try:
-            await self.executor.call(
-                lambda: served.blocks.open_session(key, max_length_tokens),
-                undo=lambda: _forget(served.blocks, key),  # the open finished after we stopped waiting
-            )
+            await self.executor.call(lambda: served.blocks.open_session(key, max_length_tokens))
         except BaseException:
             if served.sessions.get(key) is session:
                 del served.sessions[key]
             self._sessions_changed.set()
+            # Cancelled, the open may still run or have run (one running on the thread cannot be stopped, and
+            # one that just finished may not have woken us yet): free whatever it reserved. The release runs
+            # on the same thread after it, or first, in which case the executor skips the cancelled open.
+            await self.executor.release(lambda: _forget(served.blocks, key))
             raise
         if served.sessions.get(key) is not session:  # closed (drop, drain) while it opened: free its cache
             await self.executor.release(lambda: _forget(served.blocks, key))
