@@ -29,7 +29,6 @@ from swarm.errors import NoRouteError, ProtocolError, SwarmError, VersionMismatc
 from swarm.types import DTYPE_BYTES
 
 # Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
-MAX_MESSAGE_BYTES = 256 * 1024**2  # whole encoded message, streams included
 MAX_TENSOR_BYTES = 192 * 1024**2  # one tensor's raw data
 MAX_TOKENS = 65_536  # tokens in one step (the T of hidden[T, H])
 MAX_HIDDEN_SIZE = 65_536
@@ -40,6 +39,34 @@ MAX_ROUTE_HOPS = 256
 MAX_MADDRS = 32
 MAX_TEXT_CHARS = 4096
 MAX_PROBE_BYTES = 64 * 1024**2
+MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 14 fields
+# Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
+# (MAX_ROUTE_HOPS hops of MAX_MADDRS multiaddrs of 512 characters: about 4.3 MB).
+MAX_STRUCTURE_BYTES = 8 * 1024**2
+MAX_MESSAGE_BYTES = MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES  # whole encoded message, streams included
+# Container elements in one message: a full route has about 9,500, an ErrorReply up to MAX_LAYER layers.
+# msgpack builds one Python object per element (~60 bytes for an empty list), so this bounds what a frame can
+# make the decoder allocate beyond its own bytes.
+MAX_OBJECTS = 4 * MAX_LAYER
+# What each kind of message may weigh, checked against the frame's size before it is unpacked.
+_MAX_KIND_BYTES = {
+    "step": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
+    "step_reply": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
+    "probe": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
+    "probe_reply": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
+}
+# msgpack's own limits, from the ones above: a string, bin, array or map past them is refused by its header,
+# before anything is allocated for it. msgpack allocates a declared array before reading its elements and
+# nests up to 1024 deep, so the array limit is the longest list each direction carries: requests at most a
+# route (MAX_ROUTE_HOPS), replies ErrorReply.missing_layers (MAX_LAYER).
+_UNPACK_LIMITS: dict[str, int] = {
+    "max_bin_len": max(MAX_TENSOR_BYTES, MAX_PROBE_BYTES),
+    "max_str_len": 4 * MAX_TEXT_CHARS,  # UTF-8 bytes of the longest text field
+    "max_map_len": MAX_MAP_FIELDS,
+    "max_ext_len": 0,  # no message uses ext types
+}
+_REQUEST_ARRAY_LEN = MAX_ROUTE_HOPS + 1
+_REPLY_ARRAY_LEN = MAX_LAYER + 1  # one past, so a too-long list gets its field's own error
 
 WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
@@ -469,27 +496,72 @@ def _encode(kind: str, msg: Request | Reply) -> bytes:
     return data
 
 
-def _decode(data: bytes, kinds: set[str]) -> Request | Reply:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+class _ObjectBudget:
+    """msgpack hooks that count container elements as they are built and stop the decoder past MAX_OBJECTS."""
+
+    def __init__(self) -> None:
+        self.left = MAX_OBJECTS
+
+    def _spend(self, count: int) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise ProtocolError(f"message holds over {MAX_OBJECTS} objects")
+
+    def list_hook(self, items: list[Any]) -> list[Any]:
+        self._spend(len(items))
+        return items
+
+    def object_hook(self, fields: dict[str, Any]) -> dict[str, Any]:
+        self._spend(len(fields))
+        return fields
+
+
+def _peek(data: bytes | bytearray | memoryview, kinds: set[str]) -> str:
+    """The kind of message ``data`` declares, read from its first bytes only (version checked first)."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64, max_str_len=32, max_bin_len=0, max_ext_len=0)
+    unpacker.feed(bytes(data[:64]))
     try:
-        envelope = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_bin_len=MAX_TENSOR_BYTES + MAX_PROBE_BYTES
-        )
-    except Exception as e:  # msgpack raises several unrelated types for garbage input
-        raise ProtocolError(f"not a valid msgpack message: {type(e).__name__}: {e}") from None
-    if not isinstance(envelope, list) or len(envelope) != 3:
-        raise ProtocolError("a message must be a msgpack array [protocol_version, kind, body]")
-    version, kind, body = envelope
+        if unpacker.read_array_header() != 3:
+            raise ValueError("not a 3-element array")
+        version, kind = unpacker.unpack(), unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError("a message must be a msgpack array [protocol_version, kind, body]") from None
     if not isinstance(version, int) or isinstance(version, bool):
         raise ProtocolError(f"protocol version must be an int, got {version!r}")
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version} received, this side speaks {PROTOCOL_VERSION}")
     if not isinstance(kind, str) or kind not in kinds:
         raise ProtocolError(f"unexpected message kind {kind!r}; expected one of {sorted(kinds)}")
-    return _decode_body(kind, _map(body, kind))
+    return kind
+
+
+def _decode(data: bytes, kinds: set[str], max_array_len: int) -> Request | Reply:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+    kind = _peek(data, kinds)
+    limit = _MAX_KIND_BYTES.get(kind, MAX_STRUCTURE_BYTES)
+    if len(data) > limit:
+        raise ProtocolError(f"{kind} message of {len(data)} bytes is over its {limit}-byte limit")
+    budget = _ObjectBudget()
+    try:
+        envelope = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
+            max_array_len=max_array_len,
+            **_UNPACK_LIMITS,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError(f"not a valid msgpack message: {type(e).__name__}: {e}") from None
+    if not isinstance(envelope, list) or len(envelope) != 3:
+        raise ProtocolError("a message must be a msgpack array [protocol_version, kind, body]")
+    return _decode_body(kind, _map(envelope[2], kind))
 
 
 def encode_request(request: Request) -> bytes:
@@ -500,7 +572,7 @@ def encode_request(request: Request) -> bytes:
 
 
 def decode_request(data: bytes) -> Request:
-    msg = _decode(data, set(_REQUEST_KINDS.values()))
+    msg = _decode(data, set(_REQUEST_KINDS.values()), _REQUEST_ARRAY_LEN)
     return msg  # type: ignore[return-value]
 
 
@@ -512,7 +584,7 @@ def encode_reply(reply: Reply) -> bytes:
 
 
 def decode_reply(data: bytes) -> Reply:
-    msg = _decode(data, set(_REPLY_KINDS.values()))
+    msg = _decode(data, set(_REPLY_KINDS.values()), _REPLY_ARRAY_LEN)
     return msg  # type: ignore[return-value]
 
 

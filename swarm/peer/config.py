@@ -32,12 +32,27 @@ class SessionConfig:
     )
     close_timeout_s: float = setting(5.0, "deadline of passing a close down the route")
     dial_back_timeout_s: float = setting(5.0, "deadline of dialling a peer back for its reachability check")
+    max_probe_reply_bytes: int = setting(
+        4 * 1024**2, "most bytes a probe may ask back (download measurement)"
+    )
     max_open: int = setting(1024, "most sessions open on this peer at once")
+    # A remote peer is a client or the previous hop of a route (forwarding many clients' sessions): the
+    # transport authenticates only the peer that calls us, so that is whose share a session counts against.
+    max_sessions_per_remote: int = setting(256, "most sessions one remote peer may hold open on this peer")
+    max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may reserve")
+    max_session_lifetime_s: float = setting(
+        3600.0, "close a session this long after it opened, however busy (the client then replays it)"
+    )
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
 
     def __post_init__(self) -> None:
         _positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
-        _positive(self, "max_open", "reap_interval_s")
+        _positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
+        _positive(self, "max_session_lifetime_s")
+        if not 0 < self.max_remote_cache_fraction <= 1:
+            raise ValueError(
+                f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"
+            )
 
 
 @dataclass(frozen=True)

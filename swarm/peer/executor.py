@@ -72,10 +72,26 @@ class Executor:
         return job.future
 
     async def call(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the torch thread, in queue order with the steps."""
+        """Run ``fn`` on the torch thread, in queue order with the steps.
+
+        A job whose caller is cancelled before it starts is skipped; one already running runs to its end.
+        """
         loop = asyncio.get_running_loop()
         result: _T = await self._submit(_Job(fn, None, None, loop.create_future()))
         return result
+
+    async def release(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (one that frees memory, e.g. a close) on the torch thread now, past the queue.
+
+        It is never refused for a full queue, and runs to its end even if the caller is cancelled: a close
+        that failed for being busy would leak the very memory that makes the peer busy. The one worker thread
+        still keeps it from racing a forward.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.shield(loop.run_in_executor(self._thread, fn))
+        except RuntimeError:  # shut down: the caches it would free are gone with the thread
+            logger.debug("executor shut down; nothing to release")
 
     async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings."""
@@ -122,14 +138,7 @@ class Executor:
     async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
         started = time.perf_counter()
         if jobs[0].call is not None:
-            call = jobs[0].call
-            try:
-                jobs[0].future.set_result(await loop.run_in_executor(self._thread, call))
-            except SwarmError as e:
-                _fail(jobs[0], e)
-            except Exception as e:
-                logger.exception("executor call failed")
-                _fail(jobs[0], e)
+            await self._call(loop, jobs[0], jobs[0].call)
             return
         steps = [job.step for job in jobs if job.step is not None]
         blocks = jobs[0].blocks
@@ -153,6 +162,19 @@ class Executor:
         for job, hidden in zip(jobs, outputs, strict=True):
             if not job.future.done():
                 job.future.set_result(StepResult(hidden, started - job.submitted, compute_s))
+
+    async def _call(self, loop: asyncio.AbstractEventLoop, job: _Job, call: Callable[[], Any]) -> None:
+        try:
+            result = await loop.run_in_executor(self._thread, call)
+        except SwarmError as e:
+            _fail(job, e)
+            return
+        except Exception as e:
+            logger.exception("executor call failed")
+            _fail(job, e)
+            return
+        if not job.future.done():  # else its caller gave up while it ran
+            job.future.set_result(result)
 
 
 def _fail(job: _Job, error: BaseException) -> None:

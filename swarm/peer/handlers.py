@@ -5,8 +5,9 @@ output straight to the next hop with call_step (which does the same), so the cli
 token and only the last hop's output travels back up the chain. When the next hop fails, the error that comes
 back names it (``failed_peer_id``), so the client knows whom to ban.
 
-Sessions open implicitly on their first step and close on rpc_close, on idle timeout (the reaper), or when the
-peer leaves (``Peer.drain``).
+Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
+(the reaper), or when the peer leaves (``Peer.drain``). A session belongs to the remote peer that opened it
+here (``session_key``): only that peer can step or close it, and it counts against that peer's share.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 
 from hivemind.p2p import P2P
 
+from swarm.errors import ProtocolError
 from swarm.models.blocks import Step
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
-from swarm.peer.state import Peer
+from swarm.peer.state import Peer, session_key
 from swarm.transport.calls import call_close, call_probe, call_step
 from swarm.types import LayerRange
 from swarm.wire import (
@@ -36,6 +38,8 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+DIAL_BACK_FAILED = "could not dial you back at the addresses you gave"  # the only failure a probe reports
 
 
 class PeerHandlers:
@@ -54,13 +58,16 @@ class PeerHandlers:
         received = time.perf_counter()
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
-        sid = request.session_id
-        served = await self.peer.session_for(sid, layers, request.position, request.max_length_tokens)
-        step = Step(sid, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
+        self.peer.check_route(layers, request.route_rest)
+        sid, key = request.session_id, session_key(remote_id, request.session_id)
+        served = await self.peer.session_for(
+            key, remote_id, layers, request.position, request.max_length_tokens
+        )
+        step = Step(key, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
         try:
             result = await self.peer.executor.forward(served.blocks, step)
         finally:
-            self.peer.touch(sid)
+            self.peer.touch(key)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -81,8 +88,10 @@ class PeerHandlers:
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
-        closed = await self.peer.close(request.session_id)
-        if request.route_rest:
+        closed = await self.peer.close(session_key(remote_id, request.session_id))
+        # Passed on only when it was ours to close: the next hop knows this peer as the session's owner, so
+        # forwarding a stranger's close would let anyone close sessions they never opened.
+        if closed and request.route_rest:
             hop = request.route_rest[0]
             try:
                 await call_close(
@@ -117,19 +126,32 @@ class PeerHandlers:
         )
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:
+        """Echo sizes, send ``reply_bytes`` back (capped), and dial the caller back if it asks.
+
+        Dial-back goes only to the caller itself and reports a bare yes/no: echoing dial errors to anyone, for
+        any address, would make every peer a port scanner; large replies would make it a traffic amplifier.
+        """
+        limit = self.config.max_probe_reply_bytes
+        if request.reply_bytes > limit:
+            raise ProtocolError(
+                f"probe asks for {request.reply_bytes} bytes back, this peer sends at most {limit}"
+            )
         ok: bool | None = None
         error = ""
         if request.dial_back_peer_id:
+            if request.dial_back_peer_id != remote_id:
+                raise ProtocolError("dial-back is only to the peer that asks for it")
             try:
                 await call_probe(
                     self.p2p,
-                    request.dial_back_peer_id,
+                    remote_id,
                     maddrs=request.dial_back_maddrs,
                     timeout_s=self.config.dial_back_timeout_s,
                 )
                 ok = True
             except Exception as e:  # any failure to dial back is the answer, not an error of this call
-                ok, error = False, f"{type(e).__name__}: {e}"[:500]
+                logger.debug("could not dial %s back: %r", remote_id[-8:], e)
+                ok, error = False, DIAL_BACK_FAILED
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
 

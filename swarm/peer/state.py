@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm import PROTOCOL_VERSION
@@ -28,6 +28,7 @@ from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.measure import ComputeMeasure
 from swarm.types import LayerRange
+from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,21 @@ class Identity:
 
 @dataclass
 class Session:
+    owner: str  # the remote peer that opened it here: a client, or the previous hop of its route
     max_length_tokens: int
-    last_used_s: float  # the Peer's clock
+    opened_s: float  # the Peer's clock
+    last_used_s: float
+
+
+def session_key(remote_id: str, session_id: str) -> str:
+    """Where a session lives on this peer: its id as named by the remote peer that opened it.
+
+    The transport authenticates ``remote_id``, so another peer naming the same session id reaches a different
+    (usually unknown) session: it can neither step, rewind nor close ours. A client that re-routes around a
+    failed hop reaches the hops after it through a new previous hop, so they open the session afresh (the old
+    one expires) instead of refusing the replay.
+    """
+    return f"{session_id}@{remote_id}"
 
 
 @dataclass(eq=False)
@@ -160,8 +174,8 @@ class Peer:
 
     # ------------------------------------------------------------------ sessions
 
-    def find(self, session_id: str) -> Served | None:
-        return next((s for s in self.ranges if session_id in s.sessions), None)
+    def find(self, key: str) -> Served | None:
+        return next((s for s in self.ranges if key in s.sessions), None)
 
     def check_request(self, model_hash: str, layers: LayerRange, hidden_size: int) -> None:
         """Raise if a step for ``layers`` cannot run on this model (before any state is touched)."""
@@ -175,28 +189,50 @@ class Peer:
                 f"hidden size {hidden_size} does not match the model's {self.spec.hidden_size}"
             )
 
+    def check_route(self, layers: LayerRange, route_rest: Sequence[Hop]) -> None:
+        """ProtocolError unless this step and the hops after it are one pass over the model: a route naming a
+        peer twice (A, B, A, B, ...) or repeating layers would cost the swarm up to MAX_ROUTE_HOPS honest steps.
+        """
+        num_layers = self.spec.num_layers
+        if layers.end > num_layers:
+            raise ProtocolError(f"layers {layers} are past the model's {num_layers} layers")
+        if 1 + len(route_rest) > num_layers:
+            raise ProtocolError(f"route of {1 + len(route_rest)} hops for a model of {num_layers} layers")
+        seen, end = {self.peer_id}, layers.end
+        for i, hop in enumerate(route_rest):
+            if hop.peer_id in seen:
+                raise ProtocolError(f"route names peer {hop.peer_id[-8:]} twice (hop {i + 1})")
+            if hop.start != end or hop.end > num_layers:
+                raise ProtocolError(
+                    f"route hop {i + 1} runs layers {hop.start}:{hop.end} after layer {end} of "
+                    f"{num_layers}: hops must be contiguous and within the model"
+                )
+            seen.add(hop.peer_id)
+            end = hop.end
+
     async def session_for(
-        self, session_id: str, layers: LayerRange, position: int, max_length_tokens: int
+        self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int
     ) -> Served:
-        """The range that runs this step of ``session_id``: where it is open, else where it opens now."""
-        served = self.find(session_id)
+        """The range that runs this step of session ``key`` (see session_key): where it is open, else where
+        it opens now for ``owner``."""
+        served = self.find(key)
         if served is None:
-            served = await self._open(session_id, layers, position, max_length_tokens)
+            served = await self._open(key, owner, layers, position, max_length_tokens)
         elif not served.range.covers(layers):
             raise CapacityError(f"layers {layers} requested, session is open on {served.range}")
         return served
 
-    def touch(self, session_id: str) -> None:
-        served = self.find(session_id)
+    def touch(self, key: str) -> None:
+        served = self.find(key)
         if served is not None:
-            served.sessions[session_id].last_used_s = self.clock()
+            served.sessions[key].last_used_s = self.clock()
 
     async def _open(
-        self, session_id: str, layers: LayerRange, position: int, max_length_tokens: int
+        self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int
     ) -> Served:
         if position != 0:
             raise SessionError(
-                f"unknown session {session_id[:16]} at position {position} (expired or never opened): "
+                f"unknown session {key[:16]} at position {position} (expired or never opened): "
                 "reopen it and replay the prefix"
             )
         served = self.current
@@ -206,6 +242,29 @@ class Peer:
             # Usually a stale route after this peer followed a new plan: an honest peer, so "route elsewhere"
             # (CapacityError) rather than ProtocolError, which would get it banned as misbehaving.
             raise CapacityError(f"layers {layers} requested, this peer holds {served.range}")
+        self._check_capacity(served, owner, max_length_tokens)
+        # Reserve the slot before awaiting so two first steps of one session cannot both open it.
+        now = self.clock()
+        session = served.sessions[key] = Session(owner, max_length_tokens, now, now)
+        try:
+            await self.executor.call(lambda: served.blocks.open_session(key, max_length_tokens))
+        except BaseException:
+            if served.sessions.get(key) is session:
+                del served.sessions[key]
+            self._sessions_changed.set()
+            # Cancelled, the open may still run or have run (one running on the thread cannot be stopped, and
+            # one that just finished may not have woken us yet): free whatever it reserved. The release runs
+            # on the same thread after it, or first, in which case the executor skips the cancelled open.
+            await self.executor.release(lambda: _forget(served.blocks, key))
+            raise
+        if served.sessions.get(key) is not session:  # closed (drop, drain) while it opened: free its cache
+            await self.executor.release(lambda: _forget(served.blocks, key))
+            raise SessionError(f"session {key[:16]} was closed while it opened")
+        logger.debug("opened session %s (%d tokens) on %s", key[:8], max_length_tokens, served.range)
+        return served
+
+    def _check_capacity(self, served: Served, owner: str, max_length_tokens: int) -> None:
+        """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session."""
         if self.session_count >= self.config.max_open:
             raise CapacityError(f"peer has {self.session_count} open sessions, its limit")
         if max_length_tokens > served.blocks.free_cache_tokens:
@@ -213,53 +272,57 @@ class Peer:
                 f"session needs {max_length_tokens} cache tokens, this peer has "
                 f"{served.blocks.free_cache_tokens} free"
             )
-        # Reserve the slot before awaiting so two first steps of one session cannot both open it.
-        served.sessions[session_id] = Session(max_length_tokens, self.clock())
-        try:
-            await self.executor.call(lambda: served.blocks.open_session(session_id, max_length_tokens))
-        except BaseException:
-            served.sessions.pop(session_id, None)
-            self._sessions_changed.set()
-            raise
-        logger.debug("opened session %s (%d tokens) on %s", session_id[:8], max_length_tokens, served.range)
-        return served
+        owned = [s for r in self.ranges for s in r.sessions.values() if s.owner == owner]
+        if len(owned) >= self.config.max_sessions_per_remote:
+            raise CapacityError(f"{owner[-8:]} has {len(owned)} sessions open here, the most one peer may")
+        # Each range has its own cache: the share is of the one the session opens on.
+        reserved = sum(s.max_length_tokens for s in served.sessions.values() if s.owner == owner)
+        share = int(self.config.max_remote_cache_fraction * served.blocks.cache.cache_tokens)
+        if reserved + max_length_tokens > share:
+            raise CapacityError(
+                f"{owner[-8:]} holds {reserved} cache tokens here and asks {max_length_tokens} more: "
+                f"over the {share} one peer may reserve"
+            )
 
-    async def close(self, session_id: str) -> bool:
-        """Close ``session_id`` wherever it is open; False if it is not."""
-        served = self.find(session_id)
+    async def close(self, key: str) -> bool:
+        """Close session ``key`` (see session_key) wherever it is open; False if it is not."""
+        served = self.find(key)
         if served is None:
             return False
-        await self._close_on(served, session_id)
+        await self._close_on(served, key)
         return True
 
-    async def _close_on(self, served: Served, session_id: str) -> None:
-        if served.sessions.pop(session_id, None) is None:
+    async def _close_on(self, served: Served, key: str) -> None:
+        if served.sessions.pop(key, None) is None:
             return
         self._sessions_changed.set()
-        try:
-            await self.executor.call(lambda: served.blocks.close_session(session_id))
-        except SessionError:
-            pass  # never reached the cache (e.g. its open was cancelled): nothing to free
-        logger.debug("closed session %s", session_id[:8])
+        # Not through the bounded queue: freeing memory must work most of all when the peer is busy.
+        await self.executor.release(lambda: _forget(served.blocks, key))
+        logger.debug("closed session %s", key[:8])
 
     @property
     def session_count(self) -> int:
         return sum(len(s.sessions) for s in self.ranges)
 
-    def idle_sessions(self) -> list[str]:
-        """Sessions with no step for longer than the idle timeout."""
-        deadline = self.clock() - self.config.idle_timeout_s
-        return [sid for s in self.ranges for sid, sess in s.sessions.items() if sess.last_used_s < deadline]
+    def expired_sessions(self) -> list[str]:
+        """Sessions with no step for longer than the idle timeout, or open for longer than their lifetime (a
+        trickle of tiny steps cannot hold a reservation forever)."""
+        now = self.clock()
+        idle_since, opened_before = now - self.config.idle_timeout_s, now - self.config.max_session_lifetime_s
+        return [
+            key
+            for served in self.ranges
+            for key, session in served.sessions.items()
+            if session.last_used_s < idle_since or session.opened_s < opened_before
+        ]
 
     async def reap(self) -> int:
-        """Close idle sessions; how many were closed."""
-        idle = self.idle_sessions()
-        for session_id in idle:
-            logger.info(
-                "session %s idle for over %.0f s: closing it", session_id[:8], self.config.idle_timeout_s
-            )
-            await self.close(session_id)
-        return len(idle)
+        """Close expired sessions; how many were closed."""
+        expired = self.expired_sessions()
+        for key in expired:
+            logger.info("session %s idle or past its lifetime: closing it", key[:8])
+            await self.close(key)
+        return len(expired)
 
     def stop_accepting(self) -> None:
         """Start leaving: no new sessions from now on (the record says "leaving")."""
@@ -329,3 +392,11 @@ class Peer:
             reachable=self.reachable,
             updated_at=0.0,
         )
+
+
+def _forget(blocks: BlockRange, key: str) -> None:
+    """Free ``key``'s cache on ``blocks`` (on the torch thread); a session that never reached it is fine."""
+    try:
+        blocks.close_session(key)
+    except SessionError:
+        pass

@@ -18,7 +18,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.errors import ProtocolError
-from swarm.transport.channel import call_raw
+from swarm.transport.channel import call_raw, decode_off_loop
 from swarm.wire import (
     CloseReply,
     CloseRequest,
@@ -53,7 +53,7 @@ async def _call(
         p2p, peer_id, data, maddrs=maddrs, timeout_s=timeout_s, reply_bytes_hint=reply_bytes_hint
     )
     try:
-        reply = decode_reply(raw)
+        reply = await decode_off_loop(decode_reply, raw)
     except ProtocolError as e:
         e.failed_peer_id = peer_id
         raise

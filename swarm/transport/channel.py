@@ -16,6 +16,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable
 from contextlib import closing
+from typing import TypeVar
 
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
@@ -31,7 +32,12 @@ STREAM_PROTOCOL = "flowswarm.rpc.stream"
 UNARY_LIMIT_BYTES = 3 * 1024**2
 _HEADER_BYTES = 8  # the length prefix hivemind uses for raw stream data (big-endian)
 
+# Messages bigger than this are decoded on a worker thread: unpacking and checking a 200 MB tensor takes a
+# while, and the event loop must keep serving meanwhile. Smaller ones are not worth a thread hop.
+OFF_LOOP_BYTES = 1024**2
+
 RawHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request bytes, remote peer id) -> reply bytes
+_T = TypeVar("_T")
 
 # Peers this P2P instance has dialled with explicit multiaddrs, so we do not ask p2pd to connect on every call.
 _dialled: weakref.WeakKeyDictionary[P2P, set[str]] = weakref.WeakKeyDictionary()
@@ -69,6 +75,13 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     if length > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {length} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
     return await reader.readexactly(length)
+
+
+async def decode_off_loop(decode: Callable[[bytes], _T], data: bytes) -> _T:
+    """``decode(data)``, on a worker thread when ``data`` is over OFF_LOOP_BYTES."""
+    if len(data) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(decode, data)
+    return decode(data)
 
 
 async def ensure_connected(p2p: P2P, peer_id: str, maddrs: tuple[str, ...] | list[str]) -> None:

@@ -13,7 +13,7 @@ from typing import Protocol
 from hivemind.p2p import P2P
 
 from swarm.errors import SwarmError
-from swarm.transport.channel import serve_raw
+from swarm.transport.channel import decode_off_loop, serve_raw
 from swarm.wire import (
     CloseReply,
     CloseRequest,
@@ -52,7 +52,7 @@ async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
     """Decode, call ``handler.rpc_<verb>``, encode; every failure becomes an encoded ErrorReply."""
     reply: Reply
     try:
-        request = decode_request(data)
+        request = await decode_off_loop(decode_request, data)
         method = getattr(handler, f"rpc_{request_verb(request)}")
         reply = await method(request, remote_id)
     except SwarmError as e:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import CapacityError, ModelMismatch, SessionError
+from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
 from swarm.transport import call_close, call_info, call_probe, call_step
@@ -233,11 +233,14 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
                 )
             info = await call_info(p2p, peer.peer_id, maddrs=peer.maddrs)
             assert info.state == "serving" and info.active_sessions == 0
-            # Past the 4 MiB unary cap both ways: the request and the reply go by stream.
-            big = 5 * 1024**2
-            probe = ProbeRequest(payload=bytes(big), reply_bytes=big)
+            # Past the unary limit both ways: the request and the reply go by stream. A probe's reply is at most
+            # session.max_probe_reply_bytes (4 MiB by default), still past the 3 MiB unary limit.
+            big, back = 5 * 1024**2, 4 * 1024**2
+            probe = ProbeRequest(payload=bytes(big), reply_bytes=back)
             reply = await call_probe(p2p, peer.peer_id, probe, maddrs=peer.maddrs, timeout_s=30)
-            assert reply.received_bytes == big and len(reply.payload) == big
+            assert reply.received_bytes == big and len(reply.payload) == back
+            with pytest.raises(ProtocolError, match="bytes back"):
+                await call_probe(p2p, peer.peer_id, ProbeRequest(reply_bytes=big), timeout_s=30)
         assert peer.proc.poll() is None
 
     asyncio.run(run())

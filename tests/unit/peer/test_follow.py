@@ -203,7 +203,7 @@ def test_follower_serves_the_hull_until_others_keep_what_it_drops(tiny_source):
         assert announced == [R(0, 4)] and peer.held == R(0, 4) and peer.status is Status.MOVING
         await handlers.rpc_step(step("s1", 3, 1), "client")  # s1 still runs on the old range
         await handlers.rpc_step(step("s2", 0, 3, 0, 4), "client")  # a new session opens on the hull
-        assert old is not None and set(old.sessions) == {"s1"} and len(peer.ranges) == 2
+        assert old is not None and set(old.sessions) == {"s1@client"} and len(peer.ranges) == 2
         await handlers.rpc_close(CloseRequest("s1"), "client")  # its end lets the old range go
         await directory.read_more(3)  # the follower looked three times more: 0:2 is nobody else's yet
         assert peer.held == R(0, 4) and not move.done() and peer.ranges[-1].range == R(0, 4)

@@ -127,7 +127,7 @@ def test_two_ranges_each_keep_their_own_sessions_and_cache() -> None:
         new = h.peer.serve(source.load_blocks(0, 4, cache_tokens=64))
         await h.rpc_step(_step(h, "fresh", 0, 2, end=4), "QmClient")
         await h.rpc_step(_step(h, "old", 3, 1), "QmClient")  # still served by the range it opened on
-        assert set(old.sessions) == {"old"} and set(new.sessions) == {"fresh"}
+        assert set(old.sessions) == {"old@QmClient"} and set(new.sessions) == {"fresh@QmClient"}
         assert h.peer.held == new.range and h.peer.record().range_end == 4
         with pytest.raises(CapacityError, match="open on"):
             await h.rpc_step(_step(h, "old", 4, 1, end=4), "QmClient")  # layers its range does not have
