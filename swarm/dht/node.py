@@ -23,6 +23,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_of_public_key
+from swarm.dht.process import ParentBoundDHT
 from swarm.dht.schemas import FlowSwarmSchema, model_key
 from swarm.errors import TransportError
 from swarm.settings import setting
@@ -210,7 +211,7 @@ def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporar
         SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=model_key(model_hash)),
     ]
     ip = "ip6" if ":" in config.host else "ip4"
-    return hivemind.DHT(
+    return ParentBoundDHT(
         initial_peers=list(config.initial_peers) or None,
         start=True,
         await_ready=False,

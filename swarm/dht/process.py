@@ -1,0 +1,48 @@
+"""The hivemind DHT child process, made to die with its parent.
+
+hivemind runs the DHT in a forked child, which starts the ``p2pd`` daemon as its own child. When the peer is
+SIGKILLed (or crashes) neither learns of it: both were seen running minutes later, and the orphaned DHT child
+ignored SIGTERM. So the child watches its parent: once the parent is gone it kills its own descendants (p2pd)
+and exits. (PR_SET_PDEATHSIG alone would kill the DHT child at once but leave p2pd behind.)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import hivemind
+import psutil
+
+WATCH_INTERVAL_S = 0.5
+
+
+class ParentBoundDHT(hivemind.DHT):
+    """A hivemind.DHT whose child process, and everything it started, ends when the process that forked it ends."""
+
+    def run(self) -> None:  # runs in the child
+        parent = os.getppid()
+        threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+        super().run()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(WATCH_INTERVAL_S)
+    reap_descendants(os.getpid())
+    os._exit(0)
+
+
+def reap_descendants(pid: int) -> None:
+    """SIGKILL every descendant of ``pid`` (not ``pid`` itself)."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=5)
