@@ -9,6 +9,12 @@ answer (--new-tokens tokens, a prompt long answers follow) once through POST /v1
 text received; tokens/s = (tokens - 1) / (last text - first text). Prints ONE JSON object with the medians,
 the best runs, and the server's overhead in percent (positive = the API is slower).
 
+Wall times on this shared 2-core machine vary by more than the few percent the server adds, so the benchmark
+also reports the server's cost in CPU, which is not disturbed by other jobs: the CPU seconds the swarm-chat
+process spent per API answer minus the CPU seconds this process spent per client answer (both run the same
+AsyncSwarmClient; the difference is the web layer), as a percent of one answer's wall time
+(`cpu_overhead_percent_of_answer`).
+
     .venv/bin/python scripts/bench_web.py                     # 64 tokens, 5 repeats
     .venv/bin/python scripts/bench_web.py --new-tokens 8 --repeats 1   # quick check
 """
@@ -29,6 +35,7 @@ os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp
+import psutil
 
 from client import AsyncSwarmClient
 from client.web.launcher import ChatServer
@@ -102,7 +109,16 @@ def summary(runs: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-async def measure(initial_peers: list[str], url: str, new_tokens: int, repeats: int) -> dict[str, object]:
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+async def measure(
+    initial_peers: list[str], url: str, new_tokens: int, repeats: int, server_pid: int
+) -> dict[str, object]:
+    server, me = psutil.Process(server_pid), psutil.Process()
+    api_cpu_s = client_cpu_s = client_wall_s = 0.0
     client = await AsyncSwarmClient.create(initial_peers, "default")
     try:
         async with aiohttp.ClientSession() as http:
@@ -110,8 +126,13 @@ async def measure(initial_peers: list[str], url: str, new_tokens: int, repeats: 
             await client.generate(messages=MESSAGES, max_new_tokens=4)
             api_runs, client_runs, tokens = [], [], 0
             for _ in range(repeats):
+                before = _cpu_s(server)
                 api_text, tokens, api = await through_api(http, url, new_tokens)
+                api_cpu_s += _cpu_s(server) - before
+                before, began = _cpu_s(me), time.perf_counter()
                 client_text, direct = await through_client(client, new_tokens, tokens)
+                client_cpu_s += _cpu_s(me) - before
+                client_wall_s += time.perf_counter() - began
                 if api_text != client_text:
                     raise AssertionError(f"the API answered {api_text!r}, the client {client_text!r}")
                 api_runs.append(api)
@@ -130,6 +151,8 @@ async def measure(initial_peers: list[str], url: str, new_tokens: int, repeats: 
             "ttft_best": 100 * (api_sum["ttft_s_best"] / client_sum["ttft_s_best"] - 1),
             "tokens_s_best": 100 * (client_sum["tokens_s_best"] / api_sum["tokens_s_best"] - 1),
         },
+        "cpu_s_per_answer": {"server": api_cpu_s / repeats, "client": client_cpu_s / repeats},
+        "cpu_overhead_percent_of_answer": 100 * (api_cpu_s - client_cpu_s) / client_wall_s,
         "runs": {"api": api_runs, "client": client_runs},
     }
 
@@ -149,7 +172,9 @@ def main() -> int:
                 swarm.start_peer(layers, name=f"peer-{i}", wait=i == 0, extra_args=["--no-follow-plan"])
             swarm.wait_all_ready(timeout_s=300)
             with ChatServer(swarm.initial_peers, work / "chat.log", timeout_s=300) as server:
-                result = asyncio.run(measure(swarm.initial_peers, server.url, args.new_tokens, args.repeats))
+                result = asyncio.run(
+                    measure(swarm.initial_peers, server.url, args.new_tokens, args.repeats, server.proc.pid)
+                )
     text = json.dumps({"benchmark": "bench_web", "model": "default", **result}, indent=2)
     print(text)
     if args.json:
