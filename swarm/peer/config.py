@@ -61,9 +61,13 @@ class ExecutorConfig:
 
     queue_jobs: int = setting(256, "jobs waiting for the torch thread; past this, requests get CapacityError")
     max_batch: int = setting(8, "most decode steps fused into one forward call")
+    prefill_chunk_tokens: int = setting(
+        256,
+        "a longer prefill runs in chunks of this many tokens; other sessions' decode steps run between them",
+    )
 
     def __post_init__(self) -> None:
-        _positive(self, "queue_jobs", "max_batch")
+        _positive(self, "queue_jobs", "max_batch", "prefill_chunk_tokens")
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,28 @@ class Executor:
             logger.debug("executor shut down; nothing to release")
 
     async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
-        """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings."""
+        """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
+
+        A session's prefill longer than ``prefill_chunk_tokens`` runs as consecutive chunks, each its own job:
+        decode steps queued meanwhile run between two chunks instead of waiting for the whole prompt (prefill
+        is compute-bound, decode latency-bound). Each chunk extends the session's cache from where the last
+        one ended, so the output is the whole step's."""
+        chunk = self.config.prefill_chunk_tokens
+        tokens = step.hidden.shape[0]
+        if step.session_id is None or tokens <= chunk:
+            return await self._forward_job(blocks, step)
+        parts: list[torch.Tensor] = []
+        queue_s = compute_s = 0.0
+        for offset in range(0, tokens, chunk):
+            hidden = step.hidden[offset : offset + chunk]  # [<=chunk, H]
+            part = await self._forward_job(
+                blocks, Step(step.session_id, hidden, step.start, step.end, step.position + offset)
+            )
+            parts.append(part.hidden)
+            queue_s, compute_s = queue_s + part.queue_s, compute_s + part.compute_s
+        return StepResult(torch.cat(parts), queue_s, compute_s)
+
+    async def _forward_job(self, blocks: BlockRange, step: Step) -> StepResult:
         loop = asyncio.get_running_loop()
         result: StepResult = await self._submit(_Job(None, step, blocks, loop.create_future()))
         return result

@@ -27,7 +27,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW_TOKENS = 24
 # Peers keep the layers they are given: the plan still routes, but nobody moves, so "the middle peer" and
 # "its replica" stay what the tests say they are.
-FIXED = ["--no-follow-plan"]
+# Prefill in chunks of 16 tokens (the chat prompts here are longer), so every exactness test below also
+# covers chunked prefill.
+FIXED = ["--no-follow-plan", "--executor-prefill-chunk-tokens", "16"]
 
 
 @pytest.fixture(scope="module")

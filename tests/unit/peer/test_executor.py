@@ -129,3 +129,45 @@ def test_steps_on_two_block_ranges_never_share_a_batch() -> None:
     assert batches == 2, "a and c (old range) batch together; b (new range) runs on its own"
     assert old.active_sessions == ["a", "c"] and new.active_sessions == ["b"]
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)  # same weights, same input
+
+
+def test_a_long_prefill_runs_in_chunks_with_the_same_output_and_lets_decodes_through(
+    blocks: BlockRange,
+) -> None:
+    """prefill_chunk_tokens=8: a 40-token prefill is 5 jobs; a decode step queued meanwhile runs before the
+    prefill ends, and the prefill's output and the cache it leaves equal an unchunked run's."""
+    chunked = Executor(ExecutorConfig(prefill_chunk_tokens=8))
+    prompt = _hidden(blocks, 40, 7)
+    done: list[str] = []
+
+    async def body() -> tuple[torch.Tensor, torch.Tensor]:
+        for sid in ("long", "other"):
+            await chunked.call(lambda s=sid: blocks.open_session(s, 64))
+        await chunked.forward(blocks, Step("other", _hidden(blocks, 3, 8), 0, 2, 0))
+
+        async def tagged(name: str, step: Step) -> torch.Tensor:
+            result = await chunked.forward(blocks, step)
+            done.append(name)
+            return result.hidden
+
+        before = chunked.steps_run
+        prefill = asyncio.create_task(tagged("prefill", Step("long", prompt, 0, 2, 0)))
+        await asyncio.sleep(0)  # the first chunk is queued
+        decode = asyncio.create_task(tagged("decode", Step("other", _hidden(blocks, 1, 9), 0, 2, 3)))
+        out, _ = await asyncio.gather(prefill, decode)
+        assert chunked.steps_run - before == 6, "five prefill chunks and one decode step"
+        (after,) = (await chunked.forward(blocks, Step("long", _hidden(blocks, 1, 10), 0, 2, 40))).hidden[
+            None
+        ]
+        for sid in ("long", "other"):
+            await chunked.call(lambda s=sid: blocks.close_session(s))
+        return out, after
+
+    out, next_token = asyncio.run(_with_executor(chunked, body))
+    assert done == ["decode", "prefill"], "the decode step must not wait for the whole prefill"
+    blocks.open_session("whole", 64)
+    (whole,) = blocks.forward([Step("whole", prompt, 0, 2, 0)])
+    (whole_next,) = blocks.forward([Step("whole", _hidden(blocks, 1, 10), 0, 2, 40)])
+    blocks.close_session("whole")
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(next_token, whole_next, atol=1e-5, rtol=1e-5)
