@@ -59,6 +59,9 @@ class DirectoryConfig:
     read_timeout_s: float = 15.0  # deadline of one snapshot read
     write_timeout_s: float = 5.0  # deadline of one announcement or withdrawal
     report_ttl_s: float = 600.0  # a misbehaviour report counts this long after it was written
+    lease_s: float = (
+        30.0  # the planner lease period (ElectionConfig.lease_s): how far a claim may be back-dated
+    )
     max_record_ttl_s: float = 900.0  # readers drop records that claim to live longer than this
 
     def __post_init__(self) -> None:
@@ -274,7 +277,7 @@ class Directory:
     async def read_leases(self) -> dict[str, LeaseRecord]:
         """Live lease records with their times clamped to when we first saw them (swarm.dht.trust)."""
         leases = self._parse(await self.dht.get(lease_key(self.dht.model_hash)), LeaseRecord, "lease")
-        return self._witness.clamp(leases, self.dht.now())
+        return self._witness.clamp(leases, self.dht.now(), self.config.lease_s)
 
     async def read_reports(self) -> list[ReportRecord]:
         """Live, valid reports, at most MAX_REPORTS_PER_REPORTER per reporter."""

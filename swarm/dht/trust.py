@@ -5,9 +5,11 @@ reader saw before; Directory applies them to every read:
 
 * Time. No record may claim a stamp in the future (beyond MAX_CLOCK_SKEW_S) or live longer than the reader's
   max_record_ttl_s from its stamp: a record stored with an expiration years away is dropped, not kept forever.
-* Leases. A claim counts from the later of its `held_since` and the moment this reader first saw it
-  (`LeaseWitness`): nobody can back-date a claim past what the reader witnessed, so a fresh key writing
-  `held_since=0` cannot displace a holder the swarm has been watching. Ties are broken by sha256(peer id,
+* Leases. A claim counts from no earlier than one lease period before this reader first saw it
+  (`LeaseWitness`): nobody can back-date a claim further than that, so a fresh key writing `held_since=0`
+  cannot displace a holder that has held the lease for longer than a lease period in the reader's sight.
+  The lease-period allowance keeps split-brain healing symmetric: two claims made within a lease period of
+  the reunion compare by their true times on every side (longer splits are a known limit, see README). Ties are broken by sha256(peer id,
   model hash) (`tie_rank`): grinding a winning rank costs one RSA key generation per try and must be redone
   for every model, where the old "smallest id" could be ground once for all swarms.
 * Plans. Only the lease holder's plan is used, and only if it places peers the snapshot knows, each within
@@ -96,7 +98,8 @@ def tie_rank(peer_id: str, salt: str) -> bytes:
 
 
 class LeaseWitness:
-    """Remembers when this reader first saw each candidacy and claim, and clamps lease times to them.
+    """Remembers when this reader first saw each candidacy and claim, and clamps lease times to no earlier
+    than `horizon_s` (the lease period) before that.
 
     An entry outlives a few missed reads (a DHT read may miss a record): were the holder's claim forgotten
     after one, it would look newer than a back-dated claim the reader kept seeing.
@@ -108,8 +111,10 @@ class LeaseWitness:
     def __init__(self) -> None:
         self._seen: dict[tuple[str, str, float], tuple[float, float]] = {}  # key -> (first, last) seen
 
-    def clamp(self, leases: Mapping[str, LeaseRecord], now: float) -> dict[str, LeaseRecord]:
-        clamped = {pid: self._clamp_one(pid, record, now) for pid, record in leases.items()}
+    def clamp(
+        self, leases: Mapping[str, LeaseRecord], now: float, horizon_s: float
+    ) -> dict[str, LeaseRecord]:
+        clamped = {pid: self._clamp_one(pid, record, now, horizon_s) for pid, record in leases.items()}
         self._forget(now)
         return clamped
 
@@ -118,13 +123,12 @@ class LeaseWitness:
         self._seen[key] = (first, now)
         return first
 
-    def _clamp_one(self, pid: str, record: LeaseRecord, now: float) -> LeaseRecord:
-        candidate = max(
-            record.candidate_since, self._first_seen((pid, "candidate", record.candidate_since), now)
-        )
+    def _clamp_one(self, pid: str, record: LeaseRecord, now: float, horizon_s: float) -> LeaseRecord:
+        seen = self._first_seen((pid, "candidate", record.candidate_since), now)
+        candidate = max(record.candidate_since, seen - horizon_s)
         held = record.held_since
         if held is not None:
-            held = max(held, candidate, self._first_seen((pid, "held", held), now))
+            held = max(held, candidate, self._first_seen((pid, "held", held), now) - horizon_s)
         if (candidate, held) == (record.candidate_since, record.held_since):
             return record
         return record.model_copy(update={"candidate_since": candidate, "held_since": held})

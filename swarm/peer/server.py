@@ -93,7 +93,8 @@ async def _serve(
 ) -> None:
     """Wire the components around one Peer under one TaskGroup; return once the peer has left."""
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
-    directory = Directory(dht, DirectoryConfig(ttl_s=config.record_ttl_s), shape=shape)
+    directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
+    directory = Directory(dht, directory_config, shape=shape)
     identity = _identity(config, source.spec, dht)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     executor = Executor(config.executor, name=f"torch-{config.device}")

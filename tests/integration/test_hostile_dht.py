@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from client import SwarmClient
-from swarm.dht import Directory, ModelShape, PlanRecord, SwarmSnapshot
+from swarm.dht import Directory, DirectoryConfig, ModelShape, PlanRecord, SwarmSnapshot
 from swarm.dht.schemas import lease_key, peers_key, plan_key
 from swarm.models import resolve_model
 from swarm.models.head import SamplingParams
@@ -123,7 +123,8 @@ def _settle(
     swarm: LocalSwarm, client: SwarmClient, attacker: HostileNode, planner_id: str, peer_ids: list[str]
 ) -> Harness:
     """Wait until the planner's plan is published and served, then record the ranges and a baseline answer."""
-    observer = Directory(client._client.dht, shape=ModelShape(SPEC.num_layers, SPEC.hidden_size))
+    shape = ModelShape(SPEC.num_layers, SPEC.hidden_size)
+    observer = Directory(client._client.dht, DirectoryConfig(lease_s=3.0), shape=shape)  # the swarm's lease
     box: dict[str, SwarmSnapshot] = {}
 
     async def settled() -> bool:

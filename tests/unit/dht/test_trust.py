@@ -271,25 +271,36 @@ def test_a_backdated_claim_does_not_displace_the_witnessed_holder(keys: list[Key
     dht, directory = swarm(keys)
     holder, thief = keys[2], keys[3]
     assert read(directory).planner_peer_id == holder.peer_id
-    dht.clock = NOW + 5
+    dht.clock = NOW + 5  # the holder claimed at NOW - 90: more than a lease (30 s) before the theft
     dht.put(lease_key(MODEL_HASH), thief.subkey, lease_value(thief.peer_id, 0.0, 0.0))
     for _ in range(3):
         assert read(directory).planner_peer_id == holder.peer_id
         dht.clock += 1.0
 
 
-def test_witness_clamps_claims_to_when_they_were_first_seen() -> None:
-    witness = LeaseWitness()
+def test_witness_clamps_claims_to_a_lease_before_they_were_first_seen() -> None:
+    witness, lease_s = LeaseWitness(), 30.0
     honest = LeaseRecord(peer_id="QmH", candidate_since=NOW - 500, held_since=NOW - 400, updated_at=NOW)
-    first = witness.clamp({"QmH": honest}, NOW)
-    assert first["QmH"].held_since == NOW  # a fresh reader vouches for nothing older than now
-    thief = LeaseRecord(peer_id="QmT", candidate_since=0.0, held_since=0.0, updated_at=NOW + 10)
-    later = witness.clamp({"QmH": honest, "QmT": thief}, NOW + 10)
-    assert later["QmH"].held_since == NOW and later["QmT"].held_since == NOW + 10
+    first = witness.clamp({"QmH": honest}, NOW, lease_s)
+    assert first["QmH"].held_since == NOW - lease_s  # a fresh reader vouches for one lease back at most
+    thief = LeaseRecord(peer_id="QmT", candidate_since=0.0, held_since=0.0, updated_at=NOW + 40)
+    later = witness.clamp({"QmH": honest, "QmT": thief}, NOW + 40, lease_s)
+    assert later["QmH"].held_since == NOW - lease_s and later["QmT"].held_since == NOW + 40 - lease_s
     assert lease_holder(later, MODEL_HASH) == "QmH"
     # A read that misses the holder's record does not make its claim look new.
-    witness.clamp({"QmT": thief}, NOW + 11)
-    assert witness.clamp({"QmH": honest, "QmT": thief}, NOW + 12)["QmH"].held_since == NOW
+    witness.clamp({"QmT": thief}, NOW + 41, lease_s)
+    assert witness.clamp({"QmH": honest, "QmT": thief}, NOW + 42, lease_s)["QmH"].held_since == NOW - lease_s
+
+
+def test_a_short_split_heals_by_the_true_claim_times_on_both_sides() -> None:
+    # A and B claimed while apart (within a lease of the reunion); each first sees the other's claim now.
+    a = LeaseRecord(peer_id="QmA", candidate_since=NOW - 100, held_since=NOW - 20, updated_at=NOW)
+    b = LeaseRecord(peer_id="QmB", candidate_since=NOW - 100, held_since=NOW - 10, updated_at=NOW)
+    on_a_side, on_b_side = LeaseWitness(), LeaseWitness()
+    on_a_side.clamp({"QmA": a}, NOW - 19, 30.0)
+    on_b_side.clamp({"QmB": b}, NOW - 9, 30.0)
+    views = [w.clamp({"QmA": a, "QmB": b}, NOW, 30.0) for w in (on_a_side, on_b_side)]
+    assert [lease_holder(v, MODEL_HASH) for v in views] == ["QmA", "QmA"]
 
 
 def test_a_claim_cannot_precede_its_candidacy() -> None:
