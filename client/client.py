@@ -26,7 +26,7 @@ from client.generation import GenerationRequest, generate_ids, generate_text
 from client.retry import RetryPolicy
 from client.routes import SwarmRoutes
 from client.session import Chain, Head, InferenceSession, RouteSource
-from swarm.dht import DHTConfig, Directory, SwarmDHT
+from swarm.dht import DHTConfig, Directory, ModelShape, SwarmDHT
 from swarm.errors import ModelMismatch, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import resolve_model
@@ -87,13 +87,15 @@ class AsyncSwarmClient:
             await _check_model(
                 p2p, config.initial_peers, spec.weights_hash, spec.name, config.connect_timeout_s
             )
-            directory = Directory(dht)
+            directory = Directory(dht, shape=ModelShape(spec.num_layers, spec.hidden_size))
             routes = SwarmRoutes(
                 directory.snapshot,
                 spec.num_layers,
                 cache_high_water=config.cache_high_water,
                 snapshot_max_age_s=config.snapshot_max_age_s,
                 bans=BanConfig(base_s=config.ban_initial_s, max_s=config.ban_max_s),
+                min_reporters=config.min_reporters,
+                max_layer_tokens_s=config.max_layer_tokens_s,
             )
             await routes.wait_for_coverage(config.connect_timeout_s)
             chain = RemoteChain(

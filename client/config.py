@@ -50,12 +50,24 @@ class ClientConfig:
     snapshot_max_age_s: float = 2.0
     """A DHT snapshot younger than this is reused instead of reading the DHT again."""
 
+    min_reporters: int = 2
+    """Never route through a peer reported for wrong outputs by this many distinct reporters (0: never)."""
+
+    max_layer_tokens_s: float = 1e6
+    """Announced decode tokens/s per layer above this count as this (plausibility cap on what peers claim)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
         for name in ("connect_timeout_s", "step_timeout_s", "close_timeout_s", "ban_initial_s", "ban_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.min_reporters < 0:
+            raise ValueError(f"ClientConfig.min_reporters must be >= 0, got {self.min_reporters}")
+        if self.max_layer_tokens_s <= 0:
+            raise ValueError(
+                f"ClientConfig.max_layer_tokens_s must be positive, got {self.max_layer_tokens_s}"
+            )
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:

@@ -9,22 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from swarm.dht import PeerRecord, SwarmSnapshot
+from swarm.dht import PeerRecord, SwarmSnapshot, excluded_peers
 from swarm.errors import NoRouteError
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingView
-from swarm.types import LayerRange, NodeID, Plan, coverage
+from swarm.routing.observed import announced_layer_tokens_s, discount_plan, flow_factor, speed_ratio
+from swarm.types import LayerRange, NodeID, coverage
 
 logger = logging.getLogger(__name__)
 
 Snapshotter = Callable[[], Awaitable[SwarmSnapshot]]
+MAX_LAYER_TOKENS_S = 1e6  # default plausibility cap on announced decode tokens/s per layer
+OBSERVED_WEIGHT = 0.3  # weight of the newest observation in a peer's running speed ratio
 
 
-def peer_state(record: PeerRecord, cache_high_water: float) -> PeerState:
-    """What routing needs from one announcement. A peer fuller than `cache_high_water` takes no new session."""
-    per_layer = record.decode_layer_tokens_s_b1
+def peer_state(
+    record: PeerRecord,
+    cache_high_water: float,
+    max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
+    ratio: float = 1.0,
+) -> PeerState:
+    """What routing needs from one announcement. A peer fuller than `cache_high_water` takes no new session.
+    Its speed is the announced one, clamped to `max_layer_tokens_s`, times the observed `ratio`."""
+    per_layer = min(record.decode_layer_tokens_s_b1, max_layer_tokens_s) * ratio
     return PeerState(
         peer_id=NodeID(record.peer_id),
         layers=LayerRange(record.range_start, record.range_end),
@@ -35,13 +45,25 @@ def peer_state(record: PeerRecord, cache_high_water: float) -> PeerState:
 
 
 def routing_view(
-    snapshot: SwarmSnapshot, num_layers: int, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
+    snapshot: SwarmSnapshot,
+    num_layers: int,
+    cache_high_water: float,
+    avoid: frozenset[NodeID] = frozenset(),
+    *,
+    min_reporters: int = 2,
+    max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
+    ratios: Mapping[NodeID, float] | None = None,
 ) -> RoutingView:
-    """The serving peers of `snapshot` as routing sees them, less those in `avoid`."""
+    """The serving peers of `snapshot` as routing sees them, less those in `avoid` and those reported by
+    `min_reporters` distinct reporters; `ratios` are observed / announced speeds."""
+    excluded = excluded_peers(snapshot.reports, min_reporters)
+    ratios = ratios or {}
     peers = [
-        peer_state(r, cache_high_water)
+        peer_state(r, cache_high_water, max_layer_tokens_s, ratios.get(NodeID(r.peer_id), 1.0))
         for r in snapshot.serving().values()
-        if r.range_start < r.range_end <= num_layers and NodeID(r.peer_id) not in avoid
+        if r.range_start < r.range_end <= num_layers
+        and NodeID(r.peer_id) not in avoid
+        and r.peer_id not in excluded
     ]
     return RoutingView.of(num_layers, peers)
 
@@ -58,6 +80,8 @@ class SwarmRoutes:
         snapshot_max_age_s: float,
         bans: BanConfig,
         clock: Callable[[], float] = time.monotonic,
+        min_reporters: int = 2,
+        max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
     ) -> None:
         self._read_snapshot = snapshot
         self.num_layers = num_layers
@@ -67,8 +91,11 @@ class SwarmRoutes:
         self._clock = clock
         self._snapshot: SwarmSnapshot | None = None
         self._read_at = -float("inf")
+        self.min_reporters = min_reporters
+        self.max_layer_tokens_s = max_layer_tokens_s
+        self.ratios: dict[NodeID, float] = {}  # observed / announced speed per timed peer, running average
         self._router: Router | None = None
-        self._epoch: int | None = None
+        self._router_key: tuple[object, ...] | None = None  # (epoch, flow factors) the router was built for
         self._lock = asyncio.Lock()  # one DHT read at a time; concurrent sessions share its result
 
     async def snapshot(self, force: bool = False) -> SwarmSnapshot:
@@ -80,13 +107,42 @@ class SwarmRoutes:
             return self._snapshot
 
     def router(self, snapshot: SwarmSnapshot) -> Router:
+        """The Router of the snapshot's plan, with flows scaled by observed speeds; rebuilt when the epoch or
+        a peer's (coarsened) flow factor changes."""
         epoch = snapshot.plan.epoch if snapshot.plan is not None else None
-        if self._router is None or epoch != self._epoch:
-            plan = Plan.from_json(snapshot.plan.plan) if snapshot.plan is not None else None
-            self._router, self._epoch = Router(plan, bans=self.bans), epoch
-            if plan is not None:
+        factors = self._flow_factors()
+        key = (epoch, tuple(sorted(factors.items())))
+        if self._router is None or key != self._router_key:
+            plan = snapshot.plan.to_plan() if snapshot.plan is not None else None
+            if plan is not None and (self._router_key is None or self._router_key[0] != epoch):
                 logger.info("routing by plan epoch %d (%s)", plan.epoch, plan.method)
+            routed = discount_plan(plan, factors) if plan is not None else None
+            self._router, self._router_key = Router(routed, bans=self.bans), key
         return self._router
+
+    def observe(self, peer_id: NodeID, layers: int, tokens: int, compute_s: float) -> None:
+        """Feed one timed hop: `peer_id` ran `layers` layers on `tokens` tokens in `compute_s` seconds. Its
+        running speed ratio (observed / announced) then scales the flow routing sends it."""
+        record = self._snapshot.peers.get(peer_id) if self._snapshot is not None else None
+        if record is None:
+            return
+        announced = announced_layer_tokens_s(
+            record.decode_layer_tokens_s_b1, record.prefill_layer_tokens_s, tokens, self.max_layer_tokens_s
+        )
+        ratio = speed_ratio(announced, layers, tokens, compute_s)
+        if ratio is None:
+            return
+        before = self.ratios.get(peer_id, ratio)
+        self.ratios[peer_id] = before + OBSERVED_WEIGHT * (ratio - before)
+
+    def _flow_factors(self) -> dict[NodeID, float]:
+        """Flow factors below 1, coarsened to powers of two so that noise does not rebuild the router."""
+        factors = {}
+        for peer_id, ratio in self.ratios.items():
+            factor = flow_factor(ratio)
+            if factor < 1.0:
+                factors[peer_id] = 2.0 ** round(math.log2(factor))
+        return factors
 
     async def route(
         self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
@@ -109,8 +165,21 @@ class SwarmRoutes:
         session_tokens: int,
         avoid: frozenset[NodeID],
     ) -> Route:
-        view = routing_view(snapshot, self.num_layers, self.cache_high_water, avoid)
+        view = self._view(snapshot, self.cache_high_water, avoid)
         return self.router(snapshot).route_from(view, start_layer, prev, session_tokens)
+
+    def _view(
+        self, snapshot: SwarmSnapshot, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
+    ) -> RoutingView:
+        return routing_view(
+            snapshot,
+            self.num_layers,
+            cache_high_water,
+            avoid,
+            min_reporters=self.min_reporters,
+            max_layer_tokens_s=self.max_layer_tokens_s,
+            ratios=self.ratios,
+        )
 
     def ban(self, peer_id: NodeID) -> None:
         seconds = self.bans.ban(peer_id)
@@ -129,7 +198,7 @@ class SwarmRoutes:
         deadline = self._clock() + timeout_s
         while True:
             snapshot = await self.snapshot(force=True)
-            view = routing_view(snapshot, self.num_layers, 1.0)
+            view = self._view(snapshot, 1.0)
             counts = coverage((p.layers for p in view.peers.values()), self.num_layers)
             missing = [layer for layer, count in enumerate(counts) if count == 0]
             if not missing:

@@ -4,7 +4,9 @@ dht = await SwarmDHT.create(DHTConfig(initial_peers=(...,)), model_hash)   # joi
 try:
     p2p = await dht.replicate_p2p()               # for RPC; dht.peer_id, dht.visible_maddrs()
     directory = Directory(dht, DirectoryConfig(ttl_s=30.0))
-    snapshot = await directory.snapshot()         # SwarmSnapshot: peers, plan, planner_peer_id, fetched_at
+    snapshot = await directory.snapshot()         # SwarmSnapshot: peers, plan (the lease holder's, checked),
+                                                  # planner_peer_id, fetched_at, reports (accused -> reporters)
+    await directory.publish_report(ReportRecord(...))   # signed misbehaviour report (swarm.dht.trust)
     coverage(snapshot, num_layers)                # serving peers per layer
     async with asyncio.TaskGroup() as tg:
         tg.create_task(Announcer(directory, current_record).run())   # refresh every ttl/3, withdraw on exit
@@ -17,7 +19,8 @@ finally:
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage
 from swarm.dht.election import Election, ElectionConfig, decide, lease_holder
 from swarm.dht.node import DHTConfig, ReachabilityConfig, SwarmDHT
-from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, PlanRecord
+from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, PlanRecord, ReportRecord
+from swarm.dht.trust import ModelShape, excluded_peers
 
 __all__ = [
     "Announcer",
@@ -28,12 +31,15 @@ __all__ = [
     "ElectionConfig",
     "LeaseRecord",
     "LinkMeasure",
+    "ModelShape",
     "PeerRecord",
     "PlanRecord",
     "ReachabilityConfig",
+    "ReportRecord",
     "SwarmDHT",
     "SwarmSnapshot",
     "coverage",
     "decide",
+    "excluded_peers",
     "lease_holder",
 ]

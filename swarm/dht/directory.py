@@ -1,13 +1,16 @@
-"""The swarm directory: announce this peer, read a typed snapshot of everyone, publish the plan.
+"""The swarm directory: announce this peer, read a typed snapshot of everyone, publish the plan and reports.
 
-Every value read back is checked three times: hivemind verified the RSA signature of its subkey, the schema
-validator checked its shape on the storing node, and here we parse it with the strict pydantic model and
-require its peer id to be the one the signing key hashes to. Anything failing is skipped, never trusted.
+Every value read back is checked four times: hivemind verified the RSA signature of its subkey, the schema
+validator checked its shape on the storing node, here we parse it with the strict pydantic model and require
+its peer id to be the one the signing key hashes to, and swarm.dht.trust checks it against the clock, the
+agreed model shape, the lease and the other records. Anything failing is dropped (counted in `rejections`,
+logged once), never trusted and never raised. At most MAX_RECORDS_PER_KEY subkeys of a key are parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,13 +21,33 @@ import pydantic
 from swarm.dht.election import lease_holder
 from swarm.dht.identity import owner_peer_id
 from swarm.dht.node import SwarmDHT
-from swarm.dht.schemas import LeaseRecord, PeerRecord, PlanRecord, lease_key, peers_key, plan_key
+from swarm.dht.schemas import (
+    LeaseRecord,
+    PeerRecord,
+    PlanRecord,
+    ReportRecord,
+    lease_key,
+    peers_key,
+    plan_key,
+    reports_key,
+)
+from swarm.dht.trust import (
+    EpochGuard,
+    LeaseWitness,
+    ModelShape,
+    Rejections,
+    plan_problem,
+    reporters_by_accused,
+    time_problem,
+)
 from swarm.types import LayerRange
 from swarm.types import coverage as layer_coverage
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord)
+R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord, ReportRecord)
+MAX_RECORDS_PER_KEY = 1024  # subkeys parsed per key and read: RSA key parsing is the costly part
+MAX_REPORTS_PER_REPORTER = 16  # one reporter cannot fill the reports key on its own
 
 
 @dataclass(frozen=True)
@@ -35,10 +58,20 @@ class DirectoryConfig:
     plan_ttl_s: float = 300.0  # a plan outlives its planner long enough for a successor to take over
     read_timeout_s: float = 15.0  # deadline of one snapshot read
     write_timeout_s: float = 5.0  # deadline of one announcement or withdrawal
+    report_ttl_s: float = 600.0  # a misbehaviour report counts this long after it was written
+    lease_s: float = (
+        30.0  # the planner lease period (ElectionConfig.lease_s): how far a claim may be back-dated
+    )
+    max_record_ttl_s: float = 900.0  # readers drop records that claim to live longer than this
 
     def __post_init__(self) -> None:
-        if min(self.ttl_s, self.plan_ttl_s, self.read_timeout_s, self.write_timeout_s) <= 0:
-            raise ValueError("ttl_s, plan_ttl_s, read_timeout_s and write_timeout_s must be positive")
+        if (
+            min(self.ttl_s, self.plan_ttl_s, self.read_timeout_s, self.write_timeout_s, self.report_ttl_s)
+            <= 0
+        ):
+            raise ValueError("ttl_s, plan_ttl_s, read/write_timeout_s and report_ttl_s must be positive")
+        if max(self.ttl_s, self.plan_ttl_s, self.report_ttl_s) > self.max_record_ttl_s:
+            raise ValueError("ttl_s, plan_ttl_s and report_ttl_s must not exceed max_record_ttl_s")
 
     @property
     def refresh_s(self) -> float:
@@ -51,10 +84,11 @@ class SwarmSnapshot:
     """What the DHT said at `fetched_at`: live, valid, correctly signed records only."""
 
     peers: Mapping[str, PeerRecord]  # by peer id, any state ("loading", "serving", "leaving")
-    plan: PlanRecord | None
+    plan: PlanRecord | None  # the lease holder's plan, if it fits `peers` and its epoch did not jump
     planner_peer_id: str | None  # the current planner-lease holder
     fetched_at: float  # DHT time (unix seconds)
     leases: Mapping[str, LeaseRecord] = field(default_factory=dict)
+    reports: Mapping[str, frozenset[str]] = field(default_factory=dict)  # accused -> distinct reporters
 
     def serving(self) -> dict[str, PeerRecord]:
         return {pid: r for pid, r in self.peers.items() if r.state == "serving"}
@@ -70,39 +104,94 @@ def coverage(snapshot: SwarmSnapshot, num_layers: int) -> list[int]:
     return layer_coverage(held, num_layers)
 
 
-def parse_records(raw: Mapping[Any, tuple[Any, float]], model: type[R], what: str) -> dict[str, R]:
-    """Validated records keyed by the signer's peer id; a record naming another peer id is dropped."""
+def parse_records(
+    raw: Mapping[Any, tuple[Any, float]],
+    model: type[R],
+    what: str,
+    *,
+    rejections: Rejections | None = None,
+    now: float | None = None,
+    max_ttl_s: float = float("inf"),
+) -> dict[str, R]:
+    """Validated records keyed by the signer's peer id; a record naming another peer id is dropped.
+
+    With `now`, records whose times cannot be true are dropped too (swarm.dht.trust.time_problem)."""
+    rejections = rejections or Rejections()
     records: dict[str, R] = {}
-    for subkey, (value, _expiration) in raw.items():
+    for subkey, value, expiration in capped(raw):
         signer = owner_peer_id(subkey)
-        try:
-            record = model.from_dht(value)
-        except pydantic.ValidationError as e:
-            logger.debug("skipping invalid %s record from %s: %s", what, signer, e)
+        record = parse_one(value, model, what, signer, rejections)
+        if record is None:
             continue
-        claimed = record.planner_peer_id if isinstance(record, PlanRecord) else record.peer_id
-        if signer is None or claimed != signer:
-            logger.debug("skipping %s record for %s signed by %s", what, claimed, signer)
+        if now is not None and (problem := time_problem(record, expiration, now, max_ttl_s)) is not None:
+            rejections.drop(what, signer, problem)
             continue
-        records[signer] = record
+        records[signer] = record  # type: ignore[index]  # parse_one checked the signer
     return records
 
 
-def pick_plan(plans: Mapping[str, PlanRecord], planner_peer_id: str | None) -> PlanRecord | None:
-    """The newest epoch; on a tie the current planner's copy, then the most recent one."""
-    if not plans:
+def capped(raw: Mapping[Any, tuple[Any, float]]) -> list[tuple[Any, Any, float]]:
+    """At most MAX_RECORDS_PER_KEY of raw's items, chosen by a hash of the subkey (no writer picks its place
+    without generating keys)."""
+    items = [(subkey, value, expiration) for subkey, (value, expiration) in raw.items()]
+    if len(items) > MAX_RECORDS_PER_KEY:
+        items.sort(key=lambda item: hashlib.sha256(repr(item[0]).encode()).digest())
+        items = items[:MAX_RECORDS_PER_KEY]
+    return items
+
+
+def parse_one(value: Any, model: type[R], what: str, signer: str | None, rejections: Rejections) -> R | None:
+    """The record in `value` if it is valid and names its signer; None (counted, logged once) otherwise."""
+    try:
+        record = model.from_dht(value)
+    except pydantic.ValidationError as e:
+        rejections.drop(what, signer, f"invalid ({e.error_count()} errors: {_first_error(e)})")
         return None
-    return max(plans.values(), key=lambda p: (p.epoch, p.planner_peer_id == planner_peer_id, p.created_at))
+    if isinstance(record, PlanRecord):
+        claimed = record.planner_peer_id
+    elif isinstance(record, ReportRecord):
+        claimed = record.reporter_peer_id
+    else:
+        claimed = record.peer_id
+    if signer is None or claimed != signer:
+        rejections.drop(what, signer, f"names {claimed[-8:]}, not its signer")
+        return None
+    return record
+
+
+def _first_error(e: pydantic.ValidationError) -> str:
+    first = e.errors()[0]
+    return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"[:200]
+
+
+def pick_plan(plans: Mapping[str, PlanRecord], planner_peer_id: str | None) -> PlanRecord | None:
+    """The current planner's plan: plans signed by anyone else are not followed, whatever their epoch."""
+    if planner_peer_id is None:
+        return None
+    return plans.get(planner_peer_id)
 
 
 class Directory:
     """Reads and writes this model's records in the DHT (the only typed door to them)."""
 
-    def __init__(self, dht: SwarmDHT, config: DirectoryConfig | None = None) -> None:
+    def __init__(
+        self, dht: SwarmDHT, config: DirectoryConfig | None = None, *, shape: ModelShape | None = None
+    ) -> None:
+        """`shape`: the model's shape from its spec (whose hash names our keys); peers announcing another
+        are dropped. Without it (status tools), each record's own num_layers bounds what a plan may place."""
         self.dht = dht
         self.config = config or DirectoryConfig()
+        self.shape = shape
+        self.rejections = Rejections()  # dropped records by kind, for tests and status
+        self._witness = LeaseWitness()  # when we first saw each lease claim
+        self._epochs = EpochGuard()  # the newest plan epoch we accepted
         self._last_record: PeerRecord | None = None
         self._last_expiration = 0.0
+
+    @property
+    def accepted_epoch(self) -> int | None:
+        """The newest plan epoch a snapshot of ours accepted (a new planner continues from it)."""
+        return self._epochs.epoch
 
     @property
     def peer_id(self) -> str:
@@ -157,31 +246,100 @@ class Directory:
             lease_key(self.dht.model_hash), self.dht.own_subkey(), lease.to_dht(), expiration
         )
 
+    async def publish_report(self, report: ReportRecord) -> bool:
+        """Store a signed misbehaviour report under our subkey for the accused peer (one per accused: a new
+        report replaces our older one); True if some node took it. It counts for report_ttl_s."""
+        if report.reporter_peer_id != self.dht.peer_id:
+            raise ValueError(f"report is by {report.reporter_peer_id}, but this node is {self.dht.peer_id}")
+        subkey = self.dht.own_subkey() + b"/" + report.accused_peer_id.encode()
+        expiration = self.dht.now() + self.config.report_ttl_s
+        return await self.dht.store(reports_key(self.dht.model_hash), subkey, report.to_dht(), expiration)
+
     async def read_peers(self) -> dict[str, PeerRecord]:
         raw = await self.dht.get(peers_key(self.dht.model_hash))
-        peers = parse_records(raw, PeerRecord, "peer")
-        return {pid: r for pid, r in peers.items() if r.model_hash == self.dht.model_hash}
+        peers = self._parse(raw, PeerRecord, "peer")
+        kept = {}
+        for pid, r in peers.items():
+            if r.model_hash != self.dht.model_hash:
+                self.rejections.drop("peer", pid, f"announces model {r.model_hash[:16]}")
+            elif self.shape is not None and (r.num_layers, r.hidden_size) != (
+                self.shape.num_layers,
+                self.shape.hidden_size,
+            ):
+                self.rejections.drop("peer", pid, f"announces {r.num_layers} layers of {r.hidden_size}")
+            else:
+                kept[pid] = r
+        return kept
 
     async def read_plans(self) -> dict[str, PlanRecord]:
-        return parse_records(await self.dht.get(plan_key(self.dht.model_hash)), PlanRecord, "plan")
+        return self._parse(await self.dht.get(plan_key(self.dht.model_hash)), PlanRecord, "plan")
 
     async def read_leases(self) -> dict[str, LeaseRecord]:
-        return parse_records(await self.dht.get(lease_key(self.dht.model_hash)), LeaseRecord, "lease")
+        """Live lease records with their times clamped to when we first saw them (swarm.dht.trust)."""
+        leases = self._parse(await self.dht.get(lease_key(self.dht.model_hash)), LeaseRecord, "lease")
+        return self._witness.clamp(leases, self.dht.now(), self.config.lease_s)
+
+    async def read_reports(self) -> list[ReportRecord]:
+        """Live, valid reports, at most MAX_REPORTS_PER_REPORTER per reporter."""
+        raw = await self.dht.get(reports_key(self.dht.model_hash))
+        now, per_reporter = self.dht.now(), dict[str, int]()
+        reports = []
+        for subkey, value, expiration in capped(raw):
+            signer = owner_peer_id(subkey)
+            report = parse_one(value, ReportRecord, "report", signer, self.rejections)
+            if report is None or per_reporter.get(report.reporter_peer_id, 0) >= MAX_REPORTS_PER_REPORTER:
+                continue
+            problem = time_problem(report, expiration, now, self.config.report_ttl_s)
+            if problem is None and report.created_at < now - self.config.report_ttl_s:
+                problem = "older than report_ttl_s"
+            if problem is not None:
+                self.rejections.drop("report", signer, problem)
+                continue
+            per_reporter[report.reporter_peer_id] = per_reporter.get(report.reporter_peer_id, 0) + 1
+            reports.append(report)
+        return reports
+
+    def _parse(self, raw: Mapping[Any, tuple[Any, float]], model: type[R], what: str) -> dict[str, R]:
+        return parse_records(
+            raw,
+            model,
+            what,
+            rejections=self.rejections,
+            now=self.dht.now(),
+            max_ttl_s=self.config.max_record_ttl_s,
+        )
 
     async def snapshot(self) -> SwarmSnapshot:
-        """One consistent-enough view: peers, leases and plans read concurrently, with a deadline."""
+        """One consistent-enough view: peers, leases, plans and reports read concurrently, with a deadline.
+
+        The plan is the lease holder's, and only if it fits the peers read and its epoch did not jump."""
         async with asyncio.timeout(self.config.read_timeout_s):
-            peers, plans, leases = await asyncio.gather(
-                self.read_peers(), self.read_plans(), self.read_leases()
+            peers, plans, leases, reports = await asyncio.gather(
+                self.read_peers(), self.read_plans(), self.read_leases(), self.read_reports()
             )
-        holder = lease_holder(leases)
+        holder = lease_holder(leases, self.dht.model_hash)
+        now = self.dht.now()
         return SwarmSnapshot(
             peers=peers,
-            plan=pick_plan(plans, holder),
+            plan=self._trusted_plan(pick_plan(plans, holder), peers, now),
             planner_peer_id=holder,
-            fetched_at=self.dht.now(),
+            fetched_at=now,
             leases=leases,
+            reports=reporters_by_accused(reports),
         )
+
+    def _trusted_plan(
+        self, plan: PlanRecord | None, peers: Mapping[str, PeerRecord], now: float
+    ) -> PlanRecord | None:
+        if plan is None:
+            return None
+        num_layers = self.shape.num_layers if self.shape is not None else None
+        problem = plan_problem(plan, peers, num_layers) or self._epochs.problem(plan.epoch, now)
+        if problem is not None:
+            self.rejections.drop("plan", plan.planner_peer_id, problem)
+            return None
+        self._epochs.accept(plan.epoch, now)
+        return plan
 
 
 class Announcer:

@@ -3,10 +3,15 @@
 Every candidate keeps a LeaseRecord under its own signed subkey, refreshed every lease_s / 3 and expiring
 lease_s after its last refresh. The rule, applied by every candidate to the same records:
 
-  1. If some live record claims the lease (held_since set), the earliest claim holds it (ties: smallest
-     peer id). A holder renews by refreshing, so leadership is sticky: a newcomer never displaces it.
-  2. If nobody holds it, the candidate with the smallest peer id wins, once its candidacy has been around
-     for settle_s (time for everyone's candidacies to reach the DHT before anyone claims).
+  1. If some live record claims the lease (held_since set), the earliest claim holds it (ties: the smallest
+     rank, sha256 of the model hash and the peer id). A holder renews by refreshing, so leadership is sticky:
+     a newcomer never displaces it.
+  2. If nobody holds it, the candidate with the smallest rank wins, once its candidacy has been around for
+     settle_s (time for everyone's candidacies to reach the DHT before anyone claims).
+
+The times are the ones the reader can vouch for (swarm.dht.trust.LeaseWitness clamps each to when the
+reader first saw it, Directory.read_leases drops impossible ones): a claim back-dated to 0 by a new key does
+not beat a holder the swarm has been watching.
 
 A dead holder's record expires after at most lease_s; the next candidate reads that within lease_s / 3 and
 claims at once (its candidacy has long settled), so a successor appears within two lease periods. Two nodes
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.dht.schemas import LeaseRecord
+from swarm.dht.trust import tie_rank
 from swarm.settings import setting
 
 if TYPE_CHECKING:
@@ -52,23 +58,25 @@ class ElectionConfig:
         return self.refresh_s if self.settle_s is None else self.settle_s
 
 
-def lease_holder(leases: Mapping[str, LeaseRecord]) -> str | None:
-    """Rule 1: the earliest live claim holds the lease (ties: smallest peer id)."""
+def lease_holder(leases: Mapping[str, LeaseRecord], salt: str = "") -> str | None:
+    """Rule 1: the earliest live claim holds the lease (ties: smallest tie_rank(peer id, salt))."""
     claims = [r for r in leases.values() if r.held_since is not None and not r.leaving]
     if not claims:
         return None
-    return min(claims, key=lambda r: (r.held_since, r.peer_id)).peer_id
+    return min(claims, key=lambda r: (r.held_since, tie_rank(r.peer_id, salt))).peer_id
 
 
-def decide(leases: Mapping[str, LeaseRecord], now: float, settle_s: float) -> str | None:
-    """Who should hold the lease given the live lease records (pure: same records, same answer)."""
-    holder = lease_holder(leases)
+def decide(leases: Mapping[str, LeaseRecord], now: float, settle_s: float, salt: str = "") -> str | None:
+    """Who should hold the lease given the live lease records (pure: same records, same answer).
+
+    `salt` is the model hash: every candidate of one swarm ranks the others the same way."""
+    holder = lease_holder(leases, salt)
     if holder is not None:
         return holder
-    candidates = sorted(pid for pid, r in leases.items() if not r.leaving)
+    candidates = [r for r in leases.values() if not r.leaving]
     if not candidates:
         return None
-    first = leases[candidates[0]]
+    first = min(candidates, key=lambda r: tie_rank(r.peer_id, salt))
     return first.peer_id if now - first.candidate_since >= settle_s else None
 
 
@@ -110,7 +118,7 @@ class Election:
             logger.warning("could not read planner leases: %r", e)
             return
         leases[self.peer_id] = self._record(candidate_since, now)  # our own view beats a stale read
-        winner = decide(leases, now, self.config.settle_delay_s)
+        winner = decide(leases, now, self.config.settle_delay_s, self.directory.dht.model_hash)
         if winner == self.peer_id and self._held_since is None:
             self._held_since = now
             logger.info("became the planner (lease holder)")

@@ -1,10 +1,11 @@
 """The records FlowSwarm keeps in the DHT, and the schema hivemind checks them against.
 
-Three DHT keys per model, each a dictionary with one subkey per writer:
+Four DHT keys per model, each a dictionary with one subkey per writer:
 
-    "<model_key>_peers"  subkey "[owner:<peer's RSA key>]" -> PeerRecord   (every peer, refreshed every TTL/3)
-    "<model_key>_plan"   subkey "[owner:<planner's key>]"  -> PlanRecord   (the elected planner)
-    "<model_key>_lease"  subkey "[owner:<candidate's key>]" -> LeaseRecord (planner candidates and the holder)
+    "<model_key>_peers"   subkey "[owner:<peer's RSA key>]" -> PeerRecord   (every peer, refreshed every TTL/3)
+    "<model_key>_plan"    subkey "[owner:<planner's key>]"  -> PlanRecord   (the elected planner)
+    "<model_key>_lease"   subkey "[owner:<candidate's key>]" -> LeaseRecord (planner candidates and the holder)
+    "<model_key>_reports" subkey "[owner:<reporter's key>]/<accused id>" -> ReportRecord (misbehaviour reports)
 
 `model_key` is a prefix of the model hash, so one DHT hosts several models. The "[owner:...]" marker makes
 hivemind's RSASignatureValidator demand a signature by that key, so nobody can overwrite another peer's
@@ -14,6 +15,9 @@ that key hashes to (nobody can announce under another peer's id with a key of th
 The typed records are pydantic v2 models. hivemind 1.1.12's SchemaValidator needs pydantic.v1 models, so the
 v1 schema below wraps the v2 models: its value type validates with the v2 model and returns the value
 unchanged (SchemaValidator rejects values that needed conversion).
+
+Anyone can write these keys, so every number is bounded (finite, within a plausible cap), every list and
+string too: a record outside the bounds is invalid as a whole, on the storing node and on every reader.
 """
 
 from __future__ import annotations
@@ -25,21 +29,42 @@ import pydantic.v1 as pydantic_v1
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swarm.wire import MAX_MADDRS  # one set of wire limits for messages and records
+from swarm.types import EdgeFlow, LayerRange, NodeID, Plan
+from swarm.wire import MAX_HIDDEN_SIZE, MAX_LAYER, MAX_MADDRS  # one set of limits for messages and records
 
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
+# Hard bounds: a value past these is not a measurement but garbage or an attack (the planner and routing
+# clamp further, to configurable plausible caps).
+MAX_TOKENS_S = 1e9  # tokens/s through one layer: ~1000x the fastest measured layer of any model we serve
+MAX_BANDWIDTH_BYTES_S = 1e12  # 8 Tbit/s, past any network interface
+MAX_RTT_S = 60.0
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
+MAX_CACHE_TOKENS = 1 << 32
+MAX_SESSIONS = 1 << 20
+MAX_TIME_S = 1e11  # unix seconds: year ~5000; also bounds created_at / updated_at / held_since
+MAX_EPOCH = (1 << 53) - 1  # exact in a float, so no reader (JSON, JS) rounds two epochs together
+MAX_PLAN_PEERS = 1024  # peers one plan may place
+MAX_PLAN_FLOWS = 16_384  # edges of one plan's flow (at most one per pair of consecutive peers)
+MAX_REASON_CHARS = 512
 
 PeerState = Literal["loading", "serving", "leaving"]
 NonNegInt = Annotated[int, Field(ge=0)]
+Count = Annotated[int, Field(ge=0, le=MAX_SESSIONS)]
+CacheTokens = Annotated[int, Field(ge=0, le=MAX_CACHE_TOKENS)]
+LayerIndex = Annotated[int, Field(ge=0, le=MAX_LAYER)]
 NonNegFloat = Annotated[float, Field(ge=0.0)]
+TokensS = Annotated[float, Field(ge=0.0, le=MAX_TOKENS_S)]
+Seconds = Annotated[float, Field(ge=0.0, le=MAX_TIME_S)]  # a duration or a unix time
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
 ShortStr = Annotated[str, Field(max_length=256)]
 
 
 class _Record(BaseModel):
     # Built locally: lax (a tuple becomes a list, an int a float). Read from the network: `from_dht`, strict,
-    # since a value needing conversion was not written by us. Frozen: records are values.
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # since a value needing conversion was not written by us. Frozen: records are values. No inf or nan
+    # anywhere: one infinite speed would make every max flow infinite.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     @classmethod
     def from_dht(cls, value: Any) -> Self:
@@ -50,8 +75,8 @@ class _Record(BaseModel):
 class LinkMeasure(_Record):
     """A measured link from the record's peer to another peer (probe RPCs)."""
 
-    rtt_s: NonNegFloat
-    bandwidth_bytes_s: Annotated[float, Field(gt=0.0)]
+    rtt_s: Annotated[float, Field(ge=0.0, le=MAX_RTT_S)]
+    bandwidth_bytes_s: Annotated[float, Field(gt=0.0, le=MAX_BANDWIDTH_BYTES_S)]
 
 
 class PeerRecord(_Record):
@@ -60,28 +85,28 @@ class PeerRecord(_Record):
     peer_id: ShortStr
     name: ShortStr
     maddrs: Annotated[list[ShortStr], Field(max_length=MAX_MADDRS)]
-    protocol_version: int
+    protocol_version: Annotated[int, Field(ge=0, lt=1 << 31)]
     model_name: ShortStr
     model_hash: ShortStr
-    num_layers: Annotated[int, Field(gt=0)]
-    hidden_size: Annotated[int, Field(gt=0)]
+    num_layers: Annotated[int, Field(gt=0, le=MAX_LAYER)]
+    hidden_size: Annotated[int, Field(gt=0, le=MAX_HIDDEN_SIZE)]
     device: ShortStr  # "cpu", "cuda:0", ...
     dtype: ShortStr
-    memory_bytes: NonNegInt  # memory budget of this peer
+    memory_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]  # memory budget of this peer
     state: PeerState
-    range_start: NonNegInt  # held layers [range_start, range_end)
-    range_end: NonNegInt
-    decode_layer_tokens_s_b1: NonNegFloat  # decode tokens/s through ONE layer at batch 1
-    decode_layer_tokens_s_b8: NonNegFloat  # same at batch 8, total tokens/s of the batch
-    prefill_layer_tokens_s: NonNegFloat  # prefill tokens/s through one layer
-    max_layers: NonNegInt  # most layers it can hold within its memory budget, leaving room for KV cache
-    cache_tokens_total: NonNegInt
-    free_cache_tokens: NonNegInt
-    active_sessions: NonNegInt
+    range_start: LayerIndex  # held layers [range_start, range_end)
+    range_end: LayerIndex
+    decode_layer_tokens_s_b1: TokensS  # decode tokens/s through ONE layer at batch 1
+    decode_layer_tokens_s_b8: TokensS  # same at batch 8, total tokens/s of the batch
+    prefill_layer_tokens_s: TokensS  # prefill tokens/s through one layer
+    max_layers: LayerIndex  # most layers it can hold within its memory budget, leaving room for KV cache
+    cache_tokens_total: CacheTokens
+    free_cache_tokens: CacheTokens
+    active_sessions: Count
     load: Annotated[float, Field(ge=0.0, le=1.0)]
     links: Annotated[dict[ShortStr, LinkMeasure], Field(max_length=MAX_LINKS)] = Field(default_factory=dict)
     reachable: bool | None = None
-    updated_at: NonNegFloat = 0.0  # unix seconds
+    updated_at: Seconds = 0.0  # unix seconds
 
     @model_validator(mode="after")
     def _check_consistent(self) -> PeerRecord:
@@ -89,6 +114,8 @@ class PeerRecord(_Record):
             raise ValueError(
                 f"held range [{self.range_start}, {self.range_end}) is not within [0, {self.num_layers})"
             )
+        if self.max_layers > self.num_layers:
+            raise ValueError(f"max_layers {self.max_layers} > num_layers {self.num_layers}")
         if self.free_cache_tokens > self.cache_tokens_total:
             raise ValueError(f"free_cache_tokens {self.free_cache_tokens} > cache_tokens_total")
         return self
@@ -97,13 +124,69 @@ class PeerRecord(_Record):
         return self.model_dump(mode="python")
 
 
-class PlanRecord(_Record):
-    """A published placement: `plan` is swarm.types.Plan.to_json() (placement keyed by peer id)."""
+class FlowBody(_Record):
+    """One edge flow of a plan (swarm.types.EdgeFlow as JSON)."""
 
-    epoch: NonNegInt
+    src: ShortStr
+    dst: ShortStr
+    tokens_s: Annotated[float, Field(ge=0.0)]
+
+
+class PlanBody(_Record):
+    """swarm.types.Plan.to_json(), validated: placement maps peer id -> [start, end) with 0 <= start < end."""
+
+    method: ShortStr
+    epoch: Epoch
+    placement: Annotated[
+        dict[ShortStr, Annotated[list[LayerIndex], Field(min_length=2, max_length=2)]],
+        Field(max_length=MAX_PLAN_PEERS),
+    ]
+    max_flow_tokens_s: Annotated[float, Field(ge=0.0)]
+    upper_bound_tokens_s: Annotated[float, Field(ge=0.0)] = 0.0
+    flows: Annotated[list[FlowBody], Field(max_length=MAX_PLAN_FLOWS)] = Field(default_factory=list)
+    solve_s: Annotated[float, Field(ge=0.0, le=MAX_TIME_S)] = 0.0
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> PlanBody:
+        for peer_id, (start, end) in self.placement.items():
+            if not start < end:
+                raise ValueError(f"peer {peer_id}: empty layer range [{start}, {end})")
+        return self
+
+    def to_plan(self) -> Plan:
+        return Plan(
+            method=self.method,
+            epoch=self.epoch,
+            placement={NodeID(n): LayerRange(r[0], r[1]) for n, r in self.placement.items()},
+            max_flow_tokens_s=self.max_flow_tokens_s,
+            upper_bound_tokens_s=self.upper_bound_tokens_s,
+            flows=tuple(EdgeFlow(NodeID(f.src), NodeID(f.dst), f.tokens_s) for f in self.flows),
+            solve_s=self.solve_s,
+        )
+
+
+class PlanRecord(_Record):
+    """A published placement: `plan` is swarm.types.Plan.to_json() (placement keyed by peer id), checked
+    against PlanBody on every parse, so a record that parsed always yields a Plan (`to_plan`)."""
+
+    epoch: Epoch
     planner_peer_id: ShortStr
     plan: dict[str, Any]
-    created_at: NonNegFloat
+    created_at: Seconds
+
+    @model_validator(mode="after")
+    def _check_plan(self) -> PlanRecord:
+        try:
+            body = PlanBody.model_validate(self.plan, strict=True)
+        except pydantic.ValidationError as e:
+            raise ValueError(f"malformed plan body ({e.error_count()} errors)") from e
+        if body.epoch != self.epoch:
+            raise ValueError(f"plan body says epoch {body.epoch}, the record {self.epoch}")
+        return self
+
+    def to_plan(self) -> Plan:
+        """The plan as swarm.types.Plan (the record validated its body already)."""
+        return PlanBody.model_validate(self.plan, strict=True).to_plan()
 
     def to_dht(self) -> dict[str, Any]:
         return self.model_dump(mode="python")
@@ -117,10 +200,38 @@ class LeaseRecord(_Record):
     """
 
     peer_id: ShortStr
-    candidate_since: NonNegFloat
-    held_since: NonNegFloat | None = None
-    updated_at: NonNegFloat
+    candidate_since: Seconds
+    held_since: Seconds | None = None
+    updated_at: Seconds
     leaving: bool = False  # a resigning candidate: ignore it without waiting for it to expire
+
+    @model_validator(mode="after")
+    def _check_order(self) -> LeaseRecord:
+        if self.held_since is not None and self.held_since < self.candidate_since:
+            raise ValueError("held_since must not precede candidate_since: a claim follows its candidacy")
+        return self
+
+    def to_dht(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")
+
+
+class ReportRecord(_Record):
+    """A signed claim by `reporter_peer_id` that `accused_peer_id` returned wrong outputs for `layers`
+    ([start, end)). Stored under the reporter's own subkey, one per accused peer."""
+
+    reporter_peer_id: ShortStr
+    accused_peer_id: ShortStr
+    layers: Annotated[list[LayerIndex], Field(min_length=2, max_length=2)]
+    reason: Annotated[str, Field(max_length=MAX_REASON_CHARS)]
+    created_at: Seconds
+
+    @model_validator(mode="after")
+    def _check(self) -> ReportRecord:
+        if not self.layers[0] < self.layers[1]:
+            raise ValueError(f"empty layer range {self.layers}")
+        if self.reporter_peer_id == self.accused_peer_id:
+            raise ValueError("a peer cannot report itself")
+        return self
 
     def to_dht(self) -> dict[str, Any]:
         return self.model_dump(mode="python")
@@ -143,6 +254,10 @@ def plan_key(model_hash: str) -> str:
 
 def lease_key(model_hash: str) -> str:
     return f"{model_key(model_hash)}_lease"
+
+
+def reports_key(model_hash: str) -> str:
+    return f"{model_key(model_hash)}_reports"
 
 
 def _v1_value_type(model: type[_Record]) -> type:
@@ -168,6 +283,7 @@ def _v1_value_type(model: type[_Record]) -> type:
 CheckedPeerRecord = _v1_value_type(PeerRecord)
 CheckedPlanRecord = _v1_value_type(PlanRecord)
 CheckedLeaseRecord = _v1_value_type(LeaseRecord)
+CheckedReportRecord = _v1_value_type(ReportRecord)
 
 
 class FlowSwarmSchema(pydantic_v1.BaseModel):
@@ -176,6 +292,7 @@ class FlowSwarmSchema(pydantic_v1.BaseModel):
     peers: dict[BytesWithPublicKey, CheckedPeerRecord]  # type: ignore[valid-type]
     plan: dict[BytesWithPublicKey, CheckedPlanRecord]  # type: ignore[valid-type]
     lease: dict[BytesWithPublicKey, CheckedLeaseRecord]  # type: ignore[valid-type]
+    reports: dict[BytesWithPublicKey, CheckedReportRecord]  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic_v1.Extra.forbid

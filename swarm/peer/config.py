@@ -119,9 +119,19 @@ class PlannerConfig:
     client_bandwidth_bytes_s: float = setting(12.5e6, "client <-> peer bandwidth (unmeasured; 100 Mbit/s)")
     client_latency_s: float = setting(0.02, "client <-> peer latency (unmeasured)")
     unmeasured_bandwidth_bytes_s: float | None = setting(12.5e6, "bandwidth of peer pairs with no probe yet")
+    # Plausibility caps on what peers announce: anyone can write a record, and one absurd number would pull
+    # the whole plan's flow through its writer.
+    max_layer_tokens_s: float = setting(1e6, "announced decode tokens/s per layer above this count as this")
+    max_link_bandwidth_bytes_s: float = setting(12.5e9, "announced link bandwidth above this counts as this")
+    min_reporters: int = setting(
+        2, "leave out peers reported for wrong outputs by this many reporters (0: never)"
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
+        _positive(self, "max_layer_tokens_s", "max_link_bandwidth_bytes_s")
+        if self.min_reporters < 0:
+            raise ValueError(f"min_reporters must be >= 0, got {self.min_reporters}")
         if self.improve_fraction < 0 or self.change_fraction < 0:
             raise ValueError("improve_fraction and change_fraction must be >= 0")
 

@@ -46,12 +46,14 @@ logger = logging.getLogger(__name__)
 
 
 def plan_of(snapshot: SwarmSnapshot) -> Plan | None:
-    """The snapshot's plan, parsed (None when there is none or it is malformed)."""
+    """The snapshot's plan, parsed (None when there is none). The Directory hands out only the lease
+    holder's plan, validated and checked against the snapshot's peers (swarm.dht.trust), so this is the
+    one plan the whole swarm follows; a plan from anyone else never reaches here."""
     if snapshot.plan is None:
         return None
     try:
-        return Plan.from_json(snapshot.plan.plan)
-    except (KeyError, TypeError, ValueError) as e:
+        return snapshot.plan.to_plan()
+    except ValueError as e:  # the record validated its body: only a bug gets here
         logger.warning("ignoring malformed plan epoch %d: %s", snapshot.plan.epoch, e)
         return None
 

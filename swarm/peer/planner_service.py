@@ -5,8 +5,14 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
      change_fraction since the last solve;
   2. publish? only if the new plan's max flow beats the current plan's (re-evaluated on today's cluster) by
      improve_fraction, or the current plan is broken (a planned peer is gone or cannot hold its range).
-Otherwise the current plan is only refreshed (re-signed by us, same epoch), so clients never see churn.
+Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. Only a
+plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
+re-signing would lend our lease to whatever that plan says.
 The MILP runs in a thread with a time limit; the event loop keeps renewing the lease meanwhile.
+
+What the planner trusts: the model's shape comes from our own spec (whose hash names the DHT keys), not from
+any record; announced speeds and link bandwidths are clamped to PlannerConfig's plausible caps; a peer
+reported by min_reporters distinct reporters is left out.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 
-from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot
+from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
 from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems, solve
@@ -27,38 +34,57 @@ logger = logging.getLogger(__name__)
 PLANNED_STATES = ("loading", "serving")  # a loading peer is following the plan: keep it in the cluster
 
 
-def planned_peers(snapshot: SwarmSnapshot) -> dict[str, PeerRecord]:
-    """Peers the planner may place layers on: loading or serving, with a measured speed and some room."""
+def planned_peers(snapshot: SwarmSnapshot, min_reporters: int = 2) -> dict[str, PeerRecord]:
+    """Peers the planner may place layers on: loading or serving, with a measured speed and some room, and
+    not reported by `min_reporters` distinct reporters."""
+    excluded = excluded_peers(snapshot.reports, min_reporters)
     return {
         pid: r
         for pid, r in snapshot.peers.items()
-        if r.state in PLANNED_STATES and r.decode_layer_tokens_s_b8 > 0 and r.max_layers > 0
+        if r.state in PLANNED_STATES
+        and r.decode_layer_tokens_s_b8 > 0
+        and r.max_layers > 0
+        and pid not in excluded
     }
 
 
-def cluster_from_snapshot(snapshot: SwarmSnapshot, config: PlannerConfig) -> Cluster | None:
+def announced_model(peers: Mapping[str, PeerRecord]) -> ModelInfo:
+    """The model as most peers announce it (ties: the smaller shape), for tools that have no spec at hand.
+    A running peer passes its own spec's ModelInfo instead, so no record decides the shape."""
+    shapes = Counter((r.num_layers, r.hidden_size, DTYPE_BYTES.get(r.dtype, 2)) for r in peers.values())
+    (num_layers, hidden_size, dtype_bytes), _ = min(shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+    name = next(r.model_name for r in peers.values() if r.num_layers == num_layers)
+    return ModelInfo(name=name, num_layers=num_layers, activation_bytes_per_token=hidden_size * dtype_bytes)
+
+
+def cluster_from_snapshot(
+    snapshot: SwarmSnapshot, config: PlannerConfig, model: ModelInfo | None = None
+) -> Cluster | None:
     """The planner's view of the swarm (None when no peer can take layers).
 
-    tokens_s_by_layers[k-1] = decode_layer_tokens_s_b8 / k: a peer holding k layers runs all k per token.
-    Links come from the peers' probes (a direction measured only one way is assumed symmetric).
+    `model` is the served model from the planner's own spec; peers announcing another layer count are left
+    out. tokens_s_by_layers[k-1] = decode_layer_tokens_s_b8 / k: a peer holding k layers runs all k per
+    token, with the announced speed clamped to config.max_layer_tokens_s. Links come from the peers' probes
+    (a direction measured only one way is assumed symmetric), bandwidth clamped to config's cap.
     """
-    peers = planned_peers(snapshot)
+    peers = planned_peers(snapshot, config.min_reporters)
     if not peers:
         return None
-    first = peers[min(peers)]
-    num_layers, hidden_size = first.num_layers, first.hidden_size
-    peers = {p: r for p, r in peers.items() if (r.num_layers, r.hidden_size) == (num_layers, hidden_size)}
-    model = ModelInfo(
-        name=first.model_name,
-        num_layers=num_layers,
-        activation_bytes_per_token=hidden_size * DTYPE_BYTES.get(first.dtype, 2),
-    )
+    model = model or announced_model(peers)
+    peers = {p: r for p, r in peers.items() if r.num_layers == model.num_layers}
     nodes = []
     for pid in sorted(peers):
         record = peers[pid]
-        cap = min(record.max_layers, num_layers)
-        speeds = tuple(record.decode_layer_tokens_s_b8 / k for k in range(1, cap + 1))
+        cap = min(record.max_layers, model.num_layers)
+        speed = min(record.decode_layer_tokens_s_b8, config.max_layer_tokens_s)
+        speeds = tuple(speed / k for k in range(1, cap + 1))
         nodes.append(ClusterNode(id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds))
+    return Cluster(model, tuple(nodes), tuple(_links(nodes, peers, config)))
+
+
+def _links(
+    nodes: list[ClusterNode], peers: Mapping[str, PeerRecord], config: PlannerConfig
+) -> list[ClusterLink]:
     links: list[ClusterLink] = []
     for node in nodes:
         links.append(ClusterLink(SOURCE, node.id, config.client_bandwidth_bytes_s, config.client_latency_s))
@@ -68,10 +94,11 @@ def cluster_from_snapshot(snapshot: SwarmSnapshot, config: PlannerConfig) -> Clu
                 continue
             measured = peers[node.id].links.get(other.id) or peers[other.id].links.get(node.id)
             if measured is not None:
-                links.append(ClusterLink(node.id, other.id, measured.bandwidth_bytes_s, measured.rtt_s / 2))
+                bandwidth = min(measured.bandwidth_bytes_s, config.max_link_bandwidth_bytes_s)
+                links.append(ClusterLink(node.id, other.id, bandwidth, measured.rtt_s / 2))
             elif config.unmeasured_bandwidth_bytes_s is not None:
                 links.append(ClusterLink(node.id, other.id, config.unmeasured_bandwidth_bytes_s, 0.0))
-    return Cluster(model, tuple(nodes), tuple(links))
+    return links
 
 
 def measurements_changed(before: Cluster | None, now: Cluster, change_fraction: float) -> str | None:
@@ -121,10 +148,18 @@ def should_publish(
 class PlannerService:
     """Runs beside the Election: plans only while `election.is_leader`."""
 
-    def __init__(self, directory: Directory, election: Election, config: PlannerConfig | None = None) -> None:
+    def __init__(
+        self,
+        directory: Directory,
+        election: Election,
+        config: PlannerConfig | None = None,
+        model: ModelInfo | None = None,
+    ) -> None:
+        """`model`: the served model from our own spec (None: as most peers announce it)."""
         self.directory = directory
         self.election = election
         self.config = config or PlannerConfig()
+        self.model = model
         self._solved_cluster: Cluster | None = None
         self._solved_at = float("-inf")
         self._refreshed_at = float("-inf")
@@ -145,18 +180,22 @@ class PlannerService:
     async def check(self) -> PlanRecord | None:
         """One look at the swarm: re-solve if needed, publish if better, else refresh. Returns what was stored."""
         snapshot = await self.directory.snapshot()
-        live = snapshot.plan
+        me = self.directory.peer_id
+        live = snapshot.plan if snapshot.plan is not None and snapshot.plan.planner_peer_id == me else None
         if self._mine is not None and (live is None or self._mine.epoch > live.epoch):
             live = self._mine  # our newest plan may not have reached the nodes we read from yet
-        cluster = cluster_from_snapshot(snapshot, self.config)
-        current = Plan.from_json(live.plan) if live is not None else None
-        epoch = live.epoch if live is not None else 0
+        cluster = cluster_from_snapshot(snapshot, self.config, self.model)
+        current = live.to_plan() if live is not None else None  # a predecessor's plan is replaced, not kept
+        # Continue from the newest epoch the swarm accepted (a predecessor's too), so followers move on.
+        epoch = max(live.epoch if live is not None else 0, self.directory.accepted_epoch or 0)
         if cluster is None:
             logger.info("no peer can hold layers yet; nothing to plan")
             return None
         reason = measurements_changed(self._solved_cluster, cluster, self.config.change_fraction)
         if reason is None and time.monotonic() - self._solved_at >= self.config.period_s:
             reason = "periodic re-solve"
+        if reason is None and current is None:
+            reason = "no plan of ours yet"
         if reason is None and current is not None and current_plan_problem(cluster, current) is not None:
             reason = "the current plan is broken"
         if reason is not None:
@@ -165,10 +204,7 @@ class PlannerService:
                 why = should_publish(cluster, current, candidate, self.config.improve_fraction)
                 if why is not None:
                     return await self._publish(candidate, epoch + 1, why)
-        if live is not None and (
-            live.planner_peer_id != self.directory.peer_id
-            or time.monotonic() - self._refreshed_at >= self.config.period_s
-        ):
+        if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:
             return await self._refresh(live)
         return None
 
@@ -223,9 +259,11 @@ class PlannerService:
         return record
 
     async def _refresh(self, current: PlanRecord) -> PlanRecord:
-        """Re-sign the live plan under our key (same epoch) so it outlives a dead predecessor."""
-        record = current.model_copy(update={"planner_peer_id": self.directory.peer_id})
-        await self.directory.publish_plan(record)
+        """Store our live plan again (same epoch), pushing its expiry on. Only a plan we made: signing someone
+        else's would vouch for a placement we never checked."""
+        if current.planner_peer_id != self.directory.peer_id:
+            raise ValueError(f"refusing to re-sign a plan made by {current.planner_peer_id}")
+        await self.directory.publish_plan(current)
         self._refreshed_at = time.monotonic()
-        self._mine = record
-        return record
+        self._mine = current
+        return current

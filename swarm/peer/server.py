@@ -26,6 +26,7 @@ from swarm.dht import (
     Directory,
     DirectoryConfig,
     Election,
+    ModelShape,
     SwarmDHT,
     coverage,
 )
@@ -44,8 +45,9 @@ from swarm.peer.measure import (
 )
 from swarm.peer.planner_service import PlannerService
 from swarm.peer.state import Identity, Peer
+from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
-from swarm.types import LayerRange
+from swarm.types import DTYPE_BYTES, LayerRange
 from swarm.wire import ProbeRequest
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,9 @@ async def _serve(
     config: PeerConfig, source: ModelSource, dht: SwarmDHT, p2p: P2P, stop: asyncio.Event, began: float
 ) -> None:
     """Wire the components around one Peer under one TaskGroup; return once the peer has left."""
-    directory = Directory(dht, DirectoryConfig(ttl_s=config.record_ttl_s))
+    shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
+    directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
+    directory = Directory(dht, directory_config, shape=shape)
     identity = _identity(config, source.spec, dht)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     executor = Executor(config.executor, name=f"torch-{config.device}")
@@ -109,7 +113,10 @@ async def _serve(
             if config.plan:  # the election runs always; the planner plans while we hold the lease
                 election = Election(directory, config.election)
                 tg.create_task(election.run())
-                tg.create_task(PlannerService(directory, election, config.planner).run())
+                planner = PlannerService(
+                    directory, election, config.planner, _model_info(config, source.spec)
+                )
+                tg.create_task(planner.run())
             if config.follow_plan:
                 tg.create_task(_follower(config, peer, directory, source).run())
             async with asyncio.timeout(60):
@@ -121,6 +128,12 @@ async def _serve(
             raise _Leave
     except* _Leave:
         pass
+
+
+def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
+    """The planner's model, from our own spec: no announcement decides the swarm's shape."""
+    activation_bytes = spec.hidden_size * DTYPE_BYTES[config.torch_dtype_name]
+    return ModelInfo(name=spec.name, num_layers=spec.num_layers, activation_bytes_per_token=activation_bytes)
 
 
 def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT) -> Identity:

@@ -30,6 +30,7 @@ from swarm.dht import (
     DirectoryConfig,
     Election,
     ElectionConfig,
+    LeaseRecord,
     PlanRecord,
     SwarmDHT,
     SwarmSnapshot,
@@ -278,7 +279,13 @@ async def _test_plan_round_trip() -> None:
             record = PlanRecord(
                 epoch=4, planner_peer_id=boot.peer_id, plan=plan.to_json(), created_at=boot.now()
             )
-            assert await Directory(boot).publish_plan(record)
+            writer = Directory(boot)
+            assert await writer.publish_plan(record)
+            # Readers use only the lease holder's plan, placing peers they know: claim, then announce.
+            now = boot.now()
+            lease = LeaseRecord(peer_id=boot.peer_id, candidate_since=now, held_since=now, updated_at=now)
+            assert await writer.write_lease(lease, now + 30)
+            assert await writer.announce(peer_record(boot.peer_id, 0, 8))
             snapshot, _ = await wait_for(Directory(client).snapshot, lambda s: s.plan is not None, 15.0)
             assert snapshot.plan == record
             assert Plan.from_json(snapshot.plan.plan) == plan

@@ -132,3 +132,59 @@ def test_waiting_for_coverage_names_the_gap_at_the_deadline() -> None:
         asyncio.run(routes.wait_for_coverage(0.0))
     assert info.value.missing_layers == [2, 3, 4]
     assert "2:5" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ trust
+
+
+def _even_plan() -> Plan:
+    """a holds 0:4; b and c hold 4:8 and get equal flows."""
+    placement = {NodeID("a"): LayerRange(0, 4), NodeID("b"): LayerRange(4, 8), NodeID("c"): LayerRange(4, 8)}
+    flows = (
+        EdgeFlow(SOURCE, NodeID("a"), 20.0),
+        EdgeFlow(NodeID("a"), NodeID("b"), 10.0),
+        EdgeFlow(NodeID("a"), NodeID("c"), 10.0),
+    )
+    return Plan("milp", placement, 20.0, flows, epoch=1)
+
+
+def _share(routes: SwarmRoutes, peer: str, n: int = 100) -> float:
+    picks = [asyncio.run(routes.route(0, SOURCE, 16))[1].peer_id for _ in range(n)]
+    return picks.count(NodeID(peer)) / n
+
+
+def test_a_peer_delivering_a_tenth_of_its_announced_speed_loses_its_flow() -> None:
+    peers = [peer_record("a", 0, 4), peer_record("b", 4, 8), peer_record("c", 4, 8)]  # b1: 400 tokens/s/layer
+    routes, _ = make_routes([snapshot(*peers, plan=_even_plan())], FakeClock())
+    assert _share(routes, "b") == pytest.approx(0.5, abs=0.02)
+    for _ in range(10):
+        routes.observe(NodeID("b"), layers=4, tokens=1, compute_s=4 / 40.0)  # 40 tokens/s per layer: 10x less
+        routes.observe(NodeID("c"), layers=4, tokens=1, compute_s=4 / 400.0)  # as announced
+    assert routes.ratios[NodeID("b")] == pytest.approx(0.1, rel=0.05)
+    assert routes.ratios[NodeID("c")] == pytest.approx(1.0)
+    assert _share(routes, "b") <= 0.15  # from half the traffic to about a tenth of c's
+
+
+def test_observed_speed_helpers() -> None:
+    from swarm.routing.observed import discount_plan, flow_factor, observed_layer_tokens_s, speed_ratio
+
+    assert observed_layer_tokens_s(4, 1, 0.01) == pytest.approx(400.0)
+    assert observed_layer_tokens_s(4, 1, 0.0) is None
+    assert speed_ratio(400.0, 4, 1, 0.1) == pytest.approx(0.1)
+    assert speed_ratio(400.0, 4, 1, 0.001) == 1.0  # faster than announced counts as announced
+    assert flow_factor(0.6) == 1.0 and flow_factor(0.1) == 0.1  # noise within 2x is forgiven
+    plan = _even_plan()
+    scaled = discount_plan(plan, {NodeID("b"): 0.1})
+    assert [f.tokens_s for f in scaled.flows] == [20.0, 1.0, 10.0]
+    assert discount_plan(plan, {}) is plan
+
+
+def test_reported_peers_are_not_routed_and_announced_speed_is_capped() -> None:
+    peers = {r.peer_id: r for r in (peer_record("a", 0, 8), peer_record("b", 0, 8))}
+    reports = {"a": frozenset({"r1", "r2"})}
+    snap = SwarmSnapshot(peers=peers, plan=None, planner_peer_id=None, fetched_at=0.0, reports=reports)
+    assert set(routing_view(snap, 8, 0.9).peers) == {"b"}
+    assert set(routing_view(snap, 8, 0.9, min_reporters=3).peers) == {"a", "b"}
+    fast = snapshot(peer_record("a", 0, 8, decode_layer_tokens_s_b1=5e8))
+    state = routing_view(fast, 8, 0.9, max_layer_tokens_s=1e6).peers[NodeID("a")]
+    assert state.compute_s_per_layer == pytest.approx(1e-6)

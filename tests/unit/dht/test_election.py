@@ -8,6 +8,7 @@ import pytest
 
 from swarm.dht.election import ElectionConfig, decide, lease_holder
 from swarm.dht.schemas import LeaseRecord
+from swarm.dht.trust import tie_rank
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -24,22 +25,35 @@ def test_no_candidates_no_winner():
     assert decide({}, now=100.0, settle_s=5.0) is None
 
 
-def test_smallest_id_wins_an_empty_lease_after_settling():
-    leases = table(lease("QmC", 0.0), lease("QmA", 98.0), lease("QmB", 0.0))
-    assert decide(leases, now=100.0, settle_s=5.0) is None  # QmA has not settled: nobody claims yet
-    assert decide(leases, now=103.0, settle_s=5.0) == "QmA"
+def by_rank(*pids: str, salt: str = "") -> list[str]:
+    return sorted(pids, key=lambda pid: tie_rank(pid, salt))
 
 
-def test_holder_keeps_the_lease_against_smaller_ids():
-    leases = table(lease("QmB", 0.0, held=10.0), lease("QmA", 0.0))
-    assert decide(leases, now=100.0, settle_s=5.0) == "QmB"
+def test_smallest_rank_wins_an_empty_lease_after_settling():
+    first, second, third = by_rank("QmA", "QmB", "QmC")
+    leases = table(lease(third, 0.0), lease(first, 98.0), lease(second, 0.0))
+    assert decide(leases, now=100.0, settle_s=5.0) is None  # the first has not settled: nobody claims yet
+    assert decide(leases, now=103.0, settle_s=5.0) == first
+
+
+def test_ranks_depend_on_the_model_hash():
+    # The salt is the model hash: a key ground to win one swarm's ties has no edge in another's.
+    pids = [f"Qm{i}" for i in range(20)]
+    assert by_rank(*pids, salt="model-a") != by_rank(*pids, salt="model-b")
+    assert tie_rank("QmA", "m") == tie_rank("QmA", "m")
+
+
+def test_holder_keeps_the_lease_against_better_ranks():
+    best, worst = by_rank("QmA", "QmB")
+    leases = table(lease(worst, 0.0, held=10.0), lease(best, 0.0))
+    assert decide(leases, now=100.0, settle_s=5.0) == worst
 
 
 def test_split_claims_resolve_to_the_earliest_holder():
     leases = table(lease("QmA", 0.0, held=20.0), lease("QmB", 0.0, held=10.0))
     assert lease_holder(leases) == "QmB"
     tied = table(lease("QmB", 0.0, held=10.0), lease("QmA", 0.0, held=10.0))
-    assert lease_holder(tied) == "QmA"
+    assert lease_holder(tied, salt="s") == by_rank("QmA", "QmB", salt="s")[0]
 
 
 def test_leaving_records_are_ignored():
@@ -48,16 +62,17 @@ def test_leaving_records_are_ignored():
     assert decide(table(lease("QmA", leaving=True)), now=100.0, settle_s=0.0) is None
 
 
+R1, R2, R3 = by_rank("QmK", "QmM", "QmZ")  # best rank first
 AGREEMENT_CASES: dict[str, tuple[list[LeaseRecord], str | None]] = {
-    "empty lease: smallest settled id": ([lease("QmZ", 0.0), lease("QmM", 0.0), lease("QmK", 50.0)], "QmK"),
-    "empty lease: smallest id not settled yet": ([lease("QmB", 0.0), lease("QmA", 95.0)], None),
-    "claims tied in time: smallest id": (
-        [lease("QmC", 0.0, held=10.0), lease("QmA", 0.0, held=10.0), lease("QmB", 0.0, held=10.0)],
-        "QmA",
+    "empty lease: best settled rank": ([lease(R3, 0.0), lease(R2, 0.0), lease(R1, 50.0)], R1),
+    "empty lease: best rank not settled yet": ([lease(R2, 0.0), lease(R1, 95.0)], None),
+    "claims tied in time: best rank": (
+        [lease(R3, 0.0, held=10.0), lease(R1, 0.0, held=10.0), lease(R2, 0.0, held=10.0)],
+        R1,
     ),
-    "earliest claim beats a smaller id": (
-        [lease("QmA", 0.0, held=20.0), lease("QmC", 0.0, held=10.0), lease("QmB", 0.0)],
-        "QmC",
+    "earliest claim beats a better rank": (
+        [lease(R1, 0.0, held=20.0), lease(R3, 0.0, held=10.0), lease(R2, 0.0)],
+        R3,
     ),
     "leaving holder ignored": (
         [lease("QmA", 0.0, held=5.0, leaving=True), lease("QmD", 0.0, held=30.0), lease("QmB", 0.0)],

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from swarm.dht import LinkMeasure, SwarmSnapshot
+from swarm.dht import LinkMeasure, PlanRecord, SwarmSnapshot
 from swarm.peer.planner_service import (
     PlannerConfig,
+    PlannerService,
     cluster_from_snapshot,
     current_plan_problem,
     measurements_changed,
+    planned_peers,
     should_publish,
 )
-from swarm.planner import max_flow, solve
+from swarm.planner import ModelInfo, max_flow, solve
 from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
 from tests.unit.dht.records import peer_record
 
@@ -29,7 +33,7 @@ def snapshot(*records) -> SwarmSnapshot:  # type: ignore[no-untyped-def]
 
 def test_cluster_from_snapshot_nodes_and_links():
     a = peer_record("QmA", 0, 4, max_layers=4, links={"QmB": LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=2e8)})
-    b = peer_record("QmB", 4, 8, max_layers=20, links={})
+    b = peer_record("QmB", 4, 8, max_layers=8, links={})
     c = peer_record("QmC", 0, 8, max_layers=8, links={})
     gone = peer_record("QmD", 0, 8, state="leaving")
     unmeasured = peer_record("QmE", 0, 8, decode_layer_tokens_s_b8=0.0)
@@ -38,7 +42,7 @@ def test_cluster_from_snapshot_nodes_and_links():
     assert [n.id for n in cluster.nodes] == ["QmA", "QmB", "QmC"]
     node_a, node_b = cluster.node_by_id[NodeID("QmA")], cluster.node_by_id[NodeID("QmB")]
     assert node_a.tokens_s_by_layers == (2000.0, 1000.0, 2000.0 / 3, 500.0)  # b8 / k
-    assert node_b.max_layers == 8  # clipped to the model
+    assert node_b.max_layers == 8
     assert cluster.model.num_layers == 8 and cluster.model.activation_bytes_per_token == 64 * 4
     # Measured one way, assumed symmetric; unmeasured pairs get the configured default.
     assert cluster.bandwidth_bytes_s(NodeID("QmA"), NodeID("QmB")) == 2e8
@@ -94,3 +98,75 @@ def test_config_checks():
         PlannerConfig(period_s=0.0)
     with pytest.raises(ValueError):
         PlannerConfig(improve_fraction=-1.0)
+
+
+# ------------------------------------------------------------------------------------------------ trust
+
+
+def test_announced_speeds_and_links_are_clamped_to_plausible_caps():
+    liar = peer_record(
+        "QmA", decode_layer_tokens_s_b8=5e8, links={"QmB": LinkMeasure(rtt_s=0.0, bandwidth_bytes_s=1e12)}
+    )
+    cluster = cluster_from_snapshot(snapshot(liar, peer_record("QmB")), CONFIG)
+    assert cluster is not None
+    assert cluster.node_by_id[NodeID("QmA")].tokens_s_by_layers[0] == CONFIG.max_layer_tokens_s
+    assert cluster.bandwidth_bytes_s(NodeID("QmA"), NodeID("QmB")) == CONFIG.max_link_bandwidth_bytes_s
+
+
+def test_the_model_comes_from_the_planners_spec_not_the_smallest_id():
+    # "Qm1" sorts first and announces a 4-layer model: it used to decide the swarm's shape.
+    odd = peer_record("Qm1", 0, 4, num_layers=4, max_layers=4, hidden_size=32)
+    model = ModelInfo(name="tiny-llama", num_layers=8, activation_bytes_per_token=64 * 4)
+    cluster = cluster_from_snapshot(snapshot(odd, peer_record("QmA"), peer_record("QmB")), CONFIG, model)
+    assert cluster is not None and cluster.model == model
+    assert [n.id for n in cluster.nodes] == ["QmA", "QmB"]
+    # With no spec at hand (tools), the shape most peers announce wins, whatever the ids.
+    guessed = cluster_from_snapshot(snapshot(odd, peer_record("QmA"), peer_record("QmB")), CONFIG)
+    assert guessed is not None and guessed.model.num_layers == 8
+
+
+def test_peers_reported_by_enough_distinct_reporters_are_not_planned():
+    peers = {r.peer_id: r for r in (peer_record("QmA"), peer_record("QmB"), peer_record("QmC"))}
+    reports = {"QmA": frozenset({"r1", "r2"}), "QmB": frozenset({"r1"})}
+    snap = SwarmSnapshot(peers=peers, plan=None, planner_peer_id=None, fetched_at=0.0, reports=reports)
+    assert set(planned_peers(snap)) == {"QmB", "QmC"}  # default min_reporters 2
+    assert set(planned_peers(snap, min_reporters=1)) == {"QmC"}
+    assert set(planned_peers(snap, min_reporters=0)) == {"QmA", "QmB", "QmC"}
+    cluster = cluster_from_snapshot(snap, CONFIG)
+    assert cluster is not None and NodeID("QmA") not in cluster.node_by_id
+
+
+class _Dht:
+    model_hash = "abc123def456"
+
+    @staticmethod
+    def now() -> float:
+        return 100.0
+
+
+class _Directory:
+    def __init__(self, snap: SwarmSnapshot, accepted_epoch: int | None) -> None:
+        self.snap, self.accepted_epoch, self.peer_id, self.dht = snap, accepted_epoch, "QmMe", _Dht()
+        self.published: list[PlanRecord] = []
+
+    async def snapshot(self) -> SwarmSnapshot:
+        return self.snap
+
+    async def publish_plan(self, record: PlanRecord) -> bool:
+        self.published.append(record)
+        return True
+
+
+def test_a_new_planner_publishes_its_own_plan_instead_of_re_signing_a_foreign_one():
+    placement = {NodeID("QmA"): LayerRange(0, 4), NodeID("QmB"): LayerRange(4, 8)}
+    theirs = Plan("milp", placement, 500.0, epoch=7)
+    foreign = PlanRecord(epoch=7, planner_peer_id="QmOld", plan=theirs.to_json(), created_at=0.0)
+    peers = {r.peer_id: r for r in (peer_record("QmA", 0, 4), peer_record("QmB", 4, 8))}
+    snap = SwarmSnapshot(peers=peers, plan=foreign, planner_peer_id="QmMe", fetched_at=0.0)
+    directory = _Directory(snap, accepted_epoch=7)
+    service = PlannerService(directory, election=None, config=PlannerConfig(method="greedy"))  # type: ignore[arg-type]
+    stored = asyncio.run(service.check())
+    assert stored is not None and stored.planner_peer_id == "QmMe" and stored.epoch == 8
+    assert [r.planner_peer_id for r in directory.published] == ["QmMe"]
+    with pytest.raises(ValueError, match="re-sign"):
+        asyncio.run(service._refresh(foreign))

@@ -14,6 +14,7 @@ from hivemind.p2p import P2P
 from swarm.dht.directory import SwarmSnapshot, coverage, parse_records, pick_plan
 from swarm.dht.identity import load_private_key, owner_peer_id, peer_id_of_public_key
 from swarm.dht.schemas import FlowSwarmSchema, PeerRecord, PlanRecord, model_key, peers_key
+from swarm.types import Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -147,13 +148,15 @@ def test_coverage_counts_serving_peers_only():
     assert set(snapshot.serving()) == {"a", "b"}
 
 
-def test_pick_plan_prefers_newest_epoch_then_current_planner():
+def test_pick_plan_takes_only_the_lease_holders_plan():
     def plan(pid: str, epoch: int, created_at: float) -> PlanRecord:
-        return PlanRecord(epoch=epoch, planner_peer_id=pid, plan={}, created_at=created_at)
+        body = Plan("milp", {}, 0.0, epoch=epoch).to_json()
+        return PlanRecord(epoch=epoch, planner_peer_id=pid, plan=body, created_at=created_at)
 
-    plans = {"a": plan("a", 3, 10.0), "b": plan("b", 3, 5.0), "c": plan("c", 2, 50.0)}
-    assert pick_plan(plans, "b") == plans["b"]
-    assert pick_plan(plans, None) == plans["a"]
+    plans = {"a": plan("a", 10**15, 10.0), "b": plan("b", 3, 5.0), "c": plan("c", 2, 50.0)}
+    assert pick_plan(plans, "b") == plans["b"]  # a's newer epoch does not matter: a holds no lease
+    assert pick_plan(plans, None) is None
+    assert pick_plan(plans, "d") is None
     assert pick_plan({}, None) is None
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -55,9 +56,10 @@ def test_planned_range_only_for_a_newer_epoch_that_moves_us():
     assert planned_range("QmB", R(0, 2), snap, adopted_epoch=0, num_layers=6) is None  # past the model
 
 
-def test_malformed_plan_is_ignored():
-    bad = PlanRecord(epoch=5, planner_peer_id="QmA", plan={"placement": {"QmA": [4, 2]}}, created_at=0.0)
-    assert planned_range("QmA", R(0, 8), snapshot(bad), adopted_epoch=0, num_layers=8) is None
+def test_malformed_plan_cannot_even_be_a_record():
+    # A plan reaches the follower only as a PlanRecord, whose body is validated on every parse.
+    with pytest.raises(pydantic.ValidationError):
+        PlanRecord(epoch=5, planner_peer_id="QmA", plan={"placement": {"QmA": [4, 2]}}, created_at=0.0)
 
 
 def test_transition_serves_the_hull_when_it_fits():
