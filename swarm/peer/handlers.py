@@ -13,12 +13,15 @@ here (``session_key``): only that peer can step or close it, and it counts again
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterator
 
 from hivemind.p2p import P2P
 
-from swarm.errors import ProtocolError
+from swarm.errors import CapacityError, ProtocolError
 from swarm.models.blocks import Step
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
@@ -49,12 +52,32 @@ class PeerHandlers:
         self.peer = peer
         self.p2p = p2p
         self.config = config or SessionConfig()
+        self.in_flight: Counter[str] = Counter()  # steps being served, per remote peer
+
+    @contextlib.contextmanager
+    def _admit(self, remote_id: str) -> Iterator[None]:
+        """Count a step of ``remote_id`` in flight; CapacityError past its share (no one remote floods us)."""
+        if self.in_flight[remote_id] >= self.config.max_requests_per_remote:
+            raise CapacityError(
+                f"{self.in_flight[remote_id]} steps of yours are already in flight here, the limit"
+            )
+        self.in_flight[remote_id] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[remote_id] -= 1
+            if not self.in_flight[remote_id]:
+                del self.in_flight[remote_id]
 
     @property
     def peer_id(self) -> str:
         return self.peer.peer_id
 
     async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply:
+        with self._admit(remote_id):
+            return await self._step(request, remote_id)
+
+    async def _step(self, request: StepRequest, remote_id: str) -> StepReply:
         received = time.perf_counter()
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))

@@ -163,3 +163,27 @@ def test_probe_echoes_sizes() -> None:
         bytes(10),
         None,
     )
+
+
+def test_one_remote_peer_cannot_have_more_steps_in_flight_than_its_share() -> None:
+    h = _handlers(Clock())
+    h.config = SessionConfig(max_requests_per_remote=2)
+
+    async def body() -> None:
+        await h.rpc_step(_step(h, "a", 0, 2, max_length=4), "QmGreedy")
+        # Two steps of QmGreedy queued on the executor (not yet run) hold its whole share...
+        held = [
+            asyncio.create_task(h.rpc_step(_step(h, sid, 0, 1, max_length=4), "QmGreedy"))
+            for sid in ("b", "c")
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(CapacityError, match="in flight"):
+            await h.rpc_step(_step(h, "d", 0, 1, max_length=4), "QmGreedy")
+        await h.rpc_step(_step(h, "e", 0, 1, max_length=4), "QmOther")  # ...but not anyone else's
+        await asyncio.gather(*held)
+        assert h.in_flight == {}
+        await h.rpc_step(
+            _step(h, "d", 0, 1, max_length=4), "QmGreedy"
+        )  # the share comes back once they finish
+
+    _run(h, body)

@@ -1,0 +1,113 @@
+"""Hostile callers against a real peer process (tiny model, 127.0.0.1): a msgpack bomb leaves its memory
+within a bound and it keeps serving; a client squatting the KV cache is capped while another is still served."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import uuid
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import CapacityError
+from swarm.models.loading import ModelSource, resolve_model
+from swarm.testing import LocalSwarm, PeerProcess, swarm_client
+from swarm.transport import call_step
+from swarm.transport.channel import call_raw
+from swarm.wire import ErrorReply, StepRequest, decode_reply
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+CACHE_TOKENS = 256
+BOMB_ARRAYS = 20_000_000  # 20 MB of empty msgpack arrays: ~1.5 GB as Python lists if decoded unbounded
+MEMORY_BOUND_BYTES = 200 * 1024**2
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelSource:
+    torch.set_num_threads(1)
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
+    with LocalSwarm(tmp_path_factory.mktemp("hostile_rpc")) as swarm:
+        args = ["--no-plan", "--no-follow-plan", "--cache-tokens", str(CACHE_TOKENS)]
+        yield swarm.start_peer("0:6", extra_args=args)
+
+
+def _bomb() -> bytes:
+    """[version, "step", <array32 of BOMB_ARRAYS empty arrays>]: tiny to send, huge to decode naively."""
+    header = b"\x93" + bytes([PROTOCOL_VERSION]) + b"\xa4step" + b"\xdd" + struct.pack(">I", BOMB_ARRAYS)
+    return header + b"\x90" * BOMB_ARRAYS
+
+
+class PeakRss:
+    """Samples a process's resident memory in a thread until stopped; ``peak`` is the largest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.process, self.peak = psutil.Process(pid), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = self.process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _step(tiny: ModelSource, session: str, tokens: int, max_length: int) -> StepRequest:
+    hidden = torch.randn(tokens, tiny.spec.hidden_size)
+    return StepRequest(session, 0, hidden, 0, 6, max_length, tiny.spec.weights_hash)
+
+
+def test_a_msgpack_bomb_is_refused_within_a_memory_bound_and_the_peer_keeps_serving(
+    peer: PeerProcess, tiny: ModelSource
+) -> None:
+    async def body() -> None:
+        async with swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            before = psutil.Process(peer.proc.pid).memory_info().rss
+            with PeakRss(peer.proc.pid) as rss:
+                raw = await call_raw(p2p, peer.peer_id, _bomb(), maddrs=peer.maddrs, timeout_s=60)
+            reply = decode_reply(raw)
+            assert isinstance(reply, ErrorReply) and reply.code == "protocol", reply
+            assert rss.peak - before < MEMORY_BOUND_BYTES, (
+                f"peak grew by {(rss.peak - before) / 2**20:.0f} MiB"
+            )
+            ok = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
+            assert ok.hidden.shape == (2, tiny.spec.hidden_size)
+
+    asyncio.run(body())
+
+
+def test_a_kv_squatting_client_is_capped_while_another_is_served(
+    peer: PeerProcess, tiny: ModelSource
+) -> None:
+    async def body() -> None:
+        async with (
+            swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_d1, _r1, squatter),
+            swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_d2, _r2, other),
+        ):
+            with pytest.raises(CapacityError):  # the whole cache in one session: over one peer's share
+                await call_step(squatter, peer.peer_id, _step(tiny, "all", 1, CACHE_TOKENS), timeout_s=30)
+            half = CACHE_TOKENS // 2
+            await call_step(squatter, peer.peer_id, _step(tiny, "half", 1, half), timeout_s=30)
+            with pytest.raises(CapacityError):  # its share is used up
+                await call_step(squatter, peer.peer_id, _step(tiny, "more", 1, 8), timeout_s=30)
+            reply = await call_step(other, peer.peer_id, _step(tiny, "mine", 1, half // 2), timeout_s=30)
+            assert reply.hidden.shape == (1, tiny.spec.hidden_size)
+
+    asyncio.run(body())
