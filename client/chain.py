@@ -67,6 +67,7 @@ class RemoteChain:
             max_length_tokens=max_length_tokens,
             model_hash=self.model_hash,
             route_rest=tuple(rest),
+            timeout_s=self.step_timeout_s,  # the route stops working on it when we stop waiting
         )
         reply = await call_step(
             self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s

@@ -48,6 +48,8 @@ MAX_MESSAGE_BYTES = MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES  # whole encoded mess
 # msgpack builds one Python object per element (~60 bytes for an empty list), so this bounds what a frame can
 # make the decoder allocate beyond its own bytes.
 MAX_OBJECTS = 4 * MAX_LAYER
+DEFAULT_STEP_TIMEOUT_S = 60.0  # a step's deadline when its sender names none
+MAX_STEP_TIMEOUT_S = 3600.0
 # What each kind of message may weigh, checked against the frame's size before it is unpacked.
 _MAX_KIND_BYTES = {
     "step": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
@@ -103,7 +105,9 @@ class StepRequest:
 
     The first step a peer sees for an unknown session opens it with room for ``max_length_tokens``; later steps
     reuse it. The same session id is used on every hop. ``route_rest`` are the hops after this one: the peer
-    pushes its output to ``route_rest[0]`` itself and returns what the last hop computed.
+    pushes its output to ``route_rest[0]`` itself and returns what the last hop computed. ``timeout_s`` is what
+    is left of the caller's deadline: each hop stops working on the step once it has passed, and passes on
+    what is left of it, so a client's deadline bounds the whole route's work.
     """
 
     session_id: str
@@ -114,6 +118,7 @@ class StepRequest:
     max_length_tokens: int
     model_hash: str
     route_rest: tuple[Hop, ...] = ()
+    timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,15 @@ def _float(body: dict[str, Any], key: str, what: str) -> float:
     return float(value)
 
 
+def _timeout(body: dict[str, Any], what: str) -> float:
+    if "timeout_s" not in body:  # sent by a peer of an earlier release of this protocol version
+        return DEFAULT_STEP_TIMEOUT_S
+    value = _float(body, "timeout_s", what)
+    if not 0 < value <= MAX_STEP_TIMEOUT_S:
+        raise ProtocolError(f"{what}.timeout_s must be in (0, {MAX_STEP_TIMEOUT_S:.0f}] seconds, got {value}")
+    return value
+
+
 def _str(body: dict[str, Any], key: str, what: str, max_chars: int = MAX_TEXT_CHARS) -> str:
     value = body.get(key)
     if not isinstance(value, str):
@@ -369,6 +383,7 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "max_length_tokens": msg.max_length_tokens,
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
+            "timeout_s": msg.timeout_s,
         }
     if isinstance(msg, StepReply):
         timings = [[t.peer_id, t.start, t.end, t.queue_s, t.compute_s, t.total_s] for t in msg.timings]
@@ -430,6 +445,7 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
             max_length_tokens=max_length,
             model_hash=_str(body, "model_hash", w, 256),
             route_rest=_route(body),
+            timeout_s=_timeout(body, w),
         )
     if kind == "step_reply":
         return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))

@@ -75,10 +75,15 @@ class PeerHandlers:
 
     async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply:
         with self._admit(remote_id):
-            return await self._step(request, remote_id)
+            try:
+                async with asyncio.timeout(request.timeout_s):  # the caller's deadline bounds our work
+                    return await self._step(request, remote_id)
+            except TimeoutError:
+                raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
 
     async def _step(self, request: StepRequest, remote_id: str) -> StepReply:
         received = time.perf_counter()
+        deadline = received + request.timeout_s
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         self.peer.check_route(layers, request.route_rest)
@@ -104,10 +109,10 @@ class PeerHandlers:
             max_length_tokens=request.max_length_tokens,
             model_hash=request.model_hash,
             route_rest=rest,
+            timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
         )
-        reply = await call_step(
-            self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=self.config.forward_timeout_s
-        )
+        timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
+        reply = await call_step(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:

@@ -11,6 +11,7 @@ import torch
 from swarm import PROTOCOL_VERSION
 from swarm.errors import CapacityError, NoRouteError, ProtocolError, SessionError, VersionMismatch
 from swarm.wire import (
+    DEFAULT_STEP_TIMEOUT_S,
     MAX_LAYER,
     MAX_LENGTH_TOKENS,
     MAX_TENSOR_BYTES,
@@ -226,3 +227,15 @@ def test_random_mutations_never_escape_as_other_errors() -> None:
 def test_unsupported_send_dtype_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="cannot send"):
         encode_tensor(torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_a_steps_deadline_travels_and_defaults_when_an_older_sender_omits_it() -> None:
+    back = decode_request(encode_request(_step(timeout_s=2.5)))
+    assert isinstance(back, StepRequest) and back.timeout_s == 2.5
+    body = msgpack.unpackb(encode_request(_step()), raw=False)[2]
+    del body["timeout_s"]
+    old = decode_request(_raw("step", body))
+    assert isinstance(old, StepRequest) and old.timeout_s == DEFAULT_STEP_TIMEOUT_S
+    for bad in (0, -1.0, 1e9, float("nan"), "soon"):
+        with pytest.raises(ProtocolError, match="timeout_s"):
+            decode_request(_raw("step", {**body, "timeout_s": bad}))

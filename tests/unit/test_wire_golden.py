@@ -1,7 +1,8 @@
 """The wire format, pinned: every message kind encodes to the exact bytes in ``wire_golden.json``.
 
 A change to how any message is laid out on the wire fails here, so it cannot happen silently: peers of the
-previous release would misread it. If the change is intended, bump ``swarm.PROTOCOL_VERSION`` and regenerate:
+previous release may misread it. If the change is intended, bump ``swarm.PROTOCOL_VERSION`` (unless the old
+release still reads the new bytes and the new one the old, as with an added optional field) and regenerate:
 
     .venv/bin/python -m tests.unit.test_wire_golden
 """

@@ -187,3 +187,16 @@ def test_one_remote_peer_cannot_have_more_steps_in_flight_than_its_share() -> No
         )  # the share comes back once they finish
 
     _run(h, body)
+
+
+def test_a_step_whose_deadline_passes_while_queued_is_dropped_with_a_capacity_error() -> None:
+    h = _handlers(Clock())
+
+    async def body() -> None:  # no executor running: the step can only wait in the queue
+        request = _step(h, "late", 0, 2)
+        late = StepRequest(**{**vars(request), "timeout_s": 0.05})
+        with pytest.raises(CapacityError, match="deadline"):
+            await h.rpc_step(late, "QmClient")
+        assert h.in_flight == {}
+
+    asyncio.run(body())
