@@ -38,8 +38,8 @@ import aiohttp
 import psutil
 
 from client import AsyncSwarmClient
-from client.web.launcher import ChatServer
 from swarm.testing import LocalSwarm
+from swarm.testing.chat import ChatServer
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 

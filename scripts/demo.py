@@ -24,8 +24,8 @@ from pathlib import Path
 os.environ.setdefault("FLOWSWARM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from client.web.launcher import ChatServer, stream_chat
 from swarm.testing import LocalSwarm
+from swarm.testing.chat import ChatServer, stream_chat
 
 QUESTION = "What is the capital of France?"
 LAYERS = ("0:10", "10:20", "20:30")

@@ -55,10 +55,7 @@ class PeerProcess:
         return self.maddrs[0].rsplit("/p2p/", 1)[1]
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, chars)
 
     def is_ready(self) -> bool:
         if self.maddrs:
@@ -92,16 +89,29 @@ class PeerProcess:
 
     def stop(self, grace_s: float = 20.0) -> int:
         """SIGTERM, wait up to grace_s for a clean exit, then SIGKILL; always reaps the whole group."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _killpg(self.proc, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        _killpg(self.proc, signal.SIGKILL)  # the DHT child and p2pd, if they outlived the peer
-        return self.proc.returncode
+        return stop_process_group(self.proc, grace_s)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:
+    """SIGTERM ``proc`` (the leader of its own process group), SIGKILL its group after ``grace_s``, and at
+    the end SIGKILL the group anyway: a hivemind DHT child or p2pd that outlived its parent goes too."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _killpg(proc, signal.SIGKILL)
+            proc.wait(timeout=10)
+    _killpg(proc, signal.SIGKILL)
+    return proc.returncode
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
 
 
 def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:

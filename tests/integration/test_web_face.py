@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from client import SwarmClient
-from client.web.launcher import ChatServer
 from swarm.testing import REPO, LocalSwarm
+from swarm.testing.chat import ChatServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,11 +9,9 @@ The server runs in its own process group, so its hivemind DHT child and p2pd go 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +19,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+
+from swarm.testing.launcher import REPO, log_tail, stop_process_group
 
 READY = re.compile(r"swarm-chat: serving (http://\S+/) ")
 
@@ -43,20 +43,16 @@ class ChatServer:
         args += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
         self.log_path = log_path
         environment = {**os.environ, "FLOWSWARM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        repo = Path(__file__).resolve().parents[2]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=repo, start_new_session=True
+                args, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True
             )
         self.url = ""
         if wait:
             self.wait_ready(timeout_s)
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, chars)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The base URL once the server listens (stops it and raises if it died or took too long)."""
@@ -81,17 +77,7 @@ class ChatServer:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after `grace_s`; the whole process group is killed at the end."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.returncode
+        return stop_process_group(self.proc, grace_s)
 
     def __enter__(self) -> ChatServer:
         return self
