@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
+from swarm.peer.solver_process import InThread, SolverProcess
 from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems, solve
 from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
@@ -154,12 +155,15 @@ class PlannerService:
         election: Election,
         config: PlannerConfig | None = None,
         model: ModelInfo | None = None,
+        solver: SolverProcess | InThread | None = None,
     ) -> None:
-        """`model`: the served model from our own spec (None: as most peers announce it)."""
+        """`model`: the served model from our own spec (None: as most peers announce it). `solver`: where
+        solves run (default: a niced process of their own, so serving never waits for one)."""
         self.directory = directory
         self.election = election
         self.config = config or PlannerConfig()
         self.model = model
+        self.solver = solver or SolverProcess()
         self._solved_cluster: Cluster | None = None
         self._solved_at = float("-inf")
         self._refreshed_at = float("-inf")
@@ -167,15 +171,18 @@ class PlannerService:
         self.published = 0  # plans published with a new epoch by this peer (for tests and status)
 
     async def run(self) -> None:
-        while True:
-            if self.election.is_leader:
-                try:
-                    await self.check()
-                except Exception as e:  # a bad snapshot or a solver failure must not stop planning for good
-                    logger.warning("planner check failed: %r", e)
-            else:
-                self._solved_cluster = None  # a new term starts from a fresh look at the swarm
-            await asyncio.sleep(self.config.check_interval_s)
+        try:
+            while True:
+                if self.election.is_leader:
+                    try:
+                        await self.check()
+                    except Exception as e:  # a bad snapshot or a solver failure must not stop planning
+                        logger.warning("planner check failed: %r", e)
+                else:
+                    self._solved_cluster = None  # a new term starts from a fresh look at the swarm
+                await asyncio.sleep(self.config.check_interval_s)
+        finally:
+            self.solver.close()
 
     async def check(self) -> PlanRecord | None:
         """One look at the swarm: re-solve if needed, publish if better, else refresh. Returns what was stored."""
@@ -219,7 +226,7 @@ class PlannerService:
         limit_s = self.config.solve_time_limit_s
         try:
             async with asyncio.timeout(limit_s * 2 + 10):  # the solver honours its limit; this is a backstop
-                plan = await asyncio.to_thread(
+                plan = await self.solver.run(
                     solve,
                     cluster,
                     method=self.config.method,
