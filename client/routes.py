@@ -112,6 +112,13 @@ class SwarmRoutes:
         view = routing_view(snapshot, self.num_layers, self.cache_high_water, avoid)
         return self.router(snapshot).route_from(view, start_layer, prev, session_tokens)
 
+    async def holders(self, layers: LayerRange) -> list[NodeID]:
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage)."""
+        view = routing_view(await self.snapshot(), self.num_layers, 1.0)
+        return [
+            p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
+        ]
+
     def ban(self, peer_id: NodeID) -> None:
         seconds = self.bans.ban(peer_id)
         logger.warning("banned peer %s for %.0f s", peer_id[-8:], seconds)

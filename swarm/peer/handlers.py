@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 from hivemind.p2p import P2P
 
 from swarm.models.blocks import Step
+from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
 from swarm.peer.state import Peer
@@ -41,10 +43,13 @@ logger = logging.getLogger(__name__)
 class PeerHandlers:
     """Implements swarm.transport.RpcHandler for ``peer``."""
 
-    def __init__(self, peer: Peer, p2p: P2P, config: SessionConfig | None = None) -> None:
+    def __init__(
+        self, peer: Peer, p2p: P2P, config: SessionConfig | None = None, faults: OutputFaults | None = None
+    ) -> None:
         self.peer = peer
         self.p2p = p2p
         self.config = config or SessionConfig()
+        self.faults = faults  # TEST ONLY (--faulty-output-rate): corrupts some outputs, for spot-check tests
 
     @property
     def peer_id(self) -> str:
@@ -61,6 +66,8 @@ class PeerHandlers:
             result = await self.peer.executor.forward(served.blocks, step)
         finally:
             self.peer.touch(sid)
+        if self.faults is not None:
+            result = replace(result, hidden=self.faults.corrupt(result.hidden))
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
