@@ -142,22 +142,22 @@ class SpotChecker:
 
     async def check(self, stages: Sequence[Stage], token_ids: Sequence[int]) -> NodeID | None:
         """Re-run one checkable stage of `stages` on the newest tokens; the peer found lying, or None."""
-        pick = await self._pick(stages)
-        if pick is None:
-            return None
-        index, checkers = pick
-        stage, window = stages[index], list(token_ids[-self.window_tokens :])
-        self.checks_run += 1
+        window = list(token_ids[-self.window_tokens :])
         try:
             async with asyncio.timeout(self.timeout_s):
+                pick = await self._pick(stages)
+                if pick is None:
+                    return None  # no stage has another holder: nothing to compare with
+                index, checkers = pick
+                self.checks_run += 1
                 inputs = await self._inputs(stages[:index], window)
-                liar = await self._verdict(stage, checkers, inputs)
+                liar = await self._verdict(stages[index], checkers, inputs)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             # a check that cannot run proves nothing; failures of the real route are the session's business
-            logger.info("spot-check of %s skipped: %s: %s", stage.peer_id[-8:], type(error).__name__, error)
+            logger.info("spot-check skipped: %s: %s", type(error).__name__, error)
             return None
         if liar is not None:
-            await self._exclude(liar, stage.layers)
+            await self._exclude(liar, stages[index].layers)
         return liar
 
     async def _pick(self, stages: Sequence[Stage]) -> tuple[int, list[NodeID]] | None:
