@@ -7,6 +7,8 @@ layers from the failed peer's stage on (the stages before it stay: their peers a
 and sends all the tokens again at position 0, which makes every peer on the route truncate its cache and
 recompute it. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
 After every good step the route's peers are reported as having served, which forgets their past failures.
+A sampled fraction of good steps is spot-checked first (client/spot.py): a peer found computing wrongly is
+excluded, and the step is replayed without it, like any other failover.
 
 The same session runs over the remote chain of peers (client.chain) and over in-process block ranges
 (client.local), which is how the tests and benchmarks compare it with transformers.
@@ -158,9 +160,10 @@ class InferenceSession:
         if self.checker is None:
             return
         self.checker.steps_served.update(s.peer_id for s in self.stages)
-        if not self.checker.due():
-            return
-        liar = await self.checker.check(self.stages, token_ids)
+        # a check of another session may have caught a peer of our route since it was built
+        liar = next((s.peer_id for s in self.stages if s.peer_id in self.checker.excluded), None)
+        if liar is None and self.checker.due():
+            liar = await self.checker.check(self.stages, token_ids)
         if liar is not None and liar in {s.peer_id for s in self.stages}:
             error = WrongOutput(f"peer {liar} computed wrong outputs (spot-check)")
             error.failed_peer_id = liar
@@ -207,9 +210,8 @@ class InferenceSession:
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == named), None)
         if decision.action is not Action.BAN_AND_REROUTE or index == 0:
             return named, decision.action  # first hand, or no ban follows
-        if (
-            index is None
-        ):  # a peer that is not on our route cannot have failed it: the first hop relayed a lie
+        # a peer that is not on our route cannot have failed it: the first hop relayed a lie
+        if index is None:
             return self.stages[0].peer_id, decision.action
         if not decision.find_silent:
             return named, Action.REROUTE

@@ -227,3 +227,20 @@ def test_the_cli_flag_and_client_setting_are_validated() -> None:
         ClientConfig(spot_check_rate=1.5)
     with pytest.raises(ValueError, match="spot_check_tokens"):
         ClientConfig(spot_check_tokens=0)
+
+
+def test_a_session_drops_a_peer_that_another_session_caught(
+    tiny_source: ModelSource, expected: list[int]
+) -> None:
+    client, chain, _ = make_client(tiny_source, SPLIT, rate=0.0)
+    first = client.new_session(len(PROMPT_IDS) + 4)
+
+    async def main() -> list[int]:
+        await first.forward(PROMPT_IDS)
+        assert first.stages[1].peer_id == "b"
+        client.checker.excluded.add(NodeID("b"))  # as if a check of another session had caught it
+        await first.forward([expected[0]])
+        return [s.peer_id for s in first.stages]
+
+    assert asyncio.run(main()) == ["a", "b2", "c"]
+    assert first.failovers == 1
