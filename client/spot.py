@@ -191,9 +191,10 @@ class SpotChecker:
         asked = [suspect, checker, *checkers[1:2]]
         second = await self._answers(asked, stage.layers, inputs)
         liars = [p for p in (suspect, checker) if not agree(first[p], second[p])]  # honest = deterministic
-        if len(asked) == 3:
-            referee = second[asked[2]]
-            liars = [p for p in (suspect, checker) if p in liars or not agree(second[p], referee)]
+        if len(asked) == 3:  # a third holder referees: whoever it sides against is outvoted
+            sides = {p: agree(second[p], second[asked[2]]) for p in (suspect, checker)}
+            if any(sides.values()):  # (if it sides with neither, it may be the liar: no majority)
+                liars = [p for p in (suspect, checker) if p in liars or not sides[p]]
         if not liars:
             logger.warning(
                 "peers %s and %s disagree on layers %s and nobody else holds them: cannot tell who lies",

@@ -91,6 +91,12 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
                     baseline = tokens if baseline is None else baseline
                     same_tokens &= tokens == baseline
     base = statistics.median(speeds[rates[0]])
+    # What one check costs, in decode steps, from the highest rate (where checks dominate the noise); the
+    # overhead at the default rate r follows as r * cost / (1 + r * cost) of decode tok/s.
+    top = rates[-1]
+    checks_per_step = checks[top] / args.repeats / args.new_tokens
+    cost_steps = (base / statistics.median(speeds[top]) - 1) / checks_per_step if checks_per_step else 0.0
+    default_rate = ClientConfig().spot_check_rate
     return {
         "peers": 2,
         "route": [layers],
@@ -105,6 +111,10 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
             for rate in rates
         },
         "tokens_equal_across_rates": same_tokens,
+        "check_cost_decode_steps": round(cost_steps, 2),
+        "predicted_overhead_at_default_rate": round(
+            default_rate * cost_steps / (1 + default_rate * cost_steps), 3
+        ),
     }
 
 

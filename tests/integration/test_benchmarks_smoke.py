@@ -197,6 +197,8 @@ def test_bench_spot_check_tiny() -> None:
             "prompt_tokens": _positive,
             "per_rate": lambda v: isinstance(v, dict) and set(v) == {"0.0", "0.05", "1.0"},
             "tokens_equal_across_rates": lambda v: v is True,
+            "check_cost_decode_steps": lambda v: isinstance(v, float) and math.isfinite(v),
+            "predicted_overhead_at_default_rate": lambda v: isinstance(v, float) and v < 1,
             "liar": lambda v: isinstance(v, dict) and v["trials"] == 2 and v["steps_served_max"] >= 1,
             "threads_per_process": lambda v: v == 1,
             "load_avg_1m": _non_negative,

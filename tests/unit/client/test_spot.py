@@ -244,3 +244,13 @@ def test_a_session_drops_a_peer_that_another_session_caught(
 
     assert asyncio.run(main()) == ["a", "b2", "c"]
     assert first.failovers == 1
+
+
+def test_a_referee_that_sides_with_nobody_outvotes_nobody(tiny_source: ModelSource) -> None:
+    """b lies consistently, b3 (the referee) lies at random: no two answers agree, so only self-inconsistency
+    counts, and the honest b2 is never blamed."""
+    client, chain, _ = make_client(tiny_source, {**SPLIT, "b3": (2, 4)}, rate=1.0, seed=5)
+    chain.faulty[NodeID("b")] = ShiftedOutputs()
+    chain.faulty[NodeID("b3")] = OutputFaults(1.0, seed=3)
+    generate(client, 3)
+    assert "b2" not in client.checker.excluded
