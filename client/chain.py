@@ -9,12 +9,15 @@ client round trip per stage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.p2p import P2P
 
+from swarm.errors import SwarmError
 from swarm.routing.route import Stage
 from swarm.transport import call_close, call_info, call_step
 from swarm.types import NodeID, SessionID
@@ -73,6 +76,29 @@ class RemoteChain:
             self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
         )
         return reply.hidden.to(hidden.dtype)
+
+    async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
+        """`stage` alone on `hidden` as a fresh session at position 0, closed after; the output in the dtype the
+        peer computed it in (a spot-check compares answers at their own precision)."""
+        hop = self._hops([stage])[0]
+        session_id = SessionID(secrets.token_hex(16))
+        request = StepRequest(
+            session_id=session_id,
+            position=0,
+            hidden=hidden.to(self.wire_dtype),
+            start=hop.start,
+            end=hop.end,
+            max_length_tokens=hidden.shape[0],
+            model_hash=self.model_hash,
+        )
+        try:
+            reply = await call_step(
+                self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=self.step_timeout_s
+            )
+        finally:
+            with contextlib.suppress(SwarmError, TimeoutError, ConnectionError, OSError):
+                await self.close(session_id, [stage])  # best effort: it expires when idle anyway
+        return reply.hidden
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None:
         if not stages:

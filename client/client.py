@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Sequence
@@ -26,6 +27,7 @@ from client.generation import GenerationRequest, generate_ids, generate_text
 from client.retry import RetryPolicy
 from client.routes import SwarmRoutes
 from client.session import Chain, Head, InferenceSession, RouteSource
+from client.spot import DirectoryReports, ReportSink, SpotChecker
 from swarm.dht import DHTConfig, Directory, ModelShape, SwarmDHT
 from swarm.errors import ModelMismatch, SwarmError
 from swarm.models.head import Sampler, SamplingParams
@@ -56,6 +58,7 @@ class AsyncSwarmClient:
         head: Head,
         tokenizer: Any,
         dht: SwarmDHT | None = None,
+        reports: ReportSink | None = None,
     ) -> None:
         self.config = config
         self.chain = chain
@@ -65,13 +68,29 @@ class AsyncSwarmClient:
         self.dht = dht
         self.policy = RetryPolicy(config.max_retries, config.retry_delay_s)
         self.eos_ids = _eos_ids(tokenizer)
+        self.checker = SpotChecker(
+            chain,
+            routes,
+            head,
+            rate=config.spot_check_rate,
+            window_tokens=config.spot_check_tokens,
+            reports=reports,
+            rng=random.Random(config.spot_check_seed),
+            timeout_s=config.step_timeout_s,
+        )
         self.last_session: InferenceSession | None = None  # the latest session, for failover counts in tests
 
     @classmethod
     async def create(
-        cls, initial_peers: Sequence[str] = (), model: str = "default", config: ClientConfig | None = None
+        cls,
+        initial_peers: Sequence[str] = (),
+        model: str = "default",
+        config: ClientConfig | None = None,
+        reports: ReportSink | None = None,
     ) -> AsyncSwarmClient:
-        """Load the tokenizer and head of `model`, join the swarm's DHT as a client, wait for all layers."""
+        """Load the tokenizer and head of `model`, join the swarm's DHT as a client, wait for all layers.
+
+        `reports` receives the peers spot-checks catch computing wrongly (default: signed reports in the DHT)."""
         config = replace(config or ClientConfig(), initial_peers=tuple(initial_peers), model=model)
         if not config.initial_peers:
             raise ValueError("initial_peers is empty: give the multiaddr of at least one running peer")
@@ -110,6 +129,8 @@ class AsyncSwarmClient:
             await dht.aclose()
             raise
         logger.info("connected to the swarm serving %s (%d layers)", spec.name, spec.num_layers)
+        if reports is None:  # what our spot-checks catch, the planner and other clients learn through the DHT
+            reports = DirectoryReports(directory)
         return cls(
             config,
             chain=chain,
@@ -117,6 +138,7 @@ class AsyncSwarmClient:
             head=head,
             tokenizer=tokenizer,
             dht=dht,
+            reports=reports,
         )
 
     # --- prompts -------------------------------------------------------------------------------------------
@@ -156,7 +178,13 @@ class AsyncSwarmClient:
     def new_session(self, max_length_tokens: int) -> InferenceSession:
         """An inference session reserving `max_length_tokens` of KV cache on each peer of its route."""
         session = InferenceSession(
-            self.chain, self.routes, self.head, self.policy, self.config.step_timeout_s, max_length_tokens
+            self.chain,
+            self.routes,
+            self.head,
+            self.policy,
+            self.config.step_timeout_s,
+            max_length_tokens,
+            self.checker,
         )
         self.last_session = session
         return session
@@ -226,6 +254,7 @@ class SwarmClient:
         initial_peers: Sequence[str] = (),
         model: str = "default",
         config: ClientConfig | None = None,
+        reports: ReportSink | None = None,
         **config_fields: Any,
     ) -> None:
         config = replace(config or ClientConfig(), **config_fields)
@@ -233,7 +262,7 @@ class SwarmClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-client", daemon=True)
         self._thread.start()
         try:
-            self._client = self.run(AsyncSwarmClient.create(initial_peers, model, config))
+            self._client = self.run(AsyncSwarmClient.create(initial_peers, model, config, reports))
         except BaseException:
             self._stop_loop()
             raise

@@ -56,6 +56,16 @@ class ClientConfig:
     max_layer_tokens_s: float = 1e6
     """Announced decode tokens/s per layer above this count as this (plausibility cap on what peers claim)."""
 
+    spot_check_rate: float = 0.05
+    """Fraction of steps after which one stage is re-run on another peer holding its layers and compared, to
+    catch peers that compute wrongly (0 turns spot-checks off). See client/spot.py for the cost."""
+
+    spot_check_tokens: int = 16
+    """How many of the session's newest tokens one spot-check re-runs (its cost does not grow with the session)."""
+
+    spot_check_seed: int | None = None
+    """Seed of the draw of which steps are checked (None: unpredictable, as it should be against real liars)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
@@ -72,6 +82,10 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:
             raise ValueError(f"ClientConfig.cache_high_water must be in (0, 1], got {self.cache_high_water}")
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise ValueError(f"ClientConfig.spot_check_rate must be in [0, 1], got {self.spot_check_rate}")
+        if self.spot_check_tokens < 1:
+            raise ValueError(f"ClientConfig.spot_check_tokens must be >= 1, got {self.spot_check_tokens}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(
                 f"ClientConfig.dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}"

@@ -8,6 +8,7 @@ that talk to a swarm, with each hop a direct call. The unit tests check that pat
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -16,12 +17,14 @@ import torch
 
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
+from client.spot import ReportSink
 from swarm.errors import SwarmError, TransportError
 from swarm.models.blocks import BlockRange, Step
+from swarm.models.faults import OutputFaults
 from swarm.models.head import ClientHead
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingView
 from swarm.routing.route import Stage
-from swarm.types import NodeID, SessionID
+from swarm.types import LayerRange, NodeID, SessionID
 
 
 class LocalChain:
@@ -31,6 +34,7 @@ class LocalChain:
         self.blocks = dict(blocks)
         self.dead: set[NodeID] = set()  # peers that fail every call, as if SIGKILLed
         self.refusing: dict[NodeID, SwarmError] = {}  # peers that answer every step with this error
+        self.faulty: dict[NodeID, OutputFaults] = {}  # peers that corrupt (some of) their outputs
         self.calls: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every stage run
         self.on_step: Callable[[int], None] | None = None  # called with the step count before each step
         self._steps = 0
@@ -53,17 +57,36 @@ class LocalChain:
                 raise error
             if stage.peer_id in self.refusing:
                 refusal = self.refusing[stage.peer_id]
-                refusal.failed_peer_id = stage.peer_id
+                # an error that names another peer is this hop's claim that the other one failed
+                refusal.failed_peer_id = refusal.failed_peer_id or stage.peer_id
                 raise refusal
             block = self.blocks[stage.peer_id]
             if session_id not in block.active_sessions:
                 block.open_session(session_id, max_length_tokens)
             inputs = hidden.to(block.device, block.dtype)
-            hidden = block.forward(
-                [Step(session_id, inputs, stage.layers.start, stage.layers.end, position)]
-            )[0]
+            hidden = self._forward(stage, session_id, inputs, position)
             self.calls.append((stage.peer_id, position, inputs.shape[0]))
         return hidden
+
+    def _forward(
+        self, stage: Stage, session_id: SessionID, inputs: torch.Tensor, position: int
+    ) -> torch.Tensor:
+        block = self.blocks[stage.peer_id]
+        step = Step(session_id, inputs, stage.layers.start, stage.layers.end, position)
+        hidden = block.forward([step])[0]
+        faults = self.faulty.get(stage.peer_id)
+        return faults.corrupt(hidden) if faults is not None else hidden
+
+    async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
+        if stage.peer_id in self.dead:
+            raise TransportError(f"peer {stage.peer_id} is unreachable")
+        block = self.blocks[stage.peer_id]
+        session_id = SessionID(secrets.token_hex(16))
+        block.open_session(session_id, hidden.shape[0])
+        try:
+            return self._forward(stage, session_id, hidden.to(block.device, block.dtype), 0)
+        finally:
+            block.close_session(session_id)
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None:
         for stage in stages:
@@ -107,6 +130,13 @@ class LocalRoutes:
     ) -> Route:
         return self.router.route_from(self.view(avoid), start_layer, prev, session_tokens)
 
+    async def holders(self, layers: LayerRange) -> list[NodeID]:
+        return [
+            p
+            for p, block in self.chain.blocks.items()
+            if block.range.covers(layers) and not self.bans.is_banned(p)
+        ]
+
     def ban(self, peer_id: NodeID) -> None:
         self.bans.ban(peer_id)
 
@@ -121,6 +151,7 @@ def in_process_client(
     tokenizer: Any = None,
     config: ClientConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
+    reports: ReportSink | None = None,
 ) -> AsyncSwarmClient:
     """An AsyncSwarmClient whose "peers" are `blocks` (named by the mapping's keys) in this process.
 
@@ -135,4 +166,5 @@ def in_process_client(
         routes=LocalRoutes(chain, num_layers, clock=clock),
         head=head,
         tokenizer=tokenizer,
+        reports=reports,
     )

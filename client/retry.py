@@ -5,11 +5,15 @@ client catches swarm errors to retry them. The mapping follows the tree in swarm
 
     TransportError  peer silent or connection broken    -> find the silent hop, ban it, re-route, replay
     TimeoutError    our own step deadline passed         -> like TransportError
+    WrongOutput     a spot-check caught a peer lying     -> re-route around it, replay (it is excluded already)
     ProtocolError   peer sent something malformed        -> ban the peer, re-route, replay
     CapacityError   peer full, leaving, or moved away    -> re-route around it for this session, replay; no ban:
                                                             it told the truth, and other sessions may still fit
     SessionError    peer forgot our session              -> route afresh from its stage, replay; no ban
     VersionMismatch, ModelMismatch, NoRouteError, other  -> give up at once (retrying cannot help)
+
+A ban that rests on a hop's word about a later hop (``failed_peer_id``) is checked first: client/session.py
+asks the named peer directly and blames the claimant if it answers.
 
 Every retry replays the session's tokens from position 0, so greedy output is the same as without the failure.
 """
@@ -20,6 +24,7 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
+from client.spot import WrongOutput
 from swarm.errors import (
     CapacityError,
     ModelMismatch,
@@ -70,6 +75,8 @@ class RetryPolicy:
         if isinstance(error, SessionError):
             return Decision(Action.REPLAY, failed)
         delay_s = self.retry_delay_s * (2**attempt)
+        if isinstance(error, WrongOutput):
+            return Decision(Action.REROUTE, failed)
         if isinstance(error, CapacityError):
             return Decision(Action.REROUTE, failed, delay_s)
         if isinstance(error, ProtocolError):

@@ -181,6 +181,13 @@ class SwarmRoutes:
             ratios=self.ratios,
         )
 
+    async def holders(self, layers: LayerRange) -> list[NodeID]:
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage)."""
+        view = routing_view(await self.snapshot(), self.num_layers, 1.0)
+        return [
+            p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
+        ]
+
     def ban(self, peer_id: NodeID) -> None:
         seconds = self.bans.ban(peer_id)
         logger.warning("banned peer %s for %.0f s", peer_id[-8:], seconds)

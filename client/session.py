@@ -7,6 +7,8 @@ layers from the failed peer's stage on (the stages before it stay: their peers a
 and sends all the tokens again at position 0, which makes every peer on the route truncate its cache and
 recompute it. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
 After every good step the route's peers are reported as having served, which forgets their past failures.
+A sampled fraction of good steps is spot-checked first (client/spot.py): a peer found computing wrongly is
+excluded, and the step is replayed without it, like any other failover.
 
 The same session runs over the remote chain of peers (client.chain) and over in-process block ranges
 (client.local), which is how the tests and benchmarks compare it with transformers.
@@ -24,10 +26,11 @@ from typing import Protocol
 
 import torch
 
-from client.retry import Action, RetryPolicy
+from client.retry import Action, Decision, RetryPolicy
+from client.spot import SpotChecker, WrongOutput
 from swarm.errors import SwarmError
 from swarm.routing.route import Route, Stage, route_text
-from swarm.types import SOURCE, NodeID, SessionID
+from swarm.types import SOURCE, LayerRange, NodeID, SessionID
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class Chain(Protocol):
 
     async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None: ...
 
+    async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor: ...  # for spot-checks
+
 
 class RouteSource(Protocol):
     """Builds routes (or their tails, for failover), and remembers which peers failed and which served."""
@@ -63,6 +68,8 @@ class RouteSource(Protocol):
     async def route(
         self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
     ) -> Route: ...  # never through a peer in `avoid`; NoRouteError names the layers nobody else serves
+
+    async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
 
     def ban(self, peer_id: NodeID) -> None: ...
 
@@ -80,6 +87,7 @@ class InferenceSession:
         policy: RetryPolicy,
         step_timeout_s: float,
         max_length_tokens: int,
+        checker: SpotChecker | None = None,
     ) -> None:
         self.chain = chain
         self.routes = routes
@@ -92,10 +100,15 @@ class InferenceSession:
         self.stages: Route = ()
         self.failovers = 0  # how many times a step was retried on a new route or replayed
         self.avoided: set[NodeID] = set()  # peers that could not take this session (full, leaving, moved)
+        self.checker = checker  # spot-checks a sampled fraction of steps (None: no checks)
         self._closed = False
 
+    def _avoid(self) -> frozenset[NodeID]:
+        excluded = self.checker.excluded if self.checker is not None else set()
+        return frozenset(self.avoided | excluded)
+
     async def open(self) -> None:
-        self.stages = await self.routes.route(0, SOURCE, self.max_length_tokens)
+        self.stages = await self.routes.route(0, SOURCE, self.max_length_tokens, self._avoid())
         logger.info("session %s route %s", self.session_id[:8], route_text(self.stages))
 
     @property
@@ -119,6 +132,7 @@ class InferenceSession:
         for attempt in itertools.count():
             try:
                 out = await self._step(ids, position)
+                await self._spot_check([*self.token_ids, *new_ids])
                 break
             except Exception as error:
                 await self._recover(error, attempt)
@@ -139,37 +153,81 @@ class InferenceSession:
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
 
+    async def _spot_check(self, token_ids: list[int]) -> None:
+        """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.
+
+        The step's output is then not used: the failover replays it on a route without that peer."""
+        if self.checker is None:
+            return
+        self.checker.steps_served.update(s.peer_id for s in self.stages)
+        # a check of another session may have caught a peer of our route since it was built
+        liar = next((s.peer_id for s in self.stages if s.peer_id in self.checker.excluded), None)
+        if liar is None and self.checker.due():
+            liar = await self.checker.check(self.stages, token_ids)
+        if liar is not None and liar in {s.peer_id for s in self.stages}:
+            error = WrongOutput(f"peer {liar} computed wrong outputs (spot-check)")
+            error.failed_peer_id = liar
+            raise error
+
     async def _recover(self, error: Exception, attempt: int) -> None:
         """Act on the policy's decision about `error`: re-raise it, or fix the route for a replay."""
         decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
         if decision.action is Action.GIVE_UP:
             raise error
-        failed = decision.failed_peer or self.stages[0].peer_id
-        if decision.find_silent:
-            failed = await self.chain.find_silent(self.stages, min(5.0, self.step_timeout_s)) or failed
+        failed, action = await self._blame(decision)
         logger.warning(
             "session %s step failed at peer %s (%s: %s); %s, try %d",
             self.session_id[:8],
             failed[-8:],
             type(error).__name__,
             error,
-            decision.action.value,
+            action.value,
             attempt + 1,
         )
-        if decision.action is Action.BAN_AND_REROUTE:
+        if action is Action.BAN_AND_REROUTE:
             self.routes.ban(failed)
-        elif decision.action is Action.REROUTE:
+        elif action is Action.REROUTE:
             self.avoided.add(failed)
         await self._reroute(failed)
         await asyncio.sleep(decision.delay_s)
         self.failovers += 1
+
+    async def _blame(self, decision: Decision) -> tuple[NodeID, Action]:
+        """Whom to act against, and how. Only the first hop's failures reach us first hand; a later hop's
+        failure is a claim (``failed_peer_id``) made by the hops in between, and any hop could name an honest
+        peer to get it banned, so no ban rests on a claim alone:
+
+        - "it is silent" (transport errors): the named peer is asked directly, with a short deadline; if it
+          answers, the hop before it, which claims it failed, is banned instead;
+        - "it sent garbage" (protocol errors): nothing we can ask proves or disproves it, so the named peer is
+          only routed around for this session, and nobody is banned."""
+        timeout_s = min(5.0, self.step_timeout_s)
+        named = decision.failed_peer or self.stages[0].peer_id
+        if decision.find_silent:
+            silent = await self.chain.find_silent(self.stages, timeout_s)
+            if silent is not None:
+                return silent, decision.action
+        index = next((i for i, s in enumerate(self.stages) if s.peer_id == named), None)
+        if decision.action is not Action.BAN_AND_REROUTE or index == 0:
+            return named, decision.action  # first hand, or no ban follows
+        # a peer that is not on our route cannot have failed it: the first hop relayed a lie
+        if index is None:
+            return self.stages[0].peer_id, decision.action
+        if not decision.find_silent:
+            return named, Action.REROUTE
+        # find_silent asked every hop, the named one included, and all of them answered
+        claimant = self.stages[index - 1].peer_id
+        logger.warning(
+            "peer %s says %s failed, but it answers: blaming %s", claimant[-8:], named[-8:], claimant[-8:]
+        )
+        return claimant, decision.action
 
     async def _reroute(self, failed: NodeID) -> None:
         """Replace the stages from `failed`'s stage on; the stages before it are kept."""
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
         kept = self.stages[:index]
         start, prev = (kept[-1].layers.end, kept[-1].peer_id) if kept else (0, SOURCE)
-        tail = await self.routes.route(start, prev, self.max_length_tokens, frozenset(self.avoided))
+        tail = await self.routes.route(start, prev, self.max_length_tokens, self._avoid())
         dropped = [s for s in self.stages[index + 1 :] if s.peer_id not in {t.peer_id for t in tail}]
         self.stages = (*kept, *tail)
         logger.info("session %s re-routed: %s", self.session_id[:8], route_text(self.stages))

@@ -164,6 +164,9 @@ class PeerConfig:
     shutdown_grace_s: float = setting(10.0, "on SIGINT/SIGTERM, how long open sessions may finish")
     plan: bool = setting(True, "never stand for planner", flag="--no-plan")
     follow_plan: bool = setting(True, "keep our layers whatever the plan says", flag="--no-follow-plan")
+    faulty_output_rate: float = setting(
+        0.0, "TEST ONLY: add noise to this fraction of our step outputs (a lying peer, for spot-check tests)"
+    )
     reachability: ReachabilityConfig = component(ReachabilityConfig)
     sessions: SessionConfig = component(SessionConfig, prefix="session")
     executor: ExecutorConfig = component(ExecutorConfig, prefix="executor")
@@ -182,6 +185,8 @@ class PeerConfig:
             raise ValueError(f"port {self.port} out of range 0..65535")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if not 0.0 <= self.faulty_output_rate <= 1.0:
+            raise ValueError(f"faulty_output_rate must be in [0, 1], got {self.faulty_output_rate}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -18,11 +18,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 from hivemind.p2p import P2P
 
 from swarm.errors import CapacityError, ProtocolError
 from swarm.models.blocks import Step
+from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
 from swarm.peer.state import Peer, session_key
@@ -48,11 +50,14 @@ DIAL_BACK_FAILED = "could not dial you back at the addresses you gave"  # the on
 class PeerHandlers:
     """Implements swarm.transport.RpcHandler for ``peer``."""
 
-    def __init__(self, peer: Peer, p2p: P2P, config: SessionConfig | None = None) -> None:
+    def __init__(
+        self, peer: Peer, p2p: P2P, config: SessionConfig | None = None, faults: OutputFaults | None = None
+    ) -> None:
         self.peer = peer
         self.p2p = p2p
         self.config = config or SessionConfig()
         self.in_flight: Counter[str] = Counter()  # steps being served, per remote peer
+        self.faults = faults  # TEST ONLY (--faulty-output-rate): corrupts some outputs, for spot-check tests
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -96,6 +101,8 @@ class PeerHandlers:
             result = await self.peer.executor.forward(served.blocks, step)
         finally:
             self.peer.touch(key)
+        if self.faults is not None:
+            result = replace(result, hidden=self.faults.corrupt(result.hidden))
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))

@@ -30,6 +30,7 @@ from swarm.dht import (
     SwarmDHT,
     coverage,
 )
+from swarm.models.faults import OutputFaults, seed_of
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import PeerConfig
@@ -105,7 +106,7 @@ async def _serve(
         async with asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
             await _load_and_measure(config, source, peer, layers)
-            await serve(p2p, PeerHandlers(peer, p2p, config.sessions))
+            await serve(p2p, PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name)))
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
             tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
@@ -134,6 +135,13 @@ def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
     """The planner's model, from our own spec: no announcement decides the swarm's shape."""
     activation_bytes = spec.hidden_size * DTYPE_BYTES[config.torch_dtype_name]
     return ModelInfo(name=spec.name, num_layers=spec.num_layers, activation_bytes_per_token=activation_bytes)
+
+
+def _faults(config: PeerConfig, name: str) -> OutputFaults | None:
+    if config.faulty_output_rate == 0:
+        return None
+    logger.warning("TEST ONLY: corrupting %.0f%% of our outputs", 100 * config.faulty_output_rate)
+    return OutputFaults(config.faulty_output_rate, seed_of(name))
 
 
 def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT) -> Identity:

@@ -179,3 +179,32 @@ def test_bench_peer_and_swarm_tiny() -> None:
     assert swarm["swarm_vs_local_decode"] == pytest.approx(
         swarm["swarm_decode_tok_s"] / swarm["local_decode_tok_s"], rel=0.05
     )
+
+
+@pytest.mark.timeout(240)
+def test_bench_spot_check_tiny() -> None:
+    args = ["--model", "tiny", "--new-tokens", "8", "--repeats", "1", "--liar-trials", "2"]
+    out = _check(
+        _run_json(["scripts/bench_spot_check.py", *args], 220),
+        {
+            "model": lambda v: v == "tiny-0",
+            "default_spot_check_rate": lambda v: 0 <= v <= 1,
+            "spot_check_tokens": _positive,
+            "new_tokens": lambda v: v == 8,
+            "repeats": lambda v: v == 1,
+            "peers": lambda v: v == 2,
+            "route": lambda v: _chained(v, 1),
+            "prompt_tokens": _positive,
+            "per_rate": lambda v: isinstance(v, dict) and set(v) == {"0.0", "0.05", "1.0"},
+            "tokens_equal_across_rates": lambda v: v is True,
+            "check_cost_decode_steps": lambda v: isinstance(v, float) and math.isfinite(v),
+            "predicted_overhead_at_default_rate": lambda v: isinstance(v, float) and v < 1,
+            "liar": lambda v: isinstance(v, dict) and v["trials"] == 2 and v["steps_served_max"] >= 1,
+            "threads_per_process": lambda v: v == 1,
+            "load_avg_1m": _non_negative,
+            "elapsed_s": _positive,
+        },
+    )
+    always = out["per_rate"]["1.0"]
+    assert always["checks_per_run"] == 8.0  # rate 1: every step (the prefill and 7 decode steps) is checked
+    assert all(_positive(r["decode_tok_s_median"]) for r in out["per_rate"].values())

@@ -168,10 +168,19 @@ def test_a_full_or_leaving_peer_is_routed_around_without_a_ban(
     assert client.routes.bans.failures(state["victim"]) == 0
 
 
-def test_a_peer_sending_garbage_is_banned_and_routed_around(tiny: ModelSource, tiny_reference: Any) -> None:
-    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)})
+def test_a_peer_sending_garbage_first_hand_is_banned_and_routed_around(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    client, chain = make_client(tiny, {**TINY_SPLIT, "a2": (0, 2)})
     state: dict[str, NodeID] = {}
-    chain.on_step = _refuse_middle_at_step(client, chain, 4, ProtocolError("hidden size 65"), state)
+
+    def refuse_first_at_step_4(n: int) -> None:
+        if n == 4:
+            assert client.last_session is not None
+            state["victim"] = client.last_session.stages[0].peer_id
+            chain.refusing[state["victim"]] = ProtocolError("hidden size 65")
+
+    chain.on_step = refuse_first_at_step_4
     got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
     assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
     session = client.last_session
@@ -179,6 +188,23 @@ def test_a_peer_sending_garbage_is_banned_and_routed_around(tiny: ModelSource, t
     assert state["victim"] not in {s.peer_id for s in session.stages}
     assert isinstance(client.routes, LocalRoutes)
     assert client.routes.bans.is_banned(state["victim"])
+
+
+def test_a_later_hop_said_to_send_garbage_is_routed_around_but_not_banned(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """Only the first hop talks to us first hand: "b sent garbage" is a's word, which nothing can check, so b
+    is avoided for this session and nobody is banned (a lying hop could get any honest peer banned)."""
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)})
+    state: dict[str, NodeID] = {}
+    chain.on_step = _refuse_middle_at_step(client, chain, 4, ProtocolError("hidden size 65"), state)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and session.avoided == {state["victim"]}
+    assert state["victim"] not in {s.peer_id for s in session.stages}
+    assert isinstance(client.routes, LocalRoutes)
+    assert not any(client.routes.bans.is_banned(NodeID(p)) for p in chain.blocks)
 
 
 def test_a_good_step_forgets_the_past_failures_of_the_route_peers(tiny: ModelSource) -> None:
