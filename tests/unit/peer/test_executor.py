@@ -171,3 +171,23 @@ def test_a_long_prefill_runs_in_chunks_with_the_same_output_and_lets_decodes_thr
     blocks.close_session("whole")
     torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(next_token, whole_next, atol=1e-5, rtol=1e-5)
+
+
+def test_a_job_whose_caller_gave_up_while_queued_is_skipped(blocks: BlockRange) -> None:
+    executor = Executor()
+    ran: list[str] = []
+
+    async def main() -> None:
+        gave_up = asyncio.ensure_future(executor.call(lambda: ran.append("abandoned")))
+        kept = asyncio.ensure_future(executor.call(lambda: ran.append("kept")))
+        await asyncio.sleep(0)
+        gave_up.cancel()  # e.g. its deadline passed while it waited behind others
+        runner = asyncio.create_task(executor.run())
+        try:
+            await kept
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(main())
+    assert ran == ["kept"]
