@@ -39,7 +39,8 @@ def make_client(
     source: ModelSource, ranges: dict[str, tuple[int, int]], clock: Callable[[], float] = time.monotonic
 ) -> tuple[AsyncSwarmClient, LocalChain]:
     blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
-    config = ClientConfig(retry_delay_s=0.0)
+    # No spot-checks here: these tests count the calls each step makes (test_spot.py checks spot-checks).
+    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0)
     client = in_process_client(source.load_head(), blocks, source.tokenizer(), config, clock=clock)
     assert isinstance(client.chain, LocalChain)
     return client, client.chain
