@@ -112,14 +112,26 @@ class PlannerConfig:
     # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
     # hold instead of swapping ranges for nothing.
     reload_cost_tokens_s: float = setting(0.1, "objective charged per layer a peer must load anew")
+    # Local branching: one leave of helix24 (24 nodes) is repaired with 0 moves (every layer has 2+ holders) and
+    # each periodic improvement then moves at most this many: 2 of 24 keeps >90% of serving capacity untouched
+    # per epoch, and bench_churn.py measured most of a 2-move epoch's gain from the first move alone.
+    max_moves: int = setting(2, "most peers one re-plan may move off their layers (a repair may need more)")
+    move_cost_fraction: float = setting(
+        0.01, "objective charged per peer whose layers change, as a fraction of the current max flow"
+    )
+    spare_replicas: int = setting(
+        1, "holders per layer beyond the first, where memory allows without losing flow"
+    )
     client_bandwidth_bytes_s: float = setting(12.5e6, "client <-> peer bandwidth (unmeasured; 100 Mbit/s)")
     client_latency_s: float = setting(0.02, "client <-> peer latency (unmeasured)")
     unmeasured_bandwidth_bytes_s: float | None = setting(12.5e6, "bandwidth of peer pairs with no probe yet")
 
     def __post_init__(self) -> None:
         _positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
-        if self.improve_fraction < 0 or self.change_fraction < 0:
-            raise ValueError("improve_fraction and change_fraction must be >= 0")
+        if self.improve_fraction < 0 or self.change_fraction < 0 or self.move_cost_fraction < 0:
+            raise ValueError("improve_fraction, change_fraction and move_cost_fraction must be >= 0")
+        if self.max_moves < 0 or self.spare_replicas < 0:
+            raise ValueError("max_moves and spare_replicas must be >= 0")
 
 
 @dataclass(frozen=True)
