@@ -42,8 +42,8 @@ def test_a_leave_covered_twice_needs_no_move():
 
 def test_repair_moves_a_spare_before_any_neighbour():
     # Layers 3:6 are held twice (c, d): either may move to 0:3 without uncovering anything. b could also
-    # extend over the gap (it fits 6 layers), but a spare comes first: b keeps exactly what it holds.
-    cluster = mesh_cluster([node("b", 6, 600.0), node("c", 3, 300.0), node("d", 3, 300.0)], 9)
+    # extend over the gap (it fits all 9 layers), but a spare comes first: b keeps exactly what it holds.
+    cluster = mesh_cluster([node("b", 9, 900.0), node("c", 3, 300.0), node("d", 3, 300.0)], 9)
     held = ids({"gone": R(0, 3), "b": R(3, 9), "c": R(3, 6), "d": R(3, 6)})
     repaired = local_repair(cluster, held)
     assert repaired is not None and not placement_problems(cluster, repaired)
