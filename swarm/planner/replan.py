@@ -29,7 +29,7 @@ from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
 from swarm.planner.graph import max_flow
 from swarm.planner.milp import MilpConfig, solve_milp
-from swarm.planner.moves import greedy_moves
+from swarm.planner.moves import best_moves, greedy_moves
 from swarm.planner.placement import Placement, placement_problems, repair
 from swarm.planner.solve import solve
 from swarm.types import LayerRange, NodeID, Plan, coverage
@@ -234,6 +234,13 @@ def add_spares(
         if grown is None:
             break
         out = grown
+    # A node still idle (a joiner) takes the weakest layers it fits, as Parallax's joiners do: it drops no
+    # sessions, so it needs no budget, only not to lower the flow.
+    for n in cluster.nodes:
+        if n.id not in out and cluster.layer_cap(n) > 0:
+            for _, node_id, r in best_moves(cluster, out, [n.id], top=1):
+                if _flow(cluster, {**out, node_id: r}) >= base * (1.0 - FLOW_TOL):
+                    out[node_id] = r
     return out
 
 
@@ -360,6 +367,10 @@ def publish_reason(
     now_tokens_s = _flow(cluster, current)
     if candidate.max_flow_tokens_s > now_tokens_s * (1.0 + gain_fraction):
         return f"max flow {now_tokens_s:.1f} -> {candidate.max_flow_tokens_s:.1f} tokens/s"
+    joiners = sorted(n for n in candidate.placement if n not in current)
+    if joiners and not moved_nodes(current, candidate.placement):
+        if candidate.max_flow_tokens_s >= now_tokens_s * (1.0 - FLOW_TOL):
+            return f"idle peers {joiners} take layers, nobody serving moves"  # free: no session moves
     return None
 
 
@@ -401,4 +412,10 @@ def replan(
     except PlanningError as e:
         return None, f"cannot plan: {e}"
     why = publish_reason(cluster, current, candidate, config.gain_fraction)
+    if why is None:
+        # Not worth its moves: idle peers (joiners) may still take layers, moving nobody who serves.
+        still = _still_held(cluster, current)
+        joined = add_spares(cluster, still, config.spare_replicas, still, budget=0)
+        candidate = max_flow(cluster, joined, "replan")
+        why = publish_reason(cluster, current, candidate, config.gain_fraction)
     return (candidate, why) if why is not None else (None, "no clear gain")

@@ -154,3 +154,11 @@ def test_greedy_moves_respect_their_count():
     cluster, current = cap_cluster()
     for k in (0, 1, 2):
         assert len(moved_nodes(current, greedy_moves(cluster, current, list(current), k))) <= k
+
+
+def test_a_joiner_takes_layers_without_moving_anyone():
+    cluster = mesh_cluster([node("a", 4, 400.0), node("b", 4, 400.0), node("new", 4, 8.0)], 4)
+    current = ids({"a": R(0, 4), "b": R(0, 4)})  # 100 + 100 tokens/s on every layer
+    plan, why = replan(cluster, current, ReplanConfig(time_limit_s=5, node_limit=1000))
+    assert plan is not None and "take layers" in why
+    assert moved_nodes(current, plan.placement) == [] and NodeID("new") in plan.placement
