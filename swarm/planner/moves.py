@@ -1,4 +1,6 @@
-"""The best few moves: a greedy search for at most max_moves nodes to move, each to its best range.
+"""Few moves and spare replicas: the searches behind swarm.planner.replan.
+
+The best few moves: a greedy search for at most max_moves nodes to move, each to its best range.
 
 The Helix MILP with a cap on moves (milp.py) rarely improves its warm start on 24 nodes within seconds
 (measured on helix24 after a leave: no gain in 8 s), so this search gives it a good start. Each step tries
@@ -7,6 +9,9 @@ every movable node at every range it fits and keeps the single move that raises 
 by fewer layers at that minimum, so that two moves can lift a bottleneck that one alone cannot. With the
 node's own contribution taken out, every range of length k is scored at once by sliding-window minima:
 O(L * cap^2) per node, ~0.1 s for helix24. Candidates are then judged by the exact max flow by the caller.
+
+Spare replicas (add_spares): nodes with free max_layers grow toward the least-replicated layers, and idle
+nodes take the weakest layers, each step kept only if the max flow does not drop.
 """
 
 from __future__ import annotations
@@ -15,8 +20,26 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from swarm.planner.cluster import Cluster
+from swarm.planner.graph import max_flow
 from swarm.planner.placement import Placement
-from swarm.types import LayerRange, NodeID
+from swarm.types import LayerRange, NodeID, coverage
+
+FLOW_TOL = 1e-6  # relative: flows this close are equal (max flow is computed in milli-tokens/s)
+
+
+def moved_nodes(held: Placement, placement: Placement) -> list[NodeID]:
+    """Nodes that hold a range now and would hold another (or none): the ones whose sessions move."""
+    return sorted(n for n, r in held.items() if placement.get(n) != r)
+
+
+def flow_of(cluster: Cluster, placement: Placement) -> float:
+    return max_flow(cluster, placement).max_flow_tokens_s
+
+
+def best_of(cluster: Cluster, options: list[Placement]) -> Placement | None:
+    """The option with the highest max flow (the first among equals)."""
+    scored = [(flow_of(cluster, p), -i, p) for i, p in enumerate(options)]
+    return max(scored, key=lambda t: (t[0], t[1]))[2] if scored else None
 
 
 def layer_throughput(cluster: Cluster, placement: Placement) -> np.ndarray:
@@ -97,3 +120,82 @@ def greedy_moves(
             break
         best = max(best, states[0], key=lambda t: t[0])
     return dict(best[1])
+
+
+def add_spares(
+    cluster: Cluster,
+    placement: Placement,
+    spare_replicas: int,
+    held: Placement | None = None,
+    budget: int | None = None,
+) -> Placement:
+    """Grow ranges toward the least-replicated layers while the max flow does not drop.
+
+    Idle nodes take a least-replicated run; busy nodes with free max_layers extend over one next to them.
+    Stops when every layer has 1 + spare_replicas holders, or nothing fits without lowering the flow. A node
+    of `held` that changes counts against `budget` (None: no limit).
+    """
+    target = 1 + spare_replicas
+    base = flow_of(cluster, placement)
+    out = dict(placement)
+    for _ in range(cluster.model.num_layers * max(spare_replicas, 1)):
+        grown = _grow_once(cluster, out, target, base, held, budget)
+        if grown is None:
+            break
+        out = grown
+    # A node still idle (a joiner) takes the weakest layers it fits, as Parallax's joiners do: it drops no
+    # sessions, so it needs no budget, only not to lower the flow.
+    for n in cluster.nodes:
+        if n.id not in out and cluster.layer_cap(n) > 0:
+            for _, node_id, r in best_moves(cluster, out, [n.id], top=1):
+                if flow_of(cluster, {**out, node_id: r}) >= base * (1.0 - FLOW_TOL):
+                    out[node_id] = r
+    return out
+
+
+def _runs_below(counts: list[int], target: int) -> list[tuple[int, int]]:
+    """Maximal runs of layers held fewer than `target` times, least replicated first."""
+    runs: list[tuple[int, int, int]] = []
+    for layer, c in enumerate(counts):
+        if c >= target:
+            continue
+        if runs and runs[-1][1] == layer and runs[-1][2] == c:
+            runs[-1] = (runs[-1][0], layer + 1, c)
+        else:
+            runs.append((layer, layer + 1, c))
+    return [(a, b) for a, b, _ in sorted(runs, key=lambda r: (r[2], r[0]))]
+
+
+def _grow_once(
+    cluster: Cluster,
+    placement: Placement,
+    target: int,
+    base: float,
+    held: Placement | None,
+    budget: int | None,
+) -> Placement | None:
+    counts = coverage(placement.values(), cluster.model.num_layers)
+    moved = len(moved_nodes(held, placement)) if held else 0
+    for p, q in _runs_below(counts, target):
+        options: list[Placement] = []
+        for n in cluster.nodes:
+            k, r = cluster.layer_cap(n), placement.get(n.id)
+            if k == 0 or (r is not None and len(r) >= k):
+                continue
+            if held and n.id in held and placement.get(n.id) == held[n.id] and budget is not None:
+                if moved >= budget:
+                    continue  # growing it would be one more move than allowed
+            if r is None:
+                new = LayerRange(p, min(q, p + k))
+            elif p <= r.end < q:
+                new = LayerRange(r.start, min(q, r.start + k))
+            elif p < r.start <= q:
+                new = LayerRange(max(p, r.end - k), r.end)
+            else:
+                continue
+            options.append({**placement, n.id: new})
+        kept = [o for o in options if flow_of(cluster, o) >= base * (1.0 - FLOW_TOL)]
+        best = best_of(cluster, kept)
+        if best is not None:
+            return best
+    return None

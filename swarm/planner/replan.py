@@ -29,12 +29,10 @@ from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
 from swarm.planner.graph import max_flow
 from swarm.planner.milp import MilpConfig, solve_milp
-from swarm.planner.moves import best_moves, greedy_moves
+from swarm.planner.moves import FLOW_TOL, add_spares, best_of, flow_of, greedy_moves, moved_nodes
 from swarm.planner.placement import Placement, placement_problems, repair
 from swarm.planner.solve import solve
 from swarm.types import LayerRange, NodeID, Plan, coverage
-
-FLOW_TOL = 1e-6  # relative: flows this close are equal (max flow is computed in milli-tokens/s)
 
 
 @dataclass(frozen=True)
@@ -53,11 +51,6 @@ class ReplanConfig:
     node_limit: int | None = None  # MILP branch-and-bound nodes (deterministic tests)
 
 
-def moved_nodes(held: Placement, placement: Placement) -> list[NodeID]:
-    """Nodes that hold a range now and would hold another (or none): the ones whose sessions move."""
-    return sorted(n for n, r in held.items() if placement.get(n) != r)
-
-
 def plan_problem(cluster: Cluster, placement: Placement) -> str | None:
     """Why the placement cannot serve this cluster (None: it can)."""
     gone = sorted(n for n in placement if n not in cluster.node_by_id)
@@ -65,10 +58,6 @@ def plan_problem(cluster: Cluster, placement: Placement) -> str | None:
         return f"planned peers gone: {gone}"
     problems = placement_problems(cluster, placement)
     return "; ".join(problems) if problems else None
-
-
-def _flow(cluster: Cluster, placement: Placement) -> float:
-    return max_flow(cluster, placement).max_flow_tokens_s
 
 
 def _still_held(cluster: Cluster, held: Placement) -> Placement:
@@ -106,19 +95,13 @@ def _spares(cluster: Cluster, placement: Placement) -> list[NodeID]:
     ]
 
 
-def _best(cluster: Cluster, options: list[Placement]) -> Placement | None:
-    """The option with the highest max flow (the first among equals)."""
-    scored = [(_flow(cluster, p), -i, p) for i, p in enumerate(options)]
-    return max(scored, key=lambda t: (t[0], t[1]))[2] if scored else None
-
-
 def _cover_with_spare(cluster: Cluster, placement: Placement, gap: tuple[int, int]) -> Placement | None:
     """One spare takes the gap (or as much of it as it fits, from the gap's start)."""
     options = []
     for node_id in _spares(cluster, placement):
         cap = cluster.layer_cap(cluster.node_by_id[node_id])
         options.append({**placement, node_id: LayerRange(gap[0], min(gap[1], gap[0] + cap))})
-    return _best(cluster, options)
+    return best_of(cluster, options)
 
 
 def _cover_with_neighbours(cluster: Cluster, placement: Placement, gap: tuple[int, int]) -> Placement | None:
@@ -130,14 +113,14 @@ def _cover_with_neighbours(cluster: Cluster, placement: Placement, gap: tuple[in
     singles = [{**placement, n: LayerRange(r.start, q)} for n, r in left if q - r.start <= cap[n]]
     singles += [{**placement, n: LayerRange(p, r.end)} for n, r in right if r.end - p <= cap[n]]
     if singles:
-        return _best(cluster, singles)
+        return best_of(cluster, singles)
     pairs = []
     for a, ra in left:
         reach = ra.start + cap[a]  # a covers [p, reach)
         for b, rb in right:
             if rb.end - cap[b] <= reach:
                 pairs.append({**placement, a: LayerRange(ra.start, reach), b: LayerRange(reach, rb.end)})
-    return _best(cluster, pairs)
+    return best_of(cluster, pairs)
 
 
 def local_repair(cluster: Cluster, held: Placement) -> Placement | None:
@@ -150,7 +133,7 @@ def local_repair(cluster: Cluster, held: Placement) -> Placement | None:
     for _ in range(cluster.model.num_layers):
         gap = _first_gap(cluster, placement)
         if gap is None:
-            return placement if _flow(cluster, placement) > 0 else None
+            return placement if flow_of(cluster, placement) > 0 else None
         fixed = _cover_with_spare(cluster, placement, gap) or _cover_with_neighbours(cluster, placement, gap)
         if fixed is None:
             return None
@@ -171,7 +154,7 @@ def match_ranges(cluster: Cluster, held: Placement, placement: Placement, loss_f
         out = dict(placement)
         for group in groups:
             out = _assign(cluster, held, out, group)
-        if _flow(cluster, out) >= (1.0 - loss_fraction) * _flow(cluster, placement) - FLOW_TOL:
+        if flow_of(cluster, out) >= (1.0 - loss_fraction) * flow_of(cluster, placement) - FLOW_TOL:
             return out
     return placement
 
@@ -213,85 +196,6 @@ def _assign(cluster: Cluster, held: Placement, placement: Placement, group: list
     return out
 
 
-def add_spares(
-    cluster: Cluster,
-    placement: Placement,
-    spare_replicas: int,
-    held: Placement | None = None,
-    budget: int | None = None,
-) -> Placement:
-    """Grow ranges toward the least-replicated layers while the max flow does not drop.
-
-    Idle nodes take a least-replicated run; busy nodes with free max_layers extend over one next to them.
-    Stops when every layer has 1 + spare_replicas holders, or nothing fits without lowering the flow. A node
-    of `held` that changes counts against `budget` (None: no limit).
-    """
-    target = 1 + spare_replicas
-    base = _flow(cluster, placement)
-    out = dict(placement)
-    for _ in range(cluster.model.num_layers * max(spare_replicas, 1)):
-        grown = _grow_once(cluster, out, target, base, held, budget)
-        if grown is None:
-            break
-        out = grown
-    # A node still idle (a joiner) takes the weakest layers it fits, as Parallax's joiners do: it drops no
-    # sessions, so it needs no budget, only not to lower the flow.
-    for n in cluster.nodes:
-        if n.id not in out and cluster.layer_cap(n) > 0:
-            for _, node_id, r in best_moves(cluster, out, [n.id], top=1):
-                if _flow(cluster, {**out, node_id: r}) >= base * (1.0 - FLOW_TOL):
-                    out[node_id] = r
-    return out
-
-
-def _runs_below(counts: list[int], target: int) -> list[tuple[int, int]]:
-    """Maximal runs of layers held fewer than `target` times, least replicated first."""
-    runs: list[tuple[int, int, int]] = []
-    for layer, c in enumerate(counts):
-        if c >= target:
-            continue
-        if runs and runs[-1][1] == layer and runs[-1][2] == c:
-            runs[-1] = (runs[-1][0], layer + 1, c)
-        else:
-            runs.append((layer, layer + 1, c))
-    return [(a, b) for a, b, _ in sorted(runs, key=lambda r: (r[2], r[0]))]
-
-
-def _grow_once(
-    cluster: Cluster,
-    placement: Placement,
-    target: int,
-    base: float,
-    held: Placement | None,
-    budget: int | None,
-) -> Placement | None:
-    counts = coverage(placement.values(), cluster.model.num_layers)
-    moved = len(moved_nodes(held, placement)) if held else 0
-    for p, q in _runs_below(counts, target):
-        options: list[Placement] = []
-        for n in cluster.nodes:
-            k, r = cluster.layer_cap(n), placement.get(n.id)
-            if k == 0 or (r is not None and len(r) >= k):
-                continue
-            if held and n.id in held and placement.get(n.id) == held[n.id] and budget is not None:
-                if moved >= budget:
-                    continue  # growing it would be one more move than allowed
-            if r is None:
-                new = LayerRange(p, min(q, p + k))
-            elif p <= r.end < q:
-                new = LayerRange(r.start, min(q, r.start + k))
-            elif p < r.start <= q:
-                new = LayerRange(max(p, r.end - k), r.end)
-            else:
-                continue
-            options.append({**placement, n.id: new})
-        kept = [o for o in options if _flow(cluster, o) >= base * (1.0 - FLOW_TOL)]
-        best = _best(cluster, kept)
-        if best is not None:
-            return best
-    return None
-
-
 def _score(
     cluster: Cluster, held: Placement, placement: Placement, config: ReplanConfig, move_cost: float
 ) -> float:
@@ -301,7 +205,7 @@ def _score(
         both = r.intersect(held[n]) if n in held else None
         loaded += len(r) - (len(both) if both else 0)
     moves = len(moved_nodes(held, placement))
-    return _flow(cluster, placement) - move_cost * moves - config.reload_cost_tokens_s * loaded
+    return flow_of(cluster, placement) - move_cost * moves - config.reload_cost_tokens_s * loaded
 
 
 def improve(cluster: Cluster, held: Placement, config: ReplanConfig) -> Plan:
@@ -313,7 +217,7 @@ def improve(cluster: Cluster, held: Placement, config: ReplanConfig) -> Plan:
     start = local_repair(cluster, now)
     if start is None:
         start = repair(cluster, now)  # not local, but valid; the MILP's cap then allows its moves
-    move_cost = config.move_cost_fraction * _flow(cluster, start)
+    move_cost = config.move_cost_fraction * flow_of(cluster, start)
     budget = max(config.max_moves, len(moved_nodes(now, start)))
     # Idle nodes (joiners) take layers freely; then the few best moves of busy ones: the MILP's warm start.
     idle = [n.id for n in cluster.nodes if n.id not in start and cluster.layer_cap(n) > 0]
@@ -364,7 +268,7 @@ def publish_reason(
     problem = plan_problem(cluster, current)
     if problem is not None:
         return None if plan_problem(cluster, candidate.placement) else f"restores coverage ({problem})"
-    now_tokens_s = _flow(cluster, current)
+    now_tokens_s = flow_of(cluster, current)
     if candidate.max_flow_tokens_s > now_tokens_s * (1.0 + gain_fraction):
         return f"max flow {now_tokens_s:.1f} -> {candidate.max_flow_tokens_s:.1f} tokens/s"
     joiners = sorted(n for n in candidate.placement if n not in current)
