@@ -20,7 +20,7 @@ Pure: no I/O, no clock but the solver's time limit, seeds are parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -284,9 +284,10 @@ def first_plan(cluster: Cluster, held: Placement, config: ReplanConfig) -> Plan:
     What they hold, improved within max_moves, unless a from-scratch plan (matched to the held ranges) beats
     it by gain_fraction: peers keep their join ranges when those are about as good.
     """
-    scratch = from_scratch(cluster, held, config)
+    half = replace(config, time_limit_s=config.time_limit_s / 2)  # two solves within one time limit
+    scratch = from_scratch(cluster, held, half)
     try:
-        kept = improve(cluster, held, config)
+        kept = improve(cluster, held, half)
     except PlanningError:
         return scratch
     better = scratch.max_flow_tokens_s > kept.max_flow_tokens_s * (1.0 + config.gain_fraction)
