@@ -3,7 +3,7 @@
 
     scripts/simulate.py CLUSTER.json [--mode online|offline] [--requests N]
         [--placements milp,greedy,swarm,separate] [--scheduling iwrr,random,swarm] [--seed S]
-        [--json OUT] [--png PLOT] [--churn SCHEDULE.json | --churn churn_helix24]
+        [--json OUT] [--png PLOT] [--churn SCHEDULE.json | --churn churn_helix24] [--replan local|scratch]
 
 CLUSTER.json is the planner's format (swarm/planner/cluster.py), optionally with measured timing tables per
 node (swarm/sim/timing.py) and "cache_tokens"; "helix24", "helix42" or "randomN" name synthetic clusters.
@@ -65,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--churn", help="SCHEDULE.json of joins and leaves, or a bundled one by name (churn_helix24)"
     )
+    p.add_argument(
+        "--replan",
+        choices=("local", "scratch"),
+        default="local",
+        help="churn: repair then a capped improvement (the live planner), or a full re-solve (before)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_layer_tokens=args.cache_layer_tokens,
             decode_quantum_tokens=args.decode_quantum,
             churn=args.churn,
+            replan=args.replan,
         )
     except ValueError as e:  # bad placement / scheduling names, --requests < 1, no such churn schedule
         raise SystemExit(str(e)) from None

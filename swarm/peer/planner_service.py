@@ -3,12 +3,15 @@
 Each check (every check_interval_s) reads a snapshot and decides, as pure functions of it:
   1. replan?  the period elapsed, membership changed, or a peer's measured speed / memory moved by more than
      change_fraction since the last solve;
-  2. publish? only if the new plan's max flow beats the current plan's (re-evaluated on today's cluster) by
+  2. how? (swarm.planner.replan) a broken plan is first repaired locally (spares, else neighbours); else, and
+     when no repair restores a route, the MILP runs from the current plan, moving at most max_moves peers;
+  3. publish? only if the new plan's max flow beats the current plan's (re-evaluated on today's cluster) by
      improve_fraction, or the current plan is broken (a planned peer is gone or cannot hold its range).
 Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. Only a
 plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
 re-signing would lend our lease to whatever that plan says.
-The MILP runs in a thread with a time limit; the event loop keeps renewing the lease meanwhile.
+The solve runs in a niced process of its own (swarm.peer.solver_process), with a time limit; the event
+loop keeps serving and renewing the lease meanwhile.
 
 What the planner trusts: the model's shape comes from our own spec (whose hash names the DHT keys), not from
 any record; announced speeds and link bandwidths are clamped to PlannerConfig's plausible caps; a peer
@@ -27,7 +30,8 @@ from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
 from swarm.peer.solver_process import InThread, SolverProcess
-from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems, solve
+from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, placement_problems
+from swarm.planner.replan import ReplanConfig, publish_reason, replan
 from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -135,15 +139,19 @@ def should_publish(
     cluster: Cluster, current: Plan | None, candidate: Plan, improve_fraction: float
 ) -> str | None:
     """Why `candidate` should replace the published plan (None: keep the current one, no thrashing)."""
-    if current is None:
-        return "no plan yet"
-    problem = current_plan_problem(cluster, current)
-    if problem is not None:
-        return problem
-    now_tokens_s = max_flow(cluster, current.placement).max_flow_tokens_s
-    if candidate.max_flow_tokens_s > now_tokens_s * (1.0 + improve_fraction):
-        return f"max flow {now_tokens_s:.1f} -> {candidate.max_flow_tokens_s:.1f} tokens/s"
-    return None
+    return publish_reason(cluster, current.placement if current else None, candidate, improve_fraction)
+
+
+def replan_config(config: PlannerConfig) -> ReplanConfig:
+    return ReplanConfig(
+        method=config.method,
+        time_limit_s=config.solve_time_limit_s,
+        max_moves=config.max_moves,
+        move_cost_fraction=config.move_cost_fraction,
+        reload_cost_tokens_s=config.reload_cost_tokens_s,
+        spare_replicas=config.spare_replicas,
+        gain_fraction=config.improve_fraction,
+    )
 
 
 class PlannerService:
@@ -203,43 +211,44 @@ class PlannerService:
             reason = "periodic re-solve"
         if reason is None and current is None:
             reason = "no plan of ours yet"
-        if reason is None and current is not None and current_plan_problem(cluster, current) is not None:
-            reason = "the current plan is broken"
+        if current is not None and current_plan_problem(cluster, current) is not None:
+            reason = "the current plan is broken"  # repaired first, whatever else changed
         if reason is not None:
-            candidate = await self._solve(cluster, snapshot.peers, reason)
+            candidate, why = await self._solve(cluster, snapshot.peers, current, reason)
             if candidate is not None:
-                why = should_publish(cluster, current, candidate, self.config.improve_fraction)
-                if why is not None:
-                    return await self._publish(candidate, epoch + 1, why)
+                return await self._publish(candidate, epoch + 1, why)
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:
             return await self._refresh(live)
         return None
 
-    async def _solve(self, cluster: Cluster, peers: Mapping[str, PeerRecord], reason: str) -> Plan | None:
-        # What peers hold now: the solver warm-starts from it and charges reload_cost for layers loaded anew.
-        held = {
-            NodeID(pid): LayerRange(r.range_start, r.range_end)
-            for pid, r in peers.items()
-            if NodeID(pid) in cluster.node_by_id and r.range_end > r.range_start
-        }
+    async def _solve(
+        self, cluster: Cluster, peers: Mapping[str, PeerRecord], current: Plan | None, reason: str
+    ) -> tuple[Plan | None, str]:
+        """(the plan to publish, why), or (None, why not): swarm.planner.replan in the solver process."""
+        # From the published plan; before the first one, from what peers hold (so join ranges are kept).
+        start = current.placement if current is not None else self._held(cluster, peers)
         logger.info("re-planning %d peers: %s", len(cluster.nodes), reason)
         limit_s = self.config.solve_time_limit_s
         try:
             async with asyncio.timeout(limit_s * 2 + 10):  # the solver honours its limit; this is a backstop
-                plan = await self.solver.run(
-                    solve,
-                    cluster,
-                    method=self.config.method,
-                    time_limit_s=limit_s,
-                    current=held or None,
-                    reload_cost=self.config.reload_cost_tokens_s,
+                plan, why = await self.solver.run(
+                    replan, cluster, start or None, replan_config(self.config), current is None
                 )
         except PlanningError as e:
             logger.warning("cannot plan yet: %s", e)
-            return None
+            return None, str(e)
         finally:
             self._solved_cluster, self._solved_at = cluster, time.monotonic()
-        return plan
+        return plan, why
+
+    @staticmethod
+    def _held(cluster: Cluster, peers: Mapping[str, PeerRecord]) -> dict[NodeID, LayerRange]:
+        """What peers hold now, from their records."""
+        return {
+            NodeID(pid): LayerRange(r.range_start, r.range_end)
+            for pid, r in peers.items()
+            if NodeID(pid) in cluster.node_by_id and r.range_end > r.range_start
+        }
 
     async def _publish(self, plan: Plan, epoch: int, why: str) -> PlanRecord:
         plan = Plan(

@@ -18,6 +18,11 @@ Objective: max F = sum_i x_(source,i)  -  reload_cost * sum_i (layers of i not h
 linearised with an overlap ov_i <= e_i - a_i, c_i - s_i, len_i (when a binary z_i says the new and current
 range [a_i, c_i) meet; ov_i = 0 otherwise).
 
+Moves (local branching, Fischetti & Lodi), when `current` is given and max_moves or move_cost_tokens_s is set:
+a binary keep_i per node that holds a range now; keep_i = 1 pins s_i and the length to the current range;
+sum_i (1 - keep_i) <= max_moves, and the objective gains move_cost * keep_i (a price on every node whose range
+changes, not only per layer loaded). Nodes idle now are free to take layers (they drop no sessions).
+
 Known weakness (measured): on 24 nodes / 80 layers HiGHS finds no positive flow in 300 s from scratch, so
 the caller warm-starts it with the best search result. Identical nodes are ordered (s_i <= s_j) to break
 symmetry, slow links are pruned to the k best per node, and HiGHS stops at mip_rel_gap of its bound.
@@ -48,6 +53,9 @@ class MilpConfig:
     mip_rel_gap: float = 0.01  # stop within this fraction of the proven bound
     seed: int = 0
     threads: int = 1
+    max_moves: int | None = None  # most nodes holding a range now that may change it (None: no cap)
+    move_cost_tokens_s: float = 0.0  # objective penalty per node holding a range now whose range changes
+    node_limit: int | None = None  # branch-and-bound nodes (a deterministic stop, for tests)
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,7 @@ class _Helix:
     edges: list[Edge] = field(default_factory=list)
     overlap_cols: dict[NodeID, tuple[int, int]] = field(default_factory=dict)  # (ov, z) per reloading node
     groups: list[list[NodeID]] = field(default_factory=list)  # identical nodes, ordered by start
+    keep_cols: dict[NodeID, int] = field(default_factory=dict)  # keep binary per node holding a range now
 
     def end_terms(self, i: NodeID, sign: float) -> dict[int, float]:
         """sign * e_i, where e_i = s_i + sum_k k b_ik is the node's end layer."""
@@ -188,7 +197,11 @@ def solve_milp(
     helix = _node_columns(cluster)
     _add_edges(helix, pruned)
     _add_node_rows(helix, current, reload, cluster.model.num_layers)
-    _add_cut_and_symmetry(helix, pruned, target_tokens_s, reload)
+    moves = bool(current) and (config.max_moves is not None or config.move_cost_tokens_s > 0)
+    if moves and current:
+        _add_keep_rows(helix, cluster, current, config, warm_start)
+    # Symmetry breaking would force identical nodes to swap ranges; with reload or keep terms they differ.
+    _add_cut_and_symmetry(helix, pruned, target_tokens_s, reload or moves)
     h = _highs(config, helix.m)
     if warm_start is not None:
         warm = _sorted_within_groups(warm_start, helix.groups)
@@ -212,7 +225,7 @@ def solve_milp(
         placement=placement,
         objective=info.objective_function_value if has_solution else 0.0,
         dual_bound_tokens_s=float(info.mip_dual_bound),
-        dual_bound_valid=not pruned_any and not reload and np.isfinite(info.mip_dual_bound),
+        dual_bound_valid=not pruned_any and not reload and not moves and np.isfinite(info.mip_dual_bound),
         status=status,
     )
 
@@ -279,7 +292,7 @@ def _add_node_rows(helix: _Helix, current: Placement | None, reload: float, L: i
 
 
 def _add_cut_and_symmetry(
-    helix: _Helix, pruned: Cluster, target_tokens_s: float | None, reload: float
+    helix: _Helix, pruned: Cluster, target_tokens_s: float | None, reload: float | bool
 ) -> None:
     """The compute cut, the target bound on F, and start order among identical nodes (without reload)."""
     m, L = helix.m, pruned.model.num_layers
@@ -304,6 +317,8 @@ def _highs(config: MilpConfig, m: _Model) -> highspy.Highs:
     h.setOptionValue("mip_rel_gap", float(config.mip_rel_gap))
     h.setOptionValue("random_seed", int(config.seed))
     h.setOptionValue("threads", int(config.threads))
+    if config.node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(config.node_limit))
     m.load(h)
     h.changeObjectiveSense(highspy.ObjSense.kMaximize)
     return h
@@ -346,6 +361,31 @@ def _add_reload(
     m.row(-highspy.kHighsInf, 0.0, {ov: 1.0, z: -float(len(old))})  # ov <= len(old) z
     m.row(-highspy.kHighsInf, 0.0, {ov: 1.0, **{col: -v for col, v in length.items()}})  # ov <= len
     return ov, z
+
+
+def _add_keep_rows(
+    helix: _Helix, cluster: Cluster, current: Placement, config: MilpConfig, warm: Placement | None
+) -> None:
+    """keep_i = 1 pins node i to its current range [a, c); at most max_moves nodes have keep_i = 0."""
+    m, L = helix.m, cluster.model.num_layers
+    for n in helix.nodes:
+        old = current.get(n.id)
+        if old is None:
+            continue  # idle now: taking layers drops no sessions, so it is neither capped nor priced
+        fits = len(old) <= cluster.layer_cap(n) and old.end <= L
+        keep = m.var(0, 1.0 if fits else 0.0, cost=config.move_cost_tokens_s, integer=True)
+        helix.keep_cols[n.id] = keep
+        if not fits:
+            continue
+        a = float(old.start)
+        m.row(-highspy.kHighsInf, a + L, {helix.s[n.id]: 1.0, keep: float(L)})  # s <= a when kept
+        m.row(-highspy.kHighsInf, 0.0, {helix.s[n.id]: -1.0, keep: a})  # s >= a when kept
+        m.row(-highspy.kHighsInf, 0.0, {keep: 1.0, helix.b[n.id][len(old) - 1]: -1.0})  # same length
+    if config.max_moves is not None and helix.keep_cols:
+        # The warm start may itself move more (a repair before the solve): the cap never rejects it.
+        warm_moves = sum(1 for i in helix.keep_cols if warm is not None and warm.get(i) != current.get(i))
+        cap = max(config.max_moves, warm_moves)
+        m.row(len(helix.keep_cols) - cap, highspy.kHighsInf, {k: 1.0 for k in helix.keep_cols.values()})
 
 
 def _identical_groups(cluster: Cluster, nodes: list[ClusterNode]) -> list[list[NodeID]]:
@@ -420,6 +460,8 @@ def _warm_values(
         values[y] = 1.0 if valid else 0.0
     for i, col in f.items():
         values[col] = sum(values[x] for (_, v, x, _) in edges if v == i)
+    for i, keep in helix.keep_cols.items():
+        values[keep] = 1.0 if placement.get(i) == (current or {}).get(i) else 0.0
     for i, (ov, z) in helix.overlap_cols.items():
         old, new = (current or {}).get(i), placement.get(i)
         both = old.intersect(new) if old is not None and new is not None else None

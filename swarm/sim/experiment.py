@@ -3,7 +3,9 @@
 Every row replays the same trace (same seed, same arrivals), so rows differ only in placement and scheduling.
 Online, the arrival rate is `load` x the best placement's max flow, in requests of average work; offline,
 every request arrives at t = 0. With a churn schedule the swarm starts with the nodes present before their
-first join, and each event re-plans with the row's own placement method, warm-started.
+first join, and each event re-plans as the live planner does (replan "local": swarm.planner.replan, repair then
+a capped improvement, published only on a clear gain) or from scratch with the row's own method (replan
+"scratch", warm-started: the planner before local re-planning).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from swarm.errors import PlanningError
 from swarm.planner import synthetic
 from swarm.planner.cluster import Cluster, load_cluster
 from swarm.planner.graph import max_flow
+from swarm.planner.replan import ReplanConfig, replan
 from swarm.planner.solve import HEURISTICS, solve
-from swarm.sim.churn import Churn, ChurnEvent, initially_absent, load_schedule, present_cluster
+from swarm.sim.churn import Churn, ChurnEvent, Planner, initially_absent, load_schedule, present_cluster
 from swarm.sim.engine import SimConfig, Simulation
 from swarm.sim.report import summarize
 from swarm.sim.scheduling import router_factory
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("milp", "search", "greedy", "swarm", "separate")
 SCHEDULINGS = ("iwrr", "random", "swarm")
+REPLANS = ("local", "scratch")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Experiment:
     cache_layer_tokens: int = SimConfig.cache_layer_tokens
     decode_quantum_tokens: int = 1
     churn: str | None = None  # SCHEDULE.json, or the name of a bundled one (churn_helix24)
+    replan: str = "local"  # churn: "local" (repair, then capped improvement) or "scratch" (full re-solve)
 
     def __post_init__(self) -> None:
         if self.mode not in ("online", "offline"):
@@ -61,6 +67,8 @@ class Experiment:
             bad = [x for x in items if x not in allowed]
             if bad or not items:
                 raise ValueError(f"bad {what} {bad or list(items)}: choose from {', '.join(allowed)}")
+        if self.replan not in REPLANS:
+            raise ValueError(f"replan must be one of {', '.join(REPLANS)}, got {self.replan!r}")
         if self.churn is not None:
             schedule_path(self.churn)  # a missing schedule fails here, before any planning
 
@@ -148,11 +156,7 @@ def run_row(exp: Experiment, setup: _Setup, method: str, scheduling: str) -> dic
         cluster, setup.plans[method], router_factory(cluster, scheduling, exp.seed), setup.trace, setup.config
     )
     if setup.events:
-
-        def replan(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
-            return make_plan(c, method, exp.plan_time_limit_s, current)
-
-        Churn(sim, setup.events, replan, setup.present, exp.reload_s_per_layer)
+        Churn(sim, setup.events, churn_planner(exp, method), setup.present, exp.reload_s_per_layer)
     sim.run()
     row = summarize(sim, method, scheduling)
     row["wall_s"] = time.perf_counter() - t0
@@ -167,6 +171,25 @@ def run_row(exp: Experiment, setup: _Setup, method: str, scheduling: str) -> dic
     return row
 
 
+def churn_planner(exp: Experiment, method: str) -> Planner:
+    """The re-plan on each churn event: the live planner's decision, or today's full re-solve."""
+    config = ReplanConfig(method=method, time_limit_s=exp.plan_time_limit_s, seed=exp.seed)
+
+    def local(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
+        plan, why = replan(c, current, config)
+        logger.info("re-plan: %s", why)
+        if plan is None and current:
+            return max_flow(c, current, "kept")  # no clear gain: the current plan stays
+        if plan is None:
+            raise PlanningError(why)
+        return plan
+
+    def scratch(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
+        return make_plan(c, method, exp.plan_time_limit_s, current)
+
+    return local if exp.replan == "local" else scratch
+
+
 def run_experiment(exp: Experiment) -> dict[str, Any]:
     """The experiment's result: its settings, wall time and one row per placement x scheduling."""
     started = time.perf_counter()
@@ -179,6 +202,7 @@ def run_experiment(exp: Experiment) -> dict[str, Any]:
         "requests": exp.requests,
         "arrival_rate_per_s": setup.rate,
         "seed": exp.seed,
+        "replan": exp.replan if exp.churn else None,
         "wall_s": time.perf_counter() - started,
         "rows": rows,
     }

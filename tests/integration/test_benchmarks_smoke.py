@@ -110,6 +110,18 @@ def test_bench_planner_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_bench_churn_quick(tmp_path: Path) -> None:
+    out_file = tmp_path / "churn.json"
+    _run_json(["scripts/bench_churn.py", "--quick", "--json", str(out_file)], 200)
+    data = json.loads(out_file.read_text())
+    moved = data["sim"]["nodes_moved_per_leave"]
+    assert set(moved) == {"before", "after"} and moved["after"] <= moved["before"]
+    for row in data["per_leave"]:
+        assert 0 < row["before"]["flow_kept"] <= 1 + 1e-9
+        assert all(0 < step["flow_kept"] <= 1 + 1e-9 for step in row["after"])
+
+
+@pytest.mark.timeout(240)
 def test_simulator_small(tmp_path: Path) -> None:
     out_file = tmp_path / "sim.json"
     _run_json(

@@ -6,7 +6,9 @@ import pytest
 
 from swarm.planner import synthetic
 from swarm.sim.churn import initially_absent, load_schedule
-from swarm.sim.experiment import Experiment, schedule_path
+from swarm.sim.experiment import Experiment, churn_planner, schedule_path
+from swarm.types import LayerRange, NodeID
+from tests.unit.planner.helpers import mesh_cluster, node
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.timeout(30)
         ({"requests": 0}, "--requests must be >= 1"),
         ({"mode": "batch"}, "mode must be online or offline"),
         ({"churn": "no_such_schedule"}, "no churn schedule 'no_such_schedule'"),
+        ({"replan": "global"}, "replan must be one of local, scratch"),
     ],
 )
 def test_bad_settings_fail_before_any_planning(settings: dict[str, object], message: str) -> None:
@@ -38,3 +41,11 @@ def test_bundled_churn_schedule_by_name_or_path() -> None:
         (240, True),
     ]
     assert initially_absent(events) == set()  # every node named leaves first, so all start in the swarm
+
+
+def test_churn_replans_locally_as_the_live_planner_does() -> None:
+    # n3 left, but n2 still holds its layers: the local re-plan moves nobody (a full re-solve may).
+    present = {NodeID("n0"): LayerRange(0, 4), NodeID("n1"): LayerRange(0, 4), NodeID("n2"): LayerRange(4, 8)}
+    cluster = mesh_cluster([node(f"n{i}", 4, 400.0) for i in range(3)], 8)
+    exp = Experiment("helix24", plan_time_limit_s=2.0, replan="local")
+    assert churn_planner(exp, "milp")(cluster, present).placement == present
