@@ -75,6 +75,12 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="default | tiny[:SEED] | checkpoint dir")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--spot-check-rate",
+        type=float,
+        default=None,
+        help="client spot-check rate (default: the client's own)",
+    )
     args = parser.parse_args()
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error("need --new-tokens >= 2 and --repeats >= 1")
@@ -100,7 +106,8 @@ def main() -> None:
             swarm.start_peer(layers=layers, name=name, wait=False, extra_args=fixed)
         swarm.wait_all_ready(timeout_s=300)
         swarm_start_s = time.perf_counter() - began
-        with SwarmClient(swarm.initial_peers, model=args.model) as client:
+        spot = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
+        with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
             # Swarm and local runs alternate, so both see the same (shared, noisy) machine.
             for _ in range(args.repeats):
                 runs = {
