@@ -125,6 +125,8 @@ class SwarmDHT:
             if temporary:
                 identity_path.unlink(missing_ok=True)
             raise
+        if temporary:  # p2pd and the signer hold the key now: a process killed later leaves no key behind
+            identity_path.unlink(missing_ok=True)
         logger.info("joined the DHT as %s (client_mode=%s)", self.peer_id, config.client_mode)
         return self
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -383,3 +384,18 @@ def test_unreachable_initial_peer_is_a_clear_transport_error() -> None:
 
 if __name__ == "__main__":
     _child_entry()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_temporary_identity_key_is_gone_once_joined(tmp_path: Path) -> None:
+    """A fresh key lives on disk only while p2pd starts: a peer killed later leaves no key file behind."""
+
+    async def body() -> None:
+        before = set(Path(tempfile.gettempdir()).glob("flowswarm-identity-*.key"))
+        async with observer() as dht:
+            assert dht.peer_id
+            left = set(Path(tempfile.gettempdir()).glob("flowswarm-identity-*.key")) - before
+            assert not left, f"temporary keys still on disk while serving: {left}"
+
+    asyncio.run(body())
