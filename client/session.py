@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from client.retry import Action, Decision, RetryPolicy
-from client.spot import SpotChecker, WrongOutput
+from client.spot import CheckChain, SpotChecker, WrongOutput
 from swarm.errors import SwarmError
 from swarm.routing.route import Route, Stage, route_text
 from swarm.types import SOURCE, LayerRange, NodeID, SessionID
@@ -43,23 +43,10 @@ class Head(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # hidden[T, H] -> logits[T, V]
 
 
-class Chain(Protocol):
+class Chain(CheckChain, Protocol):
     """Carries hidden states through the stages of a route; remotely, each peer forwards to the next."""
 
-    async def step(
-        self,
-        session_id: SessionID,
-        stages: Sequence[Stage],
-        position: int,
-        hidden: torch.Tensor,
-        max_length_tokens: int,
-    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage
-
-    async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None: ...
-
     async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None: ...
-
-    async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor: ...  # for spot-checks
 
 
 class RouteSource(Protocol):

@@ -98,7 +98,7 @@ class NoReports:
 
 
 class CheckChain(Protocol):
-    """What a spot-check needs of the chain (client.session.Chain has it)."""
+    """What a spot-check needs of the chain (client.session.Chain adds finding a silent hop)."""
 
     async def step(
         self,
@@ -107,7 +107,7 @@ class CheckChain(Protocol):
         position: int,
         hidden: torch.Tensor,
         max_length_tokens: int,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None: ...
 

@@ -39,19 +39,8 @@ from client.local import in_process_client  # noqa: E402
 from swarm.models import ModelSource, Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.models.faults import OutputFaults  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
+from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 from swarm.types import NodeID  # noqa: E402
-
-QUESTION = "Tell me about the history of Paris in a few sentences."
-
-
-def prompt_ids(source: ModelSource) -> list[int]:
-    tokenizer = source.tokenizer()
-    if tokenizer is None:  # the tiny model has no tokenizer: any ids will do
-        return [(7 * i + 3) % source.spec.vocab_size for i in range(32)]
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 async def decode_run(client: SwarmClient, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
@@ -66,7 +55,7 @@ async def decode_run(client: SwarmClient, ids: list[int], new_tokens: int) -> tu
 
 
 def measure_cost(source: ModelSource, model: str, rates: list[float], args: argparse.Namespace) -> dict:
-    ids = prompt_ids(source)
+    ids = chat_prompt_ids(source)
     layers = f"0:{source.spec.num_layers}"
     speeds: dict[float, list[float]] = {r: [] for r in rates}
     checks: dict[float, int] = dict.fromkeys(rates, 0)

@@ -28,20 +28,9 @@ import torch  # noqa: E402
 
 from client import SwarmClient  # noqa: E402
 from client.generation import GenerationRequest, timed_ids  # noqa: E402
-from swarm.models import ModelSource, Sampler, SamplingParams, resolve_model  # noqa: E402
+from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
-
-QUESTION = "Tell me about the history of Paris in a few sentences."
-
-
-def prompt_ids(source: ModelSource) -> list[int]:
-    tokenizer = source.tokenizer()
-    if tokenizer is None:  # the tiny model has no tokenizer: any ids will do
-        return [(7 * i + 3) % source.spec.vocab_size for i in range(32)]
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 
 
 async def swarm_run(client: SwarmClient, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
@@ -90,7 +79,7 @@ def main() -> None:
     n = source.spec.num_layers
     cuts = [0, n // 3, 2 * n // 3, n]
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
-    ids = prompt_ids(source)
+    ids = chat_prompt_ids(source)
     reference = source.load_reference_model()
     best = {"swarm_prefill": 0.0, "swarm_decode": 0.0, "local_prefill": 0.0, "local_decode": 0.0}
     tokens_match = True

@@ -48,6 +48,14 @@ def component(cls: type[Any], prefix: str = "") -> Any:
     return dataclasses.field(default_factory=cls, metadata={"component": True, "prefix": prefix})
 
 
+def positive(config: object, *names: str) -> None:
+    """For a config's ``__post_init__``: ValueError unless each named field is None or > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
 def _dest(prefix: str, name: str) -> str:
     return f"{prefix}_{name}" if prefix else name
 

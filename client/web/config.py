@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from swarm.settings import add_arguments, from_arguments, setting
+from swarm.settings import add_arguments, from_arguments, positive, setting
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,7 @@ class WebConfig:
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        positive = [f.name for f in fields(self) if f.type in ("int", "float") and f.name != "port"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        positive(self, *(f.name for f in fields(self) if f.type in ("int", "float") and f.name != "port"))
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import hivemind
 import psutil
@@ -22,16 +23,20 @@ class ParentBoundDHT(hivemind.DHT):
     """A hivemind.DHT whose child process, and everything it started, ends when the process that forked it ends."""
 
     def run(self) -> None:  # runs in the child
-        parent = os.getppid()
-        threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+        start_parent_watch(os.getppid(), before_exit=lambda: reap_descendants(os.getpid()))
         super().run()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(WATCH_INTERVAL_S)
-    reap_descendants(os.getpid())
-    os._exit(0)
+def start_parent_watch(parent_pid: int, before_exit: Callable[[], None] = lambda: None) -> None:
+    """In a child process: once ``parent_pid`` is gone, call ``before_exit`` and exit (a daemon thread polls)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCH_INTERVAL_S)
+        before_exit()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def reap_descendants(pid: int) -> None:

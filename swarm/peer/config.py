@@ -9,17 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from swarm.dht import ElectionConfig, ReachabilityConfig
-from swarm.settings import component, setting
+from swarm.settings import component, positive, setting
 from swarm.types import DTYPE_BYTES, LayerRange
 
 PLANNER_METHODS = ("milp", "search", "greedy", "swarm", "separate")
-
-
-def _positive(config: object, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True)
@@ -47,10 +40,10 @@ class SessionConfig:
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
 
     def __post_init__(self) -> None:
-        _positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
-        _positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
-        _positive(self, "max_requests_per_remote")
-        _positive(self, "max_session_lifetime_s")
+        positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
+        positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
+        positive(self, "max_requests_per_remote")
+        positive(self, "max_session_lifetime_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"
@@ -69,7 +62,7 @@ class ExecutorConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "queue_jobs", "max_batch", "prefill_chunk_tokens")
+        positive(self, "queue_jobs", "max_batch", "prefill_chunk_tokens")
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ class LinkConfig:
     poll_s: float = setting(2.0, "how often to look for newly joined peers to measure")
 
     def __post_init__(self) -> None:
-        _positive(self, "refresh_s", "payload_bytes", "timeout_s", "poll_s")
+        positive(self, "refresh_s", "payload_bytes", "timeout_s", "poll_s")
         if self.nearest < 0 or self.sample < 0:
             raise ValueError("nearest and sample must be >= 0")
 
@@ -100,7 +93,7 @@ class FollowConfig:
     session_grace_s: float = setting(10.0, "sessions on a range we stop serving may finish this long")
 
     def __post_init__(self) -> None:
-        _positive(self, "check_interval_s", "handover_timeout_s")
+        positive(self, "check_interval_s", "handover_timeout_s")
         if self.session_grace_s < 0:
             raise ValueError(f"session_grace_s must be >= 0, got {self.session_grace_s}")
 
@@ -151,8 +144,8 @@ class PlannerConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
-        _positive(self, "max_layer_tokens_s", "max_link_bandwidth_bytes_s")
+        positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
+        positive(self, "max_layer_tokens_s", "max_link_bandwidth_bytes_s")
         if self.min_reporters < 0:
             raise ValueError(f"min_reporters must be >= 0, got {self.min_reporters}")
         if self.improve_fraction < 0 or self.change_fraction < 0 or self.move_cost_fraction < 0:
@@ -203,7 +196,7 @@ class PeerConfig:
             LayerRange.parse(self.layers)  # raises ValueError with a clear message
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"unknown device {self.device!r}: use cpu, cuda or cuda:N")
-        _positive(self, "cache_tokens", "max_memory_gb", "record_ttl_s")
+        positive(self, "cache_tokens", "max_memory_gb", "record_ttl_s")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range 0..65535")
         if self.shutdown_grace_s < 0:

@@ -13,13 +13,11 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
-from swarm.dht.process import WATCH_INTERVAL_S
+from swarm.dht.process import start_parent_watch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,10 +64,4 @@ def _init(parent_pid: int) -> None:
         os.nice(NICENESS)
     except OSError:  # not allowed here: still off the serving process
         pass
-    threading.Thread(target=_exit_with, args=(parent_pid,), name="parent-watch", daemon=True).start()
-
-
-def _exit_with(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(WATCH_INTERVAL_S)
-    os._exit(0)
+    start_parent_watch(parent_pid)

@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "swarm.dht": {"swarm.models"},
     "swarm.transport": {"swarm.models"},
     "swarm.peer": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.planner", "swarm.routing"},
-    "swarm.testing": {"swarm.dht"},
+    "swarm.testing": {"swarm.dht", "swarm.models"},
     "swarm.sim": {"swarm.planner", "swarm.routing"},  # the simulator runs the live planner and router, no I/O
     "client": {"swarm.models", "swarm.dht", "swarm.transport", "swarm.routing", "swarm.planner"},
     # The web face is a client of the swarm built on client/; the client core never imports it.
