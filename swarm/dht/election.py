@@ -105,7 +105,10 @@ class Election:
         candidate_since = self.directory.dht.now()
         try:
             while True:
-                await self._tick(candidate_since)
+                try:
+                    await self._tick(candidate_since)
+                except Exception as e:  # one bad round (a bad record, a DHT error) must not end the election
+                    logger.warning("planner election round failed: %r", e)
                 await asyncio.sleep(self.config.refresh_s)
         finally:
             await self._resign(candidate_since)

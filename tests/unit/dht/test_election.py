@@ -99,3 +99,42 @@ def test_config_checks():
     assert ElectionConfig(lease_s=3.0).settle_delay_s == 1.0
     with pytest.raises(ValueError):
         ElectionConfig(lease_s=0.0)
+
+
+def test_a_failed_election_round_does_not_end_the_election() -> None:
+    """A round that raises (here: the lease read fails with an unexpected error) is logged; the next runs."""
+    import asyncio
+
+    from swarm.dht.election import Election
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.reads = 0
+            self.peer_id = "QmSelf"
+            self.dht = type(
+                "Dht", (), {"now": staticmethod(lambda: 1000.0), "model_hash": "h", "peer_id": "QmSelf"}
+            )()
+
+        async def read_leases(self) -> dict:  # type: ignore[type-arg]
+            self.reads += 1
+            if self.reads == 1:
+                raise ValueError("a malformed lease slipped through")
+            if self.reads >= 3:
+                raise asyncio.CancelledError
+            return {}
+
+        async def write_lease(self, record: object, expiration: float) -> bool:
+            return True
+
+    directory = Flaky()
+
+    async def body() -> None:
+        election = Election(directory, ElectionConfig(lease_s=0.03, settle_s=0.0))  # type: ignore[arg-type]
+        election._resign = lambda since: asyncio.sleep(0)  # type: ignore[method-assign]
+        try:
+            await election.run()
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(body())
+    assert directory.reads >= 3, "the round after the failed one never ran"
