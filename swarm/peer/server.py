@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from hivemind.p2p import P2P
@@ -27,6 +28,7 @@ from swarm.dht import (
     DirectoryConfig,
     Election,
     ModelShape,
+    PeerRecord,
     SwarmDHT,
     coverage,
 )
@@ -101,7 +103,9 @@ async def _serve(
     executor = Executor(config.executor, name=f"torch-{config.device}")
     peer = Peer(identity, source.spec, executor, config.sessions)
     announcer = Announcer(directory, peer.record)
-    links = LinkMonitor(p2p, peer.peer_id, directory.read_peers, config.links, on_change=peer.set_links)
+    links = LinkMonitor(
+        p2p, peer.peer_id, _reading_live(directory, peer), config.links, on_change=peer.set_links
+    )
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
@@ -137,11 +141,27 @@ def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
     return ModelInfo(name=spec.name, num_layers=spec.num_layers, activation_bytes_per_token=activation_bytes)
 
 
+def _reading_live(directory: Directory, peer: Peer) -> Callable[[], Awaitable[dict[str, PeerRecord]]]:
+    """The link monitor's read of the DHT (every poll_s), also handed to the Peer as the live peer ids that
+    routes may name (one read, no second poll of the DHT)."""
+
+    async def read() -> dict[str, PeerRecord]:
+        peers = await directory.read_peers()
+        peer.set_live_peers(peers)
+        return peers
+
+    return read
+
+
 def _faults(config: PeerConfig, name: str) -> OutputFaults | None:
-    if config.faulty_output_rate == 0:
+    if config.faulty_output_rate == 0 and config.faulty_skip_rate == 0:
         return None
-    logger.warning("TEST ONLY: corrupting %.0f%% of our outputs", 100 * config.faulty_output_rate)
-    return OutputFaults(config.faulty_output_rate, seed_of(name))
+    logger.warning(
+        "TEST ONLY: corrupting %.0f%% of our outputs, skipping %.0f%% of our forwards",
+        100 * config.faulty_output_rate,
+        100 * config.faulty_skip_rate,
+    )
+    return OutputFaults(config.faulty_output_rate, seed_of(name), config.faulty_skip_rate)
 
 
 def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT) -> Identity:

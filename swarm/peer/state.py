@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm import PROTOCOL_VERSION
@@ -115,6 +115,8 @@ class Peer:
         self.compute = ComputeMeasure(0.0, 0.0, 0.0)
         self.reachable: bool | None = None
         self.links: Mapping[str, LinkMeasure] = {}
+        # Peer ids in our latest read of the DHT (any state); None until a read that lists us came in.
+        self.live_peers: frozenset[str] | None = None
         self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
         self._sessions_changed = asyncio.Event()
 
@@ -192,6 +194,7 @@ class Peer:
     def check_route(self, layers: LayerRange, route_rest: Sequence[Hop]) -> None:
         """ProtocolError unless this step and the hops after it are one pass over the model: a route naming a
         peer twice (A, B, A, B, ...) or repeating layers would cost the swarm up to MAX_ROUTE_HOPS honest steps.
+        CapacityError if a hop is not a live peer of the swarm (``_check_live``). All before any compute.
         """
         num_layers = self.spec.num_layers
         if layers.end > num_layers:
@@ -209,6 +212,34 @@ class Peer:
                 )
             seen.add(hop.peer_id)
             end = hop.end
+        self._check_live(route_rest)
+
+    def set_live_peers(self, peer_ids: Iterable[str]) -> None:
+        """The peers of a fresh DHT read. A read that does not list this peer (we announce every ttl/3, so it
+        always should) is incomplete, a DHT hiccup: it is ignored rather than make us refuse every route."""
+        live = frozenset(peer_ids)
+        if self.peer_id in live:
+            self.live_peers = live
+
+    def _check_live(self, route_rest: Sequence[Hop]) -> None:
+        """CapacityError naming the first hop that is not a peer of the swarm as we last read it.
+
+        Without this, any caller could have us dial (and push activations to) any address under any id. The
+        refusal is a CapacityError, not a ProtocolError: our read is up to a poll old, so a peer that joined
+        seconds ago may be missing from it; the client then routes around that hop for this session and bans
+        nobody. Until our first read (just started) we check nothing: refusing every route would turn a new
+        peer away from the swarm, and the shape checks above still bound the work."""
+        live = self.live_peers
+        if live is None:
+            return
+        for i, hop in enumerate(route_rest):
+            if hop.peer_id not in live:
+                error = CapacityError(
+                    f"route hop {i + 1} ({hop.peer_id[-8:]}) is not a live peer of the swarm as this peer "
+                    "last read it: route around it"
+                )
+                error.failed_peer_id = hop.peer_id
+                raise error
 
     async def session_for(
         self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int

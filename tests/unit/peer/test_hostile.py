@@ -65,6 +65,35 @@ def test_honest_routes_pass_the_check() -> None:
     peer.check_route(LayerRange(4, 6), ())
 
 
+def test_a_hop_that_is_not_a_live_peer_is_refused_before_any_compute() -> None:
+    """A route naming a peer missing from this peer's read of the DHT: CapacityError naming that hop (the read
+    may be a few seconds stale, so the client routes around the hop for the session and bans nobody)."""
+    h = _handlers(Clock())
+    h.peer.set_live_peers({"QmSelf", "QmB"})
+    request = replace(_step(h, "s", 0, 4), route_rest=_hops(("QmB", 2, 4), ("QmGhost", 4, 6)))
+
+    async def body() -> None:
+        with pytest.raises(CapacityError, match="not a live peer") as refused:
+            await h.rpc_step(request, "QmClient")
+        assert refused.value.failed_peer_id == "QmGhost"
+        assert h.peer.session_count == 0 and h.peer.executor.steps_run == 0
+
+    _run(h, body)
+
+
+def test_live_hops_are_checked_only_once_a_complete_read_came_in() -> None:
+    peer = _handlers(Clock()).peer
+    route = _hops(("QmB", 2, 4))
+    peer.check_route(LayerRange(0, 2), route)  # just started: no read yet, nothing to check against
+    peer.set_live_peers({"QmB", "QmC"})  # a read without ourselves is incomplete: ignored
+    assert peer.live_peers is None
+    peer.set_live_peers({"QmSelf", "QmC"})
+    with pytest.raises(CapacityError, match="hop 1"):
+        peer.check_route(LayerRange(0, 2), route)
+    peer.set_live_peers({"QmSelf", "QmB"})  # it joined: the next read lets it through
+    peer.check_route(LayerRange(0, 2), route)
+
+
 def test_a_probe_sends_back_at_most_its_configured_bytes() -> None:
     h = _handlers(Clock())
     limit = h.config.max_probe_reply_bytes
