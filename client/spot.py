@@ -3,26 +3,36 @@
 Design. A peer's KV cache of our session lives only on that peer, so a decode step cannot be re-run elsewhere
 as it is: another peer would need the whole prefix of that stage's inputs, which the client never sees (each
 hop forwards to the next). Rather than split every step at a stage to record its inputs (an extra client round
-trip on every token), a sampled step is checked by a *separate prefill* that both peers compute from the same
-bytes:
+trip on every token), a sampled step is checked by *separate prefills* of the same bytes, in fresh sessions
+at position 0:
 
     window  = the session's newest `window_tokens` tokens (this step's included)
-    inputs  = embed(window) run through the route's stages before the checked one, as a fresh session
-    suspect = the checked stage's peer on `inputs`, alone, in a fresh session at position 0
-    checker = another holder of those layers, on the very same `inputs`, the same way
+    staged  = embed(window) through the route's stages one by one, each alone, the client relaying
+              (staged[i] = stage i's input, staged[-1] the route's answer)
+    stage check: one random stage with another holder: that holder on staged[i], vs the stage's own answer
+    route check: the route forwarded peer to peer on staged[0], vs staged[-1]
 
-Both answers come from identical inputs at identical positions, so honest peers agree up to rounding; the
-comparison allows for the looser of the two answers' dtypes (see `tolerance`). Nothing of the real session is
-touched: with honest peers its outputs are bit for bit those of a run without checks, and the check costs one
-prefill of `window_tokens` per peer involved, whatever the session's length. To the suspect the check looks
+Both answers of a comparison come from identical inputs at identical positions, so honest peers agree up to
+rounding; the comparison allows for the looser of the two answers' dtypes (see `tolerance`). Nothing of the
+real session is touched: with honest peers its outputs are bit for bit those of a run without checks. A check
+costs one prefill of `window_tokens` per stage run alone, one by the checker, and one forwarded prefill of the
+route, whatever the session's length (scripts/bench_spot_check.py measures it). To a peer every check looks
 like any client's new session.
 
-A mismatch is re-checked once before anyone is blamed (the same inputs again, to both peers, and to a third
-holder when there is one): an honest peer is deterministic on the same input, so a peer whose two answers
-differ is lying (it adds noise); with a third holder, the majority decides. A peer found lying is excluded by
-this client for good (routes avoid it), banned in the shared ban list and reported through the `ReportSink`.
-If two self-consistent peers still disagree and no third holder exists, nobody can tell which one lies:
-nobody is blamed, and a warning is logged.
+Stage check. A mismatch is re-checked once before anyone is blamed (the same inputs again, to both peers, and
+to a third holder when there is one): an honest peer is deterministic on the same input, so a peer whose two
+answers differ is lying (it adds noise); with a third holder, the majority decides. If two self-consistent
+peers still disagree and no third holder exists, nobody can tell which one lies: nobody is blamed, and a
+warning is logged.
+
+Route check. It catches a hop that is honest alone but lies on the route: it skips the hops after it (returns
+its own output, with made-up timings for them) or is wrong when another peer, not the client, calls it. On a
+mismatch each pair of consecutive hops is forwarded on its staged input; the first pair that differs is
+settled with substitutes (see `_blame_pair`): a hop is blamed only if the pair still differs with its partner
+replaced by another holder. When no substitute exists, this client avoids both hops, without a report.
+
+A peer found lying is excluded by this client for good (routes avoid it), banned in the shared ban list and
+reported through the `ReportSink`.
 """
 
 from __future__ import annotations
@@ -163,7 +173,12 @@ class SpotChecker:
         self.reports = reports or NoReports()
         self.rng = rng or random.Random()
         self.timeout_s = timeout_s
-        self.excluded: set[NodeID] = set()  # peers found lying: no route of this client goes through them
+        self.excluded: set[NodeID] = (
+            set()
+        )  # found lying, or half of a pair avoided: no route of ours uses them
+        self.avoided_pairs: list[
+            tuple[NodeID, NodeID]
+        ] = []  # forwarding pairs that lied, liar not told apart
         self.steps_served: Counter[NodeID] = Counter()  # real steps each peer served (for tests and reports)
         self.checks_run = 0
 
@@ -172,50 +187,73 @@ class SpotChecker:
         return self.rate > 0 and self.rng.random() < self.rate
 
     async def check(self, stages: Sequence[Stage], token_ids: Sequence[int]) -> NodeID | None:
-        """Re-run one checkable stage of `stages` on the newest tokens; the peer found lying, or None."""
+        """Check the route on the newest tokens: one stage against another holder, then the route as forwarded
+        against the same stages run one by one. The peer found lying (or the first of a pair avoided), or None.
+        """
         window = list(token_ids[-self.window_tokens :])
         try:
             async with asyncio.timeout(self.timeout_s):
-                pick = await self._pick(stages)
-                if pick is None:
-                    return None  # no stage has another holder: nothing to compare with
-                index, checkers = pick
                 self.checks_run += 1
-                inputs = await self._inputs(stages[:index], window)
-                liar = await self._verdict(stages[index], checkers, inputs)
+                hidden = self.head.embed(torch.tensor(window, dtype=torch.long)).float()
+                staged = await self._staged(stages, hidden)
+                liar = await self._stage_check(stages, staged)
+                if liar is None:
+                    liar = await self._route_check(stages, staged)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             # a check that cannot run proves nothing; failures of the real route are the session's business
             logger.info("spot-check skipped: %s: %s", type(error).__name__, error)
             return None
-        if liar is not None:
-            await self._exclude(liar, stages[index].layers)
         return liar
+
+    async def _staged(self, stages: Sequence[Stage], hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Each stage alone, the client relaying: staged[i] is stage i's input, staged[-1] the route's output."""
+        staged = [hidden]
+        for stage in stages:
+            staged.append(await self.chain.run_alone(stage, staged[-1]))
+        return staged
+
+    async def _forwarded(self, stages: Sequence[Stage], hidden: torch.Tensor) -> torch.Tensor:
+        """`stages` as one forwarded step from position 0 in a fresh session (closed after): peer to peer."""
+        session_id = SessionID(secrets.token_hex(16))
+        try:
+            return await self.chain.step(session_id, stages, 0, hidden, hidden.shape[0])
+        finally:
+            await _close_quietly(self.chain, session_id, stages)
+
+    async def _stage_check(self, stages: Sequence[Stage], staged: list[torch.Tensor]) -> NodeID | None:
+        """One random stage that has another holder, against that holder on the same input."""
+        pick = await self._pick(stages)
+        if pick is None:
+            return None  # no stage has another holder: nothing to compare with
+        index, checkers = pick
+        stage = stages[index]
+        liar = await self._verdict(stage, checkers, staged[index], staged[index + 1])
+        if liar is not None:
+            await self._exclude(liar, stage.layers, "spot-check: output differs from other holders")
+        return liar
+
+    async def _others(self, stage: Stage) -> list[NodeID]:
+        """Other holders of `stage`'s layers that this client still trusts, in random order."""
+        others = [p for p in await self.routes.holders(stage.layers) if p != stage.peer_id]
+        others = [p for p in others if p not in self.excluded]
+        self.rng.shuffle(others)
+        return others
 
     async def _pick(self, stages: Sequence[Stage]) -> tuple[int, list[NodeID]] | None:
         """A random stage that another holder can check, with its checkers in random order."""
         options = []
         for index, stage in enumerate(stages):
-            others = [p for p in await self.routes.holders(stage.layers) if p != stage.peer_id]
-            others = [p for p in others if p not in self.excluded]
+            others = await self._others(stage)
             if others:
-                self.rng.shuffle(others)
                 options.append((index, others))
         return self.rng.choice(options) if options else None
 
-    async def _inputs(self, upstream: Sequence[Stage], window: list[int]) -> torch.Tensor:
-        """The checked stage's input for `window`: embeddings through the stages before it (a fresh session)."""
-        hidden = self.head.embed(torch.tensor(window, dtype=torch.long)).float()
-        if not upstream:
-            return hidden
-        session_id = SessionID(secrets.token_hex(16))
-        try:
-            return await self.chain.step(session_id, upstream, 0, hidden, len(window))
-        finally:
-            await _close_quietly(self.chain, session_id, upstream)
-
-    async def _verdict(self, stage: Stage, checkers: list[NodeID], inputs: torch.Tensor) -> NodeID | None:
+    async def _verdict(
+        self, stage: Stage, checkers: list[NodeID], inputs: torch.Tensor, answer: torch.Tensor
+    ) -> NodeID | None:
+        """Whom to blame when `stage` answered `answer` on `inputs`: nobody if the first checker agrees."""
         suspect, checker = stage.peer_id, checkers[0]
-        first = await self._answers([suspect, checker], stage.layers, inputs)
+        first = {suspect: answer, **await self._answers([checker], stage.layers, inputs)}
         if agree(first[suspect], first[checker]):
             return None
         # Re-check once before blaming anyone: a one-off mismatch may be noise (or the checker lying).
@@ -236,7 +274,7 @@ class SpotChecker:
             return None
         # both lying is possible; the suspect is the one on our route, so it goes first
         for extra in liars[1:]:
-            await self._exclude(extra, stage.layers)
+            await self._exclude(extra, stage.layers, "spot-check: output differs from other holders")
         return liars[0]
 
     async def _answers(
@@ -245,14 +283,73 @@ class SpotChecker:
         outputs = await asyncio.gather(*(self.chain.run_alone(Stage(p, layers), inputs) for p in peers))
         return dict(zip(peers, outputs, strict=True))
 
-    async def _exclude(self, peer_id: NodeID, layers: LayerRange) -> None:
+    async def _route_check(self, stages: Sequence[Stage], staged: list[torch.Tensor]) -> NodeID | None:
+        """The route as forwarded vs stage by stage (`staged`); on a mismatch, the pair of hops that breaks it.
+
+        Every stage was honest alone (or the stage check would have said), so a mismatch is a hop that lies
+        when it forwards, or when it is forwarded to: each pair of consecutive hops, forwarded on its staged
+        input, is compared with the staged answer, and the first pair that differs is handed to `_blame_pair`.
+        """
+        if len(stages) < 2 or agree(await self._forwarded(stages, staged[0]), staged[-1]):
+            return None  # a single stage forwards nothing
+        for i in range(len(stages) - 1):
+            pair = stages[i : i + 2]
+            if not agree(await self._forwarded(pair, staged[i]), staged[i + 2]):
+                return await self._blame_pair(pair, staged[i], staged[i + 1], staged[i + 2])
+        logger.warning(
+            "route %s answers differently forwarded than stage by stage, but no pair of hops does again",
+            " -> ".join(s.peer_id[-8:] for s in stages),
+        )
+        return None
+
+    async def _blame_pair(
+        self, pair: Sequence[Stage], x: torch.Tensor, y: torch.Tensor, z: torch.Tensor
+    ) -> NodeID | None:
+        """`pair` = (first, second) forwarded on `x` differs from first alone (`y`) then second alone (`z`).
+
+        A hop is blamed only if the mismatch follows it to a pair whose other hop is a substitute: another
+        holder whose answer alone agrees with the staged one. Honest peers are deterministic, so an honest hop
+        paired with an honest substitute cannot differ; no random or targeted lie of one hop can get the other
+        blamed. When no substitute settles it, nobody is blamed: this client avoids both, with no report."""
+        first, second = pair
+        liars = []
+        sub = await self._substitute(second, y, z)
+        if sub is not None and not agree(await self._forwarded([first, sub], x), z):
+            liars.append(first)
+        sub = await self._substitute(first, x, y)
+        if sub is not None and not agree(await self._forwarded([sub, second], x), z):
+            liars.append(second)
+        for liar in liars:
+            await self._exclude(liar.peer_id, liar.layers, "spot-check: route forwarded through it is wrong")
+        if liars:
+            return liars[0].peer_id
+        self.excluded.update((first.peer_id, second.peer_id))
+        self.avoided_pairs.append((first.peer_id, second.peer_id))
+        logger.warning(
+            "spot-check: forwarding %s -> %s gives a wrong answer and no other holder tells which lies: "
+            "this client avoids both (no report)",
+            first.peer_id[-8:],
+            second.peer_id[-8:],
+        )
+        return first.peer_id
+
+    async def _substitute(self, stage: Stage, inputs: torch.Tensor, expected: torch.Tensor) -> Stage | None:
+        """Another holder of `stage`'s layers whose answer alone on `inputs` agrees with `expected` (at most
+        two are tried, to bound the cost), or None."""
+        for peer_id in (await self._others(stage))[:2]:
+            candidate = Stage(peer_id, stage.layers)
+            if agree(await self.chain.run_alone(candidate, inputs), expected):
+                return candidate
+        return None
+
+    async def _exclude(self, peer_id: NodeID, layers: LayerRange, reason: str) -> None:
         if peer_id in self.excluded:
             return
         self.excluded.add(peer_id)
         self.routes.ban(peer_id)
-        logger.warning("spot-check: peer %s computes layers %s wrongly; excluded", peer_id[-8:], layers)
+        logger.warning("%s: peer %s on layers %s; excluded", reason, peer_id[-8:], layers)
         try:
-            await self.reports.report(peer_id, layers, "spot-check: output differs from other holders")
+            await self.reports.report(peer_id, layers, reason)
         except Exception as error:  # a report that cannot be published must not fail the user's request
             logger.warning("could not report peer %s: %r", peer_id[-8:], error)
 

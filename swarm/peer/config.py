@@ -183,6 +183,11 @@ class PeerConfig:
     faulty_output_rate: float = setting(
         0.0, "TEST ONLY: add noise to this fraction of our step outputs (a lying peer, for spot-check tests)"
     )
+    faulty_skip_rate: float = setting(
+        0.0,
+        "TEST ONLY: on this fraction of the steps we should forward, skip the hops after us and return our own "
+        "output with faked timings (a lying forwarder, for spot-check tests)",
+    )
     reachability: ReachabilityConfig = component(ReachabilityConfig)
     sessions: SessionConfig = component(SessionConfig, prefix="session")
     executor: ExecutorConfig = component(ExecutorConfig, prefix="executor")
@@ -201,8 +206,9 @@ class PeerConfig:
             raise ValueError(f"port {self.port} out of range 0..65535")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
-        if not 0.0 <= self.faulty_output_rate <= 1.0:
-            raise ValueError(f"faulty_output_rate must be in [0, 1], got {self.faulty_output_rate}")
+        for name in ("faulty_output_rate", "faulty_skip_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -57,7 +57,9 @@ class PeerHandlers:
         self.p2p = p2p
         self.config = config or SessionConfig()
         self.in_flight: Counter[str] = Counter()  # steps being served, per remote peer
-        self.faults = faults  # TEST ONLY (--faulty-output-rate): corrupts some outputs, for spot-check tests
+        self.faults = (
+            faults  # TEST ONLY (--faulty-output/skip-rate): lies on some steps, for spot-check tests
+        )
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -106,6 +108,10 @@ class PeerHandlers:
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
+        if self.faults is not None and self.faults.skip_forward():  # TEST ONLY: lie about the hops after us
+            return StepReply(
+                result.hidden, (_finish(timing, received), *self.faults.fake_timings(request.route_rest))
+            )
         hop, rest = request.route_rest[0], request.route_rest[1:]
         downstream = StepRequest(
             session_id=sid,
