@@ -1,11 +1,13 @@
 """Hostile callers against a real peer process (tiny model, 127.0.0.1): a msgpack bomb leaves its memory
-within a bound and it keeps serving; a client squatting the KV cache is capped while another is still served."""
+within a bound and it keeps serving; a client squatting the KV cache is capped while another is still served;
+a route naming a hop that is not a peer of the swarm is refused before any compute."""
 
 from __future__ import annotations
 
 import asyncio
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -19,7 +21,7 @@ from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import LocalSwarm, PeerProcess, swarm_client
 from swarm.transport import call_step
 from swarm.transport.channel import call_raw
-from swarm.wire import ErrorReply, StepRequest, decode_reply
+from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -109,5 +111,47 @@ def test_a_kv_squatting_client_is_capped_while_another_is_served(
                 await call_step(squatter, peer.peer_id, _step(tiny, "more", 1, 8), timeout_s=30)
             reply = await call_step(other, peer.peer_id, _step(tiny, "mine", 1, half // 2), timeout_s=30)
             assert reply.hidden.shape == (1, tiny.spec.hidden_size)
+
+    asyncio.run(body())
+
+
+def test_a_route_through_a_hop_that_is_no_peer_of_the_swarm_is_refused(
+    peer: PeerProcess, tiny: ModelSource
+) -> None:
+    """The next hop named is a client's own libp2p node: a real, dialable id, but no record in the DHT. Before,
+    the peer computed the step and dialled it; now it refuses at once with CapacityError naming that hop (the
+    client routes around it, bans nobody). Its view comes from its DHT reads (every link poll, ~2 s), so a
+    request sent before the first read is let through: the test asks until the refusal comes."""
+
+    async def body() -> None:
+        async with swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            ghost = p2p.peer_id.to_base58()
+            deadline, answers = time.monotonic() + 30, []
+            while time.monotonic() < deadline:
+                request = _step(tiny, uuid.uuid4().hex, 2, 2)
+                request = StepRequest(
+                    request.session_id,
+                    0,
+                    request.hidden,
+                    0,
+                    3,
+                    2,
+                    request.model_hash,
+                    route_rest=(Hop(ghost, (), 3, 6),),
+                    timeout_s=10.0,
+                )
+                try:
+                    await call_step(p2p, peer.peer_id, request, timeout_s=15)
+                    answers.append("served")
+                except CapacityError as e:
+                    assert "not a live peer" in str(e) and e.failed_peer_id == ghost
+                    break
+                except Exception as e:  # before the peer's first read: it forwarded, and the ghost failed
+                    answers.append(type(e).__name__)
+                await asyncio.sleep(0.5)
+            else:
+                raise AssertionError(f"never refused; answers: {answers}")
+            reply = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
+            assert reply.hidden.shape == (2, tiny.spec.hidden_size)  # and it keeps serving
 
     asyncio.run(body())
