@@ -173,12 +173,10 @@ class SpotChecker:
         self.reports = reports or NoReports()
         self.rng = rng or random.Random()
         self.timeout_s = timeout_s
-        self.excluded: set[NodeID] = (
-            set()
-        )  # found lying, or half of a pair avoided: no route of ours uses them
-        self.avoided_pairs: list[
-            tuple[NodeID, NodeID]
-        ] = []  # forwarding pairs that lied, liar not told apart
+        # found lying, or half of a pair avoided: no route of this client goes through them
+        self.excluded: set[NodeID] = set()
+        # forwarding pairs whose route answer was wrong when no substitute could tell which of the two lied
+        self.avoided_pairs: list[tuple[NodeID, NodeID]] = []
         self.steps_served: Counter[NodeID] = Counter()  # real steps each peer served (for tests and reports)
         self.checks_run = 0
 
