@@ -2,7 +2,8 @@
 """What spot-checks cost and what they buy. Prints ONE JSON object.
 
 Cost: starts two `swarm-peer join` processes on 127.0.0.1 that both hold every layer (so every step can be
-checked, and a check re-runs the whole model on both: the most a check can cost relative to a step), connects
+checked, and a check re-runs the whole model on both: the most a check can cost relative to a step), or with
+--hops N two holders of each of N equal stages (routes of N hops, so the route check runs too), connects
 one SwarmClient and greedily decodes --new-tokens tokens (EOS ignored) at each spot-check rate of --rates,
 interleaved, --repeats times. Decode tok/s = (new tokens - 1) / time after the first token; the median and best
 run per rate are reported, with the overhead against rate 0 and whether the tokens equal those of rate 0.
@@ -56,7 +57,8 @@ async def decode_run(client: SwarmClient, ids: list[int], new_tokens: int) -> tu
 
 def measure_cost(source: ModelSource, model: str, rates: list[float], args: argparse.Namespace) -> dict:
     ids = chat_prompt_ids(source)
-    layers = f"0:{source.spec.num_layers}"
+    n, hops = source.spec.num_layers, args.hops
+    stages = [f"{n * i // hops}:{n * (i + 1) // hops}" for i in range(hops)]
     speeds: dict[float, list[float]] = {r: [] for r in rates}
     checks: dict[float, int] = dict.fromkeys(rates, 0)
     same_tokens = True
@@ -65,8 +67,10 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
         LocalSwarm(Path(tmp), model=model) as swarm,
     ):
         fixed = ["--no-follow-plan"]
-        swarm.start_peer(layers=layers, name="peer-a", timeout_s=300, extra_args=fixed)
-        swarm.start_peer(layers=layers, name="peer-b", wait=False, extra_args=fixed)
+        swarm.start_peer(layers=stages[0], name="peer-a0", timeout_s=300, extra_args=fixed)
+        for i, layers in enumerate(stages):
+            for holder in "ab"[1 if i == 0 else 0 :]:
+                swarm.start_peer(layers=layers, name=f"peer-{holder}{i}", wait=False, extra_args=fixed)
         swarm.wait_all_ready(timeout_s=300)
         with SwarmClient(swarm.initial_peers, model=model, spot_check_seed=args.seed) as client:
             checker = client.aclient.checker
@@ -87,8 +91,8 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
     cost_steps = (base / statistics.median(speeds[top]) - 1) / checks_per_step if checks_per_step else 0.0
     default_rate = ClientConfig().spot_check_rate
     return {
-        "peers": 2,
-        "route": [layers],
+        "peers": 2 * hops,
+        "route": stages,
         "prompt_tokens": len(ids),
         "per_rate": {
             str(rate): {
@@ -142,13 +146,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rates", default=f"0,{ClientConfig().spot_check_rate},1", help="comma-separated")
+    parser.add_argument("--hops", type=int, default=1, help="stages per route (two holders each)")
     parser.add_argument("--liar-rate", type=float, default=ClientConfig().spot_check_rate)
     parser.add_argument("--liar-trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    if args.new_tokens < 2 or args.repeats < 1 or rates[0] != 0:
-        parser.error("need --new-tokens >= 2, --repeats >= 1 and --rates starting with 0")
+    if args.new_tokens < 2 or args.repeats < 1 or rates[0] != 0 or args.hops < 1:
+        parser.error("need --new-tokens >= 2, --repeats >= 1, --hops >= 1 and --rates starting with 0")
     random.seed(args.seed)
     torch.set_num_threads(1)
     began = time.perf_counter()
