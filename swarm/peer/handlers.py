@@ -94,6 +94,7 @@ class PeerHandlers:
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         self.peer.check_route(layers, request.route_rest)
+        await self.peer.check_live(request.route_rest)
         sid, key = request.session_id, session_key(remote_id, request.session_id)
         served = await self.peer.session_for(
             key, remote_id, layers, request.position, request.max_length_tokens

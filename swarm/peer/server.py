@@ -101,7 +101,7 @@ async def _serve(
     identity = _identity(config, source.spec, dht)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     executor = Executor(config.executor, name=f"torch-{config.device}")
-    peer = Peer(identity, source.spec, executor, config.sessions)
+    peer = Peer(identity, source.spec, executor, config.sessions, read_live=directory.read_peers)
     announcer = Announcer(directory, peer.record)
     links = LinkMonitor(
         p2p, peer.peer_id, _reading_live(directory, peer), config.links, on_change=peer.set_links

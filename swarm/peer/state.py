@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm import PROTOCOL_VERSION
@@ -31,6 +31,9 @@ from swarm.types import LayerRange
 from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
+
+LIVE_REREAD_S = 1.0  # at most one extra DHT read per second for routes naming a hop we have not seen
+LIVE_REREAD_TIMEOUT_S = 5.0
 
 
 class Status(enum.StrEnum):
@@ -104,7 +107,9 @@ class Peer:
         executor: Executor,
         config: SessionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        read_live: Callable[[], Awaitable[Iterable[str]]] | None = None,
     ) -> None:
+        """``read_live`` reads the peer ids in the DHT now (for a re-read before refusing a route's hop)."""
         self.identity = identity
         self.spec = spec
         self.executor = executor
@@ -117,6 +122,9 @@ class Peer:
         self.links: Mapping[str, LinkMeasure] = {}
         # Peer ids in our latest read of the DHT (any state); None until a read that lists us came in.
         self.live_peers: frozenset[str] | None = None
+        self.read_live = read_live
+        self._reread_lock = asyncio.Lock()
+        self._reread_after_s = float("-inf")
         self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
         self._sessions_changed = asyncio.Event()
 
@@ -194,7 +202,7 @@ class Peer:
     def check_route(self, layers: LayerRange, route_rest: Sequence[Hop]) -> None:
         """ProtocolError unless this step and the hops after it are one pass over the model: a route naming a
         peer twice (A, B, A, B, ...) or repeating layers would cost the swarm up to MAX_ROUTE_HOPS honest steps.
-        CapacityError if a hop is not a live peer of the swarm (``_check_live``). All before any compute.
+        Before any compute; ``check_live`` then checks that each hop is a live peer of the swarm.
         """
         num_layers = self.spec.num_layers
         if layers.end > num_layers:
@@ -212,7 +220,6 @@ class Peer:
                 )
             seen.add(hop.peer_id)
             end = hop.end
-        self._check_live(route_rest)
 
     def set_live_peers(self, peer_ids: Iterable[str]) -> None:
         """The peers of a fresh DHT read. A read that does not list this peer (we announce every ttl/3, so it
@@ -221,25 +228,42 @@ class Peer:
         if self.peer_id in live:
             self.live_peers = live
 
-    def _check_live(self, route_rest: Sequence[Hop]) -> None:
+    async def check_live(self, route_rest: Sequence[Hop]) -> None:
         """CapacityError naming the first hop that is not a peer of the swarm as we last read it.
 
-        Without this, any caller could have us dial (and push activations to) any address under any id. The
-        refusal is a CapacityError, not a ProtocolError: our read is up to a poll old, so a peer that joined
-        seconds ago may be missing from it; the client then routes around that hop for this session and bans
-        nobody. Until our first read (just started) we check nothing: refusing every route would turn a new
-        peer away from the swarm, and the shape checks above still bound the work."""
+        Without this, any caller could have us dial (and push activations to) any address under any id. Our
+        read is up to a link poll old, so a peer that joined seconds ago may be missing: before refusing, we
+        read the DHT again (at most once per LIVE_REREAD_S, so strangers cannot make us read it at will). A
+        refusal is a CapacityError, not a ProtocolError: the client routes around that hop for the session
+        and bans nobody. Until our first read (just started) we check nothing: refusing every route would
+        turn a new peer away, and check_route still bounds the work."""
+        unknown = self._unknown_hop(route_rest)
+        if unknown is None:
+            return
+        async with self._reread_lock:  # one re-read at a time; those waiting on it see its result
+            unknown = self._unknown_hop(route_rest)
+            if unknown is not None and self.read_live is not None and self.clock() >= self._reread_after_s:
+                self._reread_after_s = self.clock() + LIVE_REREAD_S
+                try:
+                    async with asyncio.timeout(LIVE_REREAD_TIMEOUT_S):
+                        self.set_live_peers(await self.read_live())
+                except Exception as e:  # a failed read proves nothing: we judge by the view we have
+                    logger.info("re-reading the live peers failed: %r", e)
+                unknown = self._unknown_hop(route_rest)
+        if unknown is not None:
+            i, hop = unknown
+            error = CapacityError(
+                f"route hop {i + 1} ({hop.peer_id[-8:]}) is not a live peer of the swarm as this peer "
+                "last read it: route around it"
+            )
+            error.failed_peer_id = hop.peer_id
+            raise error
+
+    def _unknown_hop(self, route_rest: Sequence[Hop]) -> tuple[int, Hop] | None:
         live = self.live_peers
         if live is None:
-            return
-        for i, hop in enumerate(route_rest):
-            if hop.peer_id not in live:
-                error = CapacityError(
-                    f"route hop {i + 1} ({hop.peer_id[-8:]}) is not a live peer of the swarm as this peer "
-                    "last read it: route around it"
-                )
-                error.failed_peer_id = hop.peer_id
-                raise error
+            return None
+        return next(((i, hop) for i, hop in enumerate(route_rest) if hop.peer_id not in live), None)
 
     async def session_for(
         self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int

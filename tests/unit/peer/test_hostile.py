@@ -84,14 +84,47 @@ def test_a_hop_that_is_not_a_live_peer_is_refused_before_any_compute() -> None:
 def test_live_hops_are_checked_only_once_a_complete_read_came_in() -> None:
     peer = _handlers(Clock()).peer
     route = _hops(("QmB", 2, 4))
-    peer.check_route(LayerRange(0, 2), route)  # just started: no read yet, nothing to check against
-    peer.set_live_peers({"QmB", "QmC"})  # a read without ourselves is incomplete: ignored
-    assert peer.live_peers is None
-    peer.set_live_peers({"QmSelf", "QmC"})
-    with pytest.raises(CapacityError, match="hop 1"):
-        peer.check_route(LayerRange(0, 2), route)
-    peer.set_live_peers({"QmSelf", "QmB"})  # it joined: the next read lets it through
-    peer.check_route(LayerRange(0, 2), route)
+
+    async def body() -> None:
+        await peer.check_live(route)  # just started: no read yet, nothing to check against
+        peer.set_live_peers({"QmB", "QmC"})  # a read without ourselves is incomplete: ignored
+        assert peer.live_peers is None
+        peer.set_live_peers({"QmSelf", "QmC"})
+        with pytest.raises(CapacityError, match="hop 1"):
+            await peer.check_live(route)
+        peer.set_live_peers({"QmSelf", "QmB"})  # it joined: the next read lets it through
+        await peer.check_live(route)
+
+    asyncio.run(body())
+
+
+def test_a_hop_newer_than_our_read_is_let_through_after_one_re_read_and_strangers_get_one_per_second() -> (
+    None
+):
+    clock = Clock()
+    dht = {"QmSelf", "QmC"}
+    reads = []
+
+    async def read_live() -> set[str]:
+        reads.append(clock.now)
+        return set(dht)
+
+    h = _handlers(clock)
+    peer = Peer(h.peer.identity, h.peer.spec, h.peer.executor, clock=clock, read_live=read_live)
+    peer.set_live_peers({"QmSelf"})
+
+    async def body() -> None:
+        await peer.check_live(_hops(("QmC", 2, 4)))  # joined after our last read: re-read, found
+        with pytest.raises(CapacityError, match="not a live peer"):
+            await peer.check_live(_hops(("QmGhost", 2, 4)))  # within the second: refused without a read
+        assert reads == [clock.now]
+        clock.now += 1.0
+        dht.add("QmD")
+        # two at once share one re-read
+        await asyncio.gather(peer.check_live(_hops(("QmD", 2, 4))), peer.check_live(_hops(("QmD", 2, 4))))
+        assert len(reads) == 2
+
+    asyncio.run(body())
 
 
 def test_a_probe_sends_back_at_most_its_configured_bytes() -> None:
