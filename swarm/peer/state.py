@@ -26,14 +26,12 @@ from swarm.models.blocks import BlockRange
 from swarm.models.spec import ModelSpec, dtype_name
 from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
+from swarm.peer.live import LiveView
 from swarm.peer.measure import ComputeMeasure
 from swarm.types import LayerRange
 from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
-
-LIVE_REREAD_S = 1.0  # at most one extra DHT read per second for routes naming a hop we have not seen
-LIVE_REREAD_TIMEOUT_S = 5.0
 
 
 class Status(enum.StrEnum):
@@ -121,10 +119,7 @@ class Peer:
         self.reachable: bool | None = None
         self.links: Mapping[str, LinkMeasure] = {}
         # Peer ids in our latest read of the DHT (any state); None until a read that lists us came in.
-        self.live_peers: frozenset[str] | None = None
-        self.read_live = read_live
-        self._reread_lock = asyncio.Lock()
-        self._reread_after_s = float("-inf")
+        self.live = LiveView(identity.peer_id, clock, read_live)  # the swarm's peer ids, as we last read them
         self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
         self._sessions_changed = asyncio.Event()
 
@@ -222,48 +217,16 @@ class Peer:
             end = hop.end
 
     def set_live_peers(self, peer_ids: Iterable[str]) -> None:
-        """The peers of a fresh DHT read. A read that does not list this peer (we announce every ttl/3, so it
-        always should) is incomplete, a DHT hiccup: it is ignored rather than make us refuse every route."""
-        live = frozenset(peer_ids)
-        if self.peer_id in live:
-            self.live_peers = live
+        """The peer ids of a fresh DHT read (the link monitor's, every poll)."""
+        self.live.update(peer_ids)
 
     async def check_live(self, route_rest: Sequence[Hop]) -> None:
-        """CapacityError naming the first hop that is not a peer of the swarm as we last read it.
+        """CapacityError unless every hop is a live peer of the swarm (see swarm.peer.live)."""
+        await self.live.check(route_rest)
 
-        Without this, any caller could have us dial (and push activations to) any address under any id. Our
-        read is up to a link poll old, so a peer that joined seconds ago may be missing: before refusing, we
-        read the DHT again (at most once per LIVE_REREAD_S, so strangers cannot make us read it at will). A
-        refusal is a CapacityError, not a ProtocolError: the client routes around that hop for the session
-        and bans nobody. Until our first read (just started) we check nothing: refusing every route would
-        turn a new peer away, and check_route still bounds the work."""
-        unknown = self._unknown_hop(route_rest)
-        if unknown is None:
-            return
-        async with self._reread_lock:  # one re-read at a time; those waiting on it see its result
-            unknown = self._unknown_hop(route_rest)
-            if unknown is not None and self.read_live is not None and self.clock() >= self._reread_after_s:
-                self._reread_after_s = self.clock() + LIVE_REREAD_S
-                try:
-                    async with asyncio.timeout(LIVE_REREAD_TIMEOUT_S):
-                        self.set_live_peers(await self.read_live())
-                except Exception as e:  # a failed read proves nothing: we judge by the view we have
-                    logger.info("re-reading the live peers failed: %r", e)
-                unknown = self._unknown_hop(route_rest)
-        if unknown is not None:
-            i, hop = unknown
-            error = CapacityError(
-                f"route hop {i + 1} ({hop.peer_id[-8:]}) is not a live peer of the swarm as this peer "
-                "last read it: route around it"
-            )
-            error.failed_peer_id = hop.peer_id
-            raise error
-
-    def _unknown_hop(self, route_rest: Sequence[Hop]) -> tuple[int, Hop] | None:
-        live = self.live_peers
-        if live is None:
-            return None
-        return next(((i, hop) for i, hop in enumerate(route_rest) if hop.peer_id not in live), None)
+    @property
+    def live_peers(self) -> frozenset[str] | None:
+        return self.live.peer_ids
 
     async def session_for(
         self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int
