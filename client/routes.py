@@ -275,8 +275,12 @@ class SwarmRoutes:
         )
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
-        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage)."""
-        view = self._view(await self.snapshot(), 1.0)
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage).
+
+        From the cached snapshot however old (sessions refresh it when they open): a spot-check runs between
+        two decode steps, and a DHT read there can stall the answer for seconds while a dead peer's DHT node
+        is still in the table; a checker that has gone only makes the check skip."""
+        view = self._view(self._snapshot or await self.snapshot(), 1.0)
         return [
             p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
         ]

@@ -207,7 +207,8 @@ class InferenceSession:
         elif action is Action.REROUTE:
             self.avoided.add(failed)
         await self._reroute(failed)
-        await self.sleep(decision.delay_s)
+        # the pause gives the DHT time to notice a failure; one we saw die first hand is out of routing already
+        await self.sleep(0.0 if action is Action.WITHDRAW else decision.delay_s)
         self.failovers += 1
 
     async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:

@@ -293,6 +293,27 @@ def test_the_only_holder_of_a_range_refusing_one_step_is_deprioritised_not_fatal
     assert client.routes.bans.failures(NodeID("a")) == 0  # the good steps since forgot the failure
 
 
+def test_the_only_holder_of_a_range_saying_it_is_full_is_tried_again_not_fatal(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """b, the only holder of 2:4, answers one step with CapacityError: the session avoids it, finds nobody else
+    for 2:4, and tries it again (avoiding is only a preference) instead of failing with NoRouteError."""
+    client, chain = make_client(tiny, TINY_SPLIT, route_wait_s=0.0)
+
+    def refuse_b_once(step: int) -> None:
+        if step == 4:
+            chain.refusing[NodeID("b")] = CapacityError("40 sessions open, the limit")
+        else:
+            chain.refusing.pop(NodeID("b"), None)
+
+    chain.on_step = refuse_b_once
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and session.route_waits == 0
+    assert [s.peer_id for s in session.stages] == ["a", "b", "c"] and not session.avoided
+
+
 def test_with_no_live_holder_the_session_waits_and_completes_once_one_serves(
     tiny: ModelSource, tiny_reference: Any
 ) -> None:
