@@ -152,9 +152,8 @@ class SwarmRoutes:
         self.max_layer_tokens_s = max_layer_tokens_s
         self.ratios: dict[NodeID, float] = {}  # observed / announced speed per timed peer, running average
         self.withdrawn: dict[NodeID, float] = {}  # peers seen dead -> their record's updated_at then
-        self._reuse_snapshot = (
-            False  # set by a death: the next route may use the cached snapshot, however old
-        )
+        # set by a death: the next route may use the cached snapshot, however old (see `withdraw`)
+        self._reuse_snapshot = False
         self._router: Router | None = None
         self._router_key: tuple[object, ...] | None = None  # (epoch, flow factors) the router was built for
         self._lock = asyncio.Lock()  # one DHT read at a time; concurrent sessions share its result

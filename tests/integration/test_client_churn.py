@@ -206,5 +206,8 @@ def test_with_the_only_holder_restarting_the_answer_waits_and_completes(
     assert "error" not in result, result.get("error")
     assert result["tokens"] == expected
     session = result["session"]
-    assert session.route_waits >= 1 and session.failovers == 1
-    assert session.stages[-1].peer_id == NodeID(swarm.peers[-1].peer_id)
+    log = session.failover_log
+    assert session.route_waits >= 1, log
+    # the first failover is the dead holder's (later ones, if any, would be a busy machine's slow answers)
+    assert log[0].peer == NodeID(last.peer_id) and log[0].action is Action.WITHDRAW, log
+    assert session.stages[-1].peer_id == NodeID(swarm.peers[-1].peer_id), log
