@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from client.chain import RemoteChain
 from client.config import ClientConfig
 from client.generation import GenerationRequest, generate_ids, generate_text
+from client.liveness import LivenessConfig, StepWatch
 from client.retry import RetryPolicy
 from client.routes import SwarmRoutes
 from client.session import Chain, Head, InferenceSession, RouteSource
@@ -66,7 +67,11 @@ class AsyncSwarmClient:
         self.head = head
         self.tokenizer = tokenizer
         self.dht = dht
-        self.policy = RetryPolicy(config.max_retries, config.retry_delay_s)
+        self.policy = RetryPolicy(
+            config.max_retries, config.retry_delay_s, config.route_wait_s, config.route_poll_s
+        )
+        liveness = LivenessConfig(config.probe_factor, config.probe_after_s, config.probe_timeout_s)
+        self.watch = StepWatch(chain.find_silent, liveness)  # shared: expected step times are per swarm
         self.eos_ids = _eos_ids(tokenizer)
         self.checker = SpotChecker(
             chain,
@@ -185,6 +190,7 @@ class AsyncSwarmClient:
             self.config.step_timeout_s,
             max_length_tokens,
             self.checker,
+            self.watch,
         )
         self.last_session = session
         return session

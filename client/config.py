@@ -39,10 +39,28 @@ class ClientConfig:
     """Pause before a retry after a transport error, doubled each time (gives the DHT time to notice)."""
 
     ban_initial_s: float = 15.0
-    """How long a failing peer is avoided the first time; doubles on every repeat offence."""
+    """How long a failing peer is deprioritised the first time (routed through only where nobody else holds its
+    layers); doubles on every repeat offence."""
 
     ban_max_s: float = 300.0
     """Upper bound of a peer's ban."""
+
+    route_wait_s: float = 60.0
+    """How long a session waits for some live peer to serve layers nobody serves now (a holder restarting or
+    moving, a late join) before NoRouteError; 0 fails at once."""
+
+    route_poll_s: float = 0.5
+    """While waiting for a route, the swarm is re-read this often."""
+
+    probe_after_s: float = 1.0
+    """A step still outstanding after this long, or after `probe_factor` times the expected step time if that
+    is longer, makes the client ask each peer of the route for a short info call (client/liveness.py)."""
+
+    probe_factor: float = 4.0
+    """How many times its expected duration a step may run before the route is probed."""
+
+    probe_timeout_s: float = 1.0
+    """A peer that does not answer a probe within this long is taken for dead: failover starts at once."""
 
     cache_high_water: float = 0.9
     """Peers whose KV cache is fuller than this fraction are skipped when routing a new session."""
@@ -69,7 +87,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
-        for name in ("connect_timeout_s", "step_timeout_s", "close_timeout_s", "ban_initial_s", "ban_max_s"):
+        positive = ("connect_timeout_s", "step_timeout_s", "close_timeout_s", "ban_initial_s", "ban_max_s")
+        for name in (*positive, "route_poll_s", "probe_after_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive, got {getattr(self, name)}")
         if self.min_reporters < 0:
@@ -78,6 +97,10 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.max_layer_tokens_s must be positive, got {self.max_layer_tokens_s}"
             )
+        if self.route_wait_s < 0:
+            raise ValueError(f"ClientConfig.route_wait_s must be >= 0, got {self.route_wait_s}")
+        if self.probe_factor < 1:
+            raise ValueError(f"ClientConfig.probe_factor must be >= 1, got {self.probe_factor}")
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:

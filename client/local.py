@@ -8,6 +8,7 @@ that talk to a swarm, with each hop a direct call. The unit tests check that pat
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ import torch
 
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
+from client.routes import route_deprioritising_bans
 from client.spot import ReportSink
 from swarm.errors import SwarmError, TransportError
 from swarm.models.blocks import BlockRange, Step
@@ -33,6 +35,7 @@ class LocalChain:
     def __init__(self, blocks: Mapping[NodeID, BlockRange]) -> None:
         self.blocks = dict(blocks)
         self.dead: set[NodeID] = set()  # peers that fail every call, as if SIGKILLed
+        self.hung: set[NodeID] = set()  # peers that never answer, as if their machine lost power
         self.refusing: dict[NodeID, SwarmError] = {}  # peers that answer every step with this error
         self.faulty: dict[NodeID, OutputFaults] = {}  # peers that corrupt (some of) their outputs
         self.calls: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every stage run
@@ -55,6 +58,8 @@ class LocalChain:
                 error = TransportError(f"peer {stage.peer_id} is unreachable")
                 error.failed_peer_id = stage.peer_id
                 raise error
+            if stage.peer_id in self.hung:
+                await asyncio.Event().wait()  # until the caller gives up on the step
             if stage.peer_id in self.refusing:
                 refusal = self.refusing[stage.peer_id]
                 # an error that names another peer is this hop's claim that the other one failed
@@ -95,14 +100,15 @@ class LocalChain:
                 block.close_session(session_id)
 
     async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None:
-        return next((s.peer_id for s in stages if s.peer_id in self.dead), None)
+        return next((s.peer_id for s in stages if s.peer_id in self.dead | self.hung), None)
 
 
 class LocalRoutes:
-    """Routes over the LocalChain's blocks by lowest latency (no plan), with real bans.
+    """Routes over the LocalChain's blocks by lowest latency (no plan), with real bans and withdrawals.
 
-    Dead peers stay in the view, as they stay in the DHT until their record expires: only the ban that
-    the session's failover sets keeps them out of new routes.
+    Dead peers stay in the view, as they stay in the DHT until their record expires: only the withdrawal (or
+    ban) that the session's failover sets keeps them out of new routes. A withdrawn peer is routable again once
+    it is alive again (out of `chain.dead` and `chain.hung`), as a real one is once it re-announces.
     """
 
     def __init__(
@@ -116,19 +122,21 @@ class LocalRoutes:
         self.num_layers = num_layers
         self.bans = BanList(clock, bans or BanConfig(base_s=60.0, max_s=60.0))
         self.router = Router(None, bans=self.bans)
+        self.withdrawn: set[NodeID] = set()
 
     def view(self, avoid: frozenset[NodeID] = frozenset()) -> RoutingView:
         peers = [
             PeerState(peer_id, block.range, block.free_cache_tokens)
             for peer_id, block in self.chain.blocks.items()
             if peer_id not in avoid
+            and not (peer_id in self.withdrawn and peer_id in self.chain.dead | self.chain.hung)
         ]
         return RoutingView.of(self.num_layers, peers)
 
     async def route(
         self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
     ) -> Route:
-        return self.router.route_from(self.view(avoid), start_layer, prev, session_tokens)
+        return route_deprioritising_bans(self.router, self.view(avoid), start_layer, prev, session_tokens)
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
         return [
@@ -139,6 +147,9 @@ class LocalRoutes:
 
     def ban(self, peer_id: NodeID) -> None:
         self.bans.ban(peer_id)
+
+    def withdraw(self, peer_id: NodeID) -> None:
+        self.withdrawn.add(peer_id)
 
     def succeeded(self, peer_ids: Iterable[NodeID]) -> None:
         for peer_id in peer_ids:

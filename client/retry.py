@@ -3,6 +3,7 @@
 The session calls `decide(error, attempt)` after a failed step and acts on the answer; nothing else in the
 client catches swarm errors to retry them. The mapping follows the tree in swarm/errors.py:
 
+    PeerSilent      our own probe found a peer dead      -> withdraw it from routing, ban it, re-route, replay
     TransportError  peer silent or connection broken    -> find the silent hop, ban it, re-route, replay
     TimeoutError    our own step deadline passed         -> like TransportError
     WrongOutput     a spot-check caught a peer lying     -> re-route around it, replay (it is excluded already)
@@ -11,6 +12,11 @@ client catches swarm errors to retry them. The mapping follows the tree in swarm
                                                             it told the truth, and other sessions may still fit
     SessionError    peer forgot our session              -> route afresh from its stage, replay; no ban
     VersionMismatch, ModelMismatch, NoRouteError, other  -> give up at once (retrying cannot help)
+
+A hop found silent (by PeerSilent, or when the session asks each hop after an error) is withdrawn: no route
+of this client goes through it until its DHT record is refreshed after the death, however long a ban lasts.
+Bans only deprioritise: client/routes.py routes through a banned peer when nobody else holds its layers.
+When no peer holds some layers at all, the session waits for one (up to `route_wait_s`) instead of failing.
 
 A ban that rests on a hop's word about a later hop (``failed_peer_id``) is checked first: client/session.py
 asks the named peer directly and blames the claimant if it answers.
@@ -24,6 +30,7 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
+from client.liveness import PeerSilent
 from client.spot import WrongOutput
 from swarm.errors import (
     CapacityError,
@@ -40,6 +47,7 @@ from swarm.types import NodeID
 class Action(enum.Enum):
     BAN_AND_REROUTE = "ban and re-route"  # ban the failed peer, rebuild the route from its stage on, replay
     REROUTE = "re-route"  # rebuild the route from the failed peer's stage, never through it again; no ban
+    WITHDRAW = "withdraw"  # the peer is dead to us: out of routing until it re-announces; banned; re-route
     REPLAY = "replay"  # rebuild the route from the failed peer's stage (it may be picked again), replay
     GIVE_UP = "give up"  # raise to the caller
 
@@ -56,10 +64,13 @@ class Decision:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounds on retrying: at most `max_retries` failovers per step, with a doubling pause."""
+    """Bounds on retrying: at most `max_retries` failovers per step, with a doubling pause; a missing route is
+    waited for up to `route_wait_s`, re-read every `route_poll_s`."""
 
     max_retries: int
     retry_delay_s: float
+    route_wait_s: float = 0.0
+    route_poll_s: float = 0.5
 
     def decide(self, error: BaseException, attempt: int, fallback_peer: NodeID | None = None) -> Decision:
         """What to do after `error` on try number `attempt` (0 for the first try).
@@ -74,6 +85,8 @@ class RetryPolicy:
             return Decision(Action.GIVE_UP, failed)
         if isinstance(error, SessionError):
             return Decision(Action.REPLAY, failed)
+        if isinstance(error, PeerSilent):  # first hand, just now: no pause, no need to ask again
+            return Decision(Action.WITHDRAW, failed)
         delay_s = self.retry_delay_s * (2**attempt)
         if isinstance(error, WrongOutput):
             return Decision(Action.REROUTE, failed)

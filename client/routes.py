@@ -3,6 +3,13 @@
 The Router is pure and keeps one IWRR per plan node, so it lives as long as the plan epoch does: consecutive
 sessions then interleave over the plan's flows instead of all starting from the same pick. Bans are shared
 across epochs, since a peer that just failed is no better under a new plan.
+
+Bans only deprioritise: when they leave some layer without a usable holder, the route goes through banned
+peers where nobody else holds the layers (fewest such hops first), since a banned peer that serves is better
+than no answer. A peer seen dead (it did not answer our own probe) is withdrawn instead: no route goes through
+it until the DHT holds a record of it refreshed after the death, so a SIGKILLed peer whose record still says
+"serving" for its last TTL is never routed to again, and one that was only slow comes back with its next
+announcement.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 
 from swarm.dht import PeerRecord, SwarmSnapshot, excluded_peers
 from swarm.errors import NoRouteError
-from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingView
+from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingConfig, RoutingView
 from swarm.routing.observed import announced_layer_tokens_s, discount_plan, flow_factor, speed_ratio
+from swarm.routing.route import route_text
 from swarm.types import LayerRange, NodeID, coverage
 
 logger = logging.getLogger(__name__)
@@ -24,6 +33,9 @@ logger = logging.getLogger(__name__)
 Snapshotter = Callable[[], Awaitable[SwarmSnapshot]]
 MAX_LAYER_TOKENS_S = 1e6  # default plausibility cap on announced decode tokens/s per layer
 OBSERVED_WEIGHT = 0.3  # weight of the newest observation in a peer's running speed ratio
+# Extra hop cost of a banned peer when only banned peers hold some layers: larger than any real route's cost,
+# so the route goes through as few banned peers as it can.
+BANNED_HOP_PENALTY_S = 1e3
 
 
 def peer_state(
@@ -53,19 +65,64 @@ def routing_view(
     min_reporters: int = 2,
     max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
     ratios: Mapping[NodeID, float] | None = None,
+    withdrawn: Mapping[NodeID, float] | None = None,
 ) -> RoutingView:
-    """The serving peers of `snapshot` as routing sees them, less those in `avoid` and those reported by
-    `min_reporters` distinct reporters; `ratios` are observed / announced speeds."""
+    """The serving peers of `snapshot` as routing sees them, less those in `avoid`, those reported by
+    `min_reporters` distinct reporters, and those `withdrawn` (peer -> the `updated_at` of the record it had
+    when it died) whose record has not been refreshed since; `ratios` are observed / announced speeds."""
     excluded = excluded_peers(snapshot.reports, min_reporters)
     ratios = ratios or {}
+    withdrawn = withdrawn or {}
     peers = [
         peer_state(r, cache_high_water, max_layer_tokens_s, ratios.get(NodeID(r.peer_id), 1.0))
         for r in snapshot.serving().values()
         if r.range_start < r.range_end <= num_layers
         and NodeID(r.peer_id) not in avoid
         and r.peer_id not in excluded
+        and r.updated_at > withdrawn.get(NodeID(r.peer_id), -math.inf)
     ]
     return RoutingView.of(num_layers, peers)
+
+
+def route_deprioritising_bans(
+    router: Router, view: RoutingView, start_layer: int, prev: NodeID, session_tokens: int
+) -> Route:
+    """`router`'s route from `start_layer`; if its bans leave some layer with no usable holder, the fastest
+    route that goes through banned peers only where nobody else holds the layers. The router's NoRouteError
+    (naming the layers) when even banned peers do not cover them."""
+    try:
+        return router.route_from(view, start_layer, prev, session_tokens)
+    except NoRouteError:
+        route = _through_banned(router, view, start_layer, session_tokens)
+        if route is None:
+            raise
+        return route
+
+
+def _through_banned(router: Router, view: RoutingView, start_layer: int, session_tokens: int) -> Route | None:
+    banned = {p for p in view.peers if router.bans is not None and router.bans.is_banned(p)}
+    if not banned:
+        return None
+    default_s = router.config.default_latency_s
+    penalised = RoutingView.of(
+        view.num_layers,
+        (
+            replace(p, latency_s=max(p.latency_s, default_s) + BANNED_HOP_PENALTY_S)
+            if p.peer_id in banned
+            else p
+            for p in view.peers.values()
+        ),
+    )
+    unbanned = Router(None, config=RoutingConfig(default_latency_s=default_s))  # no bans: they are costs here
+    try:
+        route = unbanned.fastest_path(penalised, start_layer, session_tokens)
+    except NoRouteError:
+        return None
+    used = [str(s.peer_id)[-8:] for s in route if s.peer_id in banned]
+    logger.warning(
+        "only banned peers hold some layers: routing through %s anyway (%s)", used, route_text(route)
+    )
+    return route
 
 
 class SwarmRoutes:
@@ -94,6 +151,9 @@ class SwarmRoutes:
         self.min_reporters = min_reporters
         self.max_layer_tokens_s = max_layer_tokens_s
         self.ratios: dict[NodeID, float] = {}  # observed / announced speed per timed peer, running average
+        self.withdrawn: dict[NodeID, float] = {}  # peers seen dead -> their record's updated_at then
+        # set by a death: the next route may use the cached snapshot, however old (see `withdraw`)
+        self._reuse_snapshot = False
         self._router: Router | None = None
         self._router_key: tuple[object, ...] | None = None  # (epoch, flow factors) the router was built for
         self._lock = asyncio.Lock()  # one DHT read at a time; concurrent sessions share its result
@@ -104,7 +164,28 @@ class SwarmRoutes:
             if force or stale or self._snapshot is None:
                 self._snapshot = await self._read_snapshot()
                 self._read_at = self._clock()
+                self._forget_revived(self._snapshot)
             return self._snapshot
+
+    def withdraw(self, peer_id: NodeID) -> None:
+        """`peer_id` was seen dead: route nothing through it until its record is refreshed after now."""
+        record = self._snapshot.peers.get(peer_id) if self._snapshot is not None else None
+        self.withdrawn[peer_id] = record.updated_at if record is not None else -math.inf
+        # A DHT read right after a death can stall for hivemind's RPC timeout (~3 s) on the dead peer's own
+        # DHT node; the cached snapshot less the dead peer is good enough for its replacement (a route that
+        # fails on it is retried on a fresh read anyway).
+        self._reuse_snapshot = True
+        logger.warning("peer %s seen dead: withdrawn from routing until it announces again", peer_id[-8:])
+
+    def _forget_revived(self, snapshot: SwarmSnapshot) -> None:
+        """Drop withdrawals whose peer has announced since (it was only slow, or came back) or whose record
+        is gone (nothing left to route to)."""
+        for peer_id, updated_at in list(self.withdrawn.items()):
+            record = snapshot.peers.get(peer_id)
+            if record is None or record.updated_at > updated_at:
+                del self.withdrawn[peer_id]
+                if record is not None:
+                    logger.info("peer %s announced again: routable", peer_id[-8:])
 
     def router(self, snapshot: SwarmSnapshot) -> Router:
         """The Router of the snapshot's plan, with flows scaled by observed speeds; rebuilt when the epoch or
@@ -150,12 +231,18 @@ class SwarmRoutes:
         """A route (or its tail from `start_layer`, after peer `prev`) that never goes through a peer in
         `avoid`; NoRouteError names missing layers.
 
-        A failure on a cached snapshot is retried once on a fresh one: peers may have joined since.
+        A failure on a cached snapshot is retried on a fresh one (peers may have joined since), and only then
+        through banned peers (see route_deprioritising_bans). Right after a peer was withdrawn, the cached
+        snapshot is tried first however old it is (see `withdraw`).
         """
+        reuse, self._reuse_snapshot = self._reuse_snapshot, False
+        cached = self._snapshot if reuse and self._snapshot is not None else await self.snapshot()
         try:
-            return self._route(await self.snapshot(), start_layer, prev, session_tokens, avoid)
+            return self._route(cached, start_layer, prev, session_tokens, avoid)
         except NoRouteError:
-            return self._route(await self.snapshot(force=True), start_layer, prev, session_tokens, avoid)
+            return self._route(
+                await self.snapshot(force=True), start_layer, prev, session_tokens, avoid, True
+            )
 
     def _route(
         self,
@@ -164,9 +251,13 @@ class SwarmRoutes:
         prev: NodeID,
         session_tokens: int,
         avoid: frozenset[NodeID],
+        through_banned: bool = False,
     ) -> Route:
         view = self._view(snapshot, self.cache_high_water, avoid)
-        return self.router(snapshot).route_from(view, start_layer, prev, session_tokens)
+        router = self.router(snapshot)
+        if through_banned:
+            return route_deprioritising_bans(router, view, start_layer, prev, session_tokens)
+        return router.route_from(view, start_layer, prev, session_tokens)
 
     def _view(
         self, snapshot: SwarmSnapshot, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
@@ -179,11 +270,16 @@ class SwarmRoutes:
             min_reporters=self.min_reporters,
             max_layer_tokens_s=self.max_layer_tokens_s,
             ratios=self.ratios,
+            withdrawn=self.withdrawn,
         )
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
-        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage)."""
-        view = routing_view(await self.snapshot(), self.num_layers, 1.0)
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage).
+
+        From the cached snapshot however old (sessions refresh it when they open): a spot-check runs between
+        two decode steps, and a DHT read there can stall the answer for seconds while a dead peer's DHT node
+        is still in the table; a checker that has gone only makes the check skip."""
+        view = self._view(self._snapshot or await self.snapshot(), 1.0)
         return [
             p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
         ]

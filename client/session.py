@@ -13,6 +13,11 @@ excluded, and the step is replayed without it, like any other failover.
 The same session runs over the remote chain of peers (client.chain) and over in-process block ranges
 (client.local), which is how the tests and benchmarks compare it with transformers.
 
+A step that runs long makes the session probe its route's peers (client/liveness.py), so a dead hop is noticed
+in about a second rather than at the step timeout; a peer seen dead is withdrawn from routing (client/routes.py).
+When no live peer holds some layers (a holder restarting, a late join), building the route waits for one,
+up to the policy's `route_wait_s`, instead of failing the request at once.
+
 Who decides what is not here: client/retry.py maps each error to an action, and this module only acts on it."""
 
 from __future__ import annotations
@@ -21,18 +26,22 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from client.liveness import StepWatch
 from client.retry import Action, Decision, RetryPolicy
 from client.spot import CheckChain, SpotChecker, WrongOutput
-from swarm.errors import SwarmError
+from swarm.errors import NoRouteError, SwarmError
 from swarm.routing.route import Route, Stage, route_text
 from swarm.types import SOURCE, LayerRange, NodeID, SessionID
 
 logger = logging.getLogger(__name__)
+ROUTE_WAIT_LOG_S = 5.0  # while waiting for a route, log progress this often
 
 
 class Head(Protocol):
@@ -58,9 +67,22 @@ class RouteSource(Protocol):
 
     async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
 
-    def ban(self, peer_id: NodeID) -> None: ...
+    def ban(self, peer_id: NodeID) -> None: ...  # deprioritise: used only where nobody else holds its layers
+
+    def withdraw(self, peer_id: NodeID) -> None: ...  # seen dead: never route to it until it re-announces
 
     def succeeded(self, peer_ids: Iterable[NodeID]) -> None: ...  # they served a step: forget their failures
+
+
+@dataclass(frozen=True)
+class Failover:
+    """One failover of a session, for logs, tests and benchmarks."""
+
+    error: str  # the error's type name
+    peer: NodeID  # whom the session acted against
+    action: Action
+    detected_by: str  # "probe": our probe during the step; "asked": asked each hop after the error; "error"
+    at_s: float  # time.monotonic() when the session acted
 
 
 class InferenceSession:
@@ -75,6 +97,7 @@ class InferenceSession:
         step_timeout_s: float,
         max_length_tokens: int,
         checker: SpotChecker | None = None,
+        watch: StepWatch | None = None,
     ) -> None:
         self.chain = chain
         self.routes = routes
@@ -88,6 +111,10 @@ class InferenceSession:
         self.failovers = 0  # how many times a step was retried on a new route or replayed
         self.avoided: set[NodeID] = set()  # peers that could not take this session (full, leaving, moved)
         self.checker = checker  # spot-checks a sampled fraction of steps (None: no checks)
+        self.watch = watch or StepWatch(chain.find_silent)  # probes the route when a step runs long
+        self.failover_log: list[Failover] = []
+        self.route_waits = 0  # how many times building a route found layers nobody serves, and waited
+        self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self._closed = False
 
     def _avoid(self) -> frozenset[NodeID]:
@@ -95,7 +122,7 @@ class InferenceSession:
         return frozenset(self.avoided | excluded)
 
     async def open(self) -> None:
-        self.stages = await self.routes.route(0, SOURCE, self.max_length_tokens, self._avoid())
+        self.stages = await self._route_or_wait(0, SOURCE)
         logger.info("session %s route %s", self.session_id[:8], route_text(self.stages))
 
     @property
@@ -132,10 +159,8 @@ class InferenceSession:
 
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
-        async with asyncio.timeout(self.step_timeout_s):
-            out = await self.chain.step(
-                self.session_id, self.stages, position, hidden, self.max_length_tokens
-            )
+        step = self.chain.step(self.session_id, self.stages, position, hidden, self.max_length_tokens)
+        out = await self.watch.run(step, self.stages, len(ids), self.step_timeout_s)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
@@ -161,7 +186,7 @@ class InferenceSession:
         decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
         if decision.action is Action.GIVE_UP:
             raise error
-        failed, action = await self._blame(decision)
+        failed, action, detected_by = await self._blame(decision)
         logger.warning(
             "session %s step failed at peer %s (%s: %s); %s, try %d",
             self.session_id[:8],
@@ -171,50 +196,60 @@ class InferenceSession:
             action.value,
             attempt + 1,
         )
-        if action is Action.BAN_AND_REROUTE:
+        self.failover_log.append(
+            Failover(type(error).__name__, failed, action, detected_by, time.monotonic())
+        )
+        if action is Action.WITHDRAW:
+            self.routes.withdraw(failed)
+            self.routes.ban(failed)
+        elif action is Action.BAN_AND_REROUTE:
             self.routes.ban(failed)
         elif action is Action.REROUTE:
             self.avoided.add(failed)
         await self._reroute(failed)
-        await asyncio.sleep(decision.delay_s)
+        # the pause gives the DHT time to notice a failure; one we saw die first hand is out of routing already
+        await self.sleep(0.0 if action is Action.WITHDRAW else decision.delay_s)
         self.failovers += 1
 
-    async def _blame(self, decision: Decision) -> tuple[NodeID, Action]:
-        """Whom to act against, and how. Only the first hop's failures reach us first hand; a later hop's
-        failure is a claim (``failed_peer_id``) made by the hops in between, and any hop could name an honest
-        peer to get it banned, so no ban rests on a claim alone:
+    async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:
+        """Whom to act against, how, and how we know ("asked" or "error"). Only the first hop's failures reach
+        us first hand; a later hop's failure is a claim (``failed_peer_id``) made by the hops in between, and
+        any hop could name an honest peer to get it banned, so no ban rests on a claim alone:
 
-        - "it is silent" (transport errors): the named peer is asked directly, with a short deadline; if it
-          answers, the hop before it, which claims it failed, is banned instead;
+        - "it is silent" (transport errors): every hop is asked directly, with a short deadline; a hop that
+          does not answer is withdrawn (it is dead to us); if all answer, the hop before the named one, which
+          claims it failed, is banned instead;
         - "it sent garbage" (protocol errors): nothing we can ask proves or disproves it, so the named peer is
           only routed around for this session, and nobody is banned."""
-        timeout_s = min(5.0, self.step_timeout_s)
+        timeout_s = min(self.watch.config.probe_timeout_s, self.step_timeout_s)
         named = decision.failed_peer or self.stages[0].peer_id
+        if decision.action is Action.WITHDRAW:  # PeerSilent: our own probe found it silent, first hand
+            return named, decision.action, "probe"
         if decision.find_silent:
             silent = await self.chain.find_silent(self.stages, timeout_s)
             if silent is not None:
-                return silent, decision.action
+                return silent, Action.WITHDRAW, "asked"
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == named), None)
         if decision.action is not Action.BAN_AND_REROUTE or index == 0:
-            return named, decision.action  # first hand, or no ban follows
+            return named, decision.action, "error"  # first hand, or no ban follows
         # a peer that is not on our route cannot have failed it: the first hop relayed a lie
         if index is None:
-            return self.stages[0].peer_id, decision.action
+            return self.stages[0].peer_id, decision.action, "error"
         if not decision.find_silent:
-            return named, Action.REROUTE
+            return named, Action.REROUTE, "error"
         # find_silent asked every hop, the named one included, and all of them answered
         claimant = self.stages[index - 1].peer_id
         logger.warning(
             "peer %s says %s failed, but it answers: blaming %s", claimant[-8:], named[-8:], claimant[-8:]
         )
-        return claimant, decision.action
+        return claimant, decision.action, "asked"
 
     async def _reroute(self, failed: NodeID) -> None:
         """Replace the stages from `failed`'s stage on; the stages before it are kept."""
         index = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
         kept = self.stages[:index]
         start, prev = (kept[-1].layers.end, kept[-1].peer_id) if kept else (0, SOURCE)
-        tail = await self.routes.route(start, prev, self.max_length_tokens, self._avoid())
+        tail = await self._route_or_wait(start, prev)
         dropped = [s for s in self.stages[index + 1 :] if s.peer_id not in {t.peer_id for t in tail}]
         self.stages = (*kept, *tail)
         logger.info("session %s re-routed: %s", self.session_id[:8], route_text(self.stages))
@@ -222,6 +257,35 @@ class InferenceSession:
         # through them is broken. Best effort: an unreachable peer frees it when the session expires.
         for stage in dropped:
             await self._close_quietly([stage])
+
+    async def _route_or_wait(self, start: int, prev: NodeID) -> Route:
+        """A route from layer `start` after `prev`. While no live peer serves some layers, wait for one (a
+        holder restarting or moving, a late join), re-reading the swarm every `route_poll_s`, for up to
+        `route_wait_s`; then NoRouteError names the layers. Peers this session avoided (full, leaving, said
+        to send garbage) are only deprioritised: they are tried again when nobody else holds their layers."""
+        deadline = time.monotonic() + self.policy.route_wait_s
+        logged_at = -float("inf")
+        while True:
+            try:
+                return await self.routes.route(start, prev, self.max_length_tokens, self._avoid())
+            except NoRouteError as error:
+                if self.avoided:
+                    logger.info(
+                        "session %s: only avoided peers hold some layers; trying them again",
+                        self.session_id[:8],
+                    )
+                    self.avoided.clear()
+                    continue
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise
+                self.route_waits += 1
+                if time.monotonic() - logged_at >= ROUTE_WAIT_LOG_S:  # progress, not a line per poll
+                    logged_at = time.monotonic()
+                    logger.warning(
+                        "session %s waiting for a route: %s (%.0f s left)", self.session_id[:8], error, left_s
+                    )
+                await self.sleep(min(self.policy.route_poll_s, left_s))
 
     async def close(self) -> None:
         """Free the session's KV cache on every peer of the route. Never raises for a peer that is gone."""

@@ -220,3 +220,20 @@ def test_bench_spot_check_tiny() -> None:
     always = out["per_rate"]["1.0"]
     assert always["checks_per_run"] == 8.0  # rate 1: every step (the prefill and 7 decode steps) is checked
     assert all(_positive(r["decode_tok_s_median"]) for r in out["per_rate"].values())
+
+
+@pytest.mark.timeout(300)
+def test_bench_kill_pause_tiny() -> None:
+    args = ["--model", "tiny", "--runs", "1", "--new-tokens", "8", "--kill-at", "3", "--kill", "stop"]
+    out = _check(
+        _run_json(["scripts/bench_kill_pause.py", *args], 280),
+        {
+            "model": lambda v: v == "tiny",
+            "kill": lambda v: v == "stop",
+            "runs": lambda v: isinstance(v, list) and len(v) == 1,
+            "pause_s": lambda v: _positive(v["median"]) and _positive(v["max"]),
+            "exact": lambda v: v is True,
+        },
+    )
+    [run] = out["runs"]
+    assert run["failovers"] >= 1 and run["reasons"][0] == "PeerSilent/probe"  # not the 30 s step timeout

@@ -59,7 +59,9 @@ def default_swarm(
 
 @pytest.fixture(scope="module")
 def client(default_swarm: LocalSwarm) -> Iterator[SwarmClient]:
-    with SwarmClient(default_swarm.initial_peers, model="default", step_timeout_s=20.0) as swarm_client:
+    # route_wait_s: when every holder of 10:20 is gone (the last test but one), wait 5 s for one, not 60
+    settings = dict(step_timeout_s=20.0, route_wait_s=5.0)
+    with SwarmClient(default_swarm.initial_peers, model="default", **settings) as swarm_client:
         yield swarm_client
 
 

@@ -16,7 +16,9 @@ import torch
 
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
+from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain, LocalRoutes, in_process_client
+from client.retry import Action
 from swarm.errors import CapacityError, NoRouteError, ProtocolError, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
@@ -36,11 +38,14 @@ def _one_thread() -> Iterator[None]:
 
 
 def make_client(
-    source: ModelSource, ranges: dict[str, tuple[int, int]], clock: Callable[[], float] = time.monotonic
+    source: ModelSource,
+    ranges: dict[str, tuple[int, int]],
+    clock: Callable[[], float] = time.monotonic,
+    **settings: Any,
 ) -> tuple[AsyncSwarmClient, LocalChain]:
     blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
     # No spot-checks here: these tests count the calls each step makes (test_spot.py checks spot-checks).
-    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0)
+    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0, **settings)
     client = in_process_client(source.load_head(), blocks, source.tokenizer(), config, clock=clock)
     assert isinstance(client.chain, LocalChain)
     return client, client.chain
@@ -221,7 +226,7 @@ def test_a_good_step_forgets_the_past_failures_of_the_route_peers(tiny: ModelSou
 
 
 def test_missing_layers_give_no_route_error_naming_them(tiny: ModelSource) -> None:
-    client, _ = make_client(tiny, {"a": (0, 2), "b": (2, 4)})
+    client, _ = make_client(tiny, {"a": (0, 2), "b": (2, 4)}, route_wait_s=0.0)
     with pytest.raises(NoRouteError) as info:
         asyncio.run(client.generate_ids(PROMPT_IDS, 3, SamplingParams()))
     assert info.value.missing_layers == [4, 5]
@@ -229,11 +234,113 @@ def test_missing_layers_give_no_route_error_naming_them(tiny: ModelSource) -> No
 
 
 def test_failover_gives_up_with_no_route_when_the_only_holder_dies(tiny: ModelSource) -> None:
-    client, chain = make_client(tiny, TINY_SPLIT)
+    """...once the wait for a route is over (route_wait_s; 0 here): a dead peer is not routed to again."""
+    client, chain = make_client(tiny, TINY_SPLIT, route_wait_s=0.0)
     chain.on_step = lambda step: chain.dead.add(NodeID("c")) if step == 3 else None
     with pytest.raises(NoRouteError) as info:
         asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
     assert info.value.missing_layers == [4, 5]
+
+
+def test_a_hung_middle_peer_is_found_by_a_probe_and_withdrawn_long_before_the_step_timeout(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """The middle peer stops answering at step 5 (its machine lost power: no error ever comes back). With an
+    hour's step timeout, only the probe can end that step: the failover says it was the probe, the peer is
+    withdrawn from routing, and the answer equals transformers'."""
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)}, step_timeout_s=3600.0, probe_after_s=0.01)
+    state: dict[str, NodeID] = {}
+
+    def hang_middle_at_step_5(step: int) -> None:
+        if step == 5:
+            assert client.last_session is not None
+            state["victim"] = client.last_session.stages[1].peer_id
+            chain.hung.add(state["victim"])
+
+    chain.on_step = hang_middle_at_step_5
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 12, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 12)
+    session = client.last_session
+    assert session is not None and session.failovers == 1
+    [failover] = session.failover_log
+    assert (failover.error, failover.detected_by, failover.action) == ("PeerSilent", "probe", Action.WITHDRAW)
+    assert failover.peer == state["victim"] and client.watch.silent_found == 1
+    assert isinstance(client.routes, LocalRoutes) and state["victim"] in client.routes.withdrawn
+    assert state["victim"] not in {s.peer_id for s in session.stages}
+
+
+def test_the_only_holder_of_a_range_refusing_one_step_is_deprioritised_not_fatal(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """a, the only holder of 0:2 and the first hop (first hand: banned), refuses step 4 once. The ban used to
+    leave no route for 0:2, and the request failed with NoRouteError; now a is routed through anyway."""
+    client, chain = make_client(tiny, TINY_SPLIT)
+
+    def refuse_a_once(step: int) -> None:
+        if step == 4:
+            chain.refusing[NodeID("a")] = ProtocolError("hidden size 65")
+        else:
+            chain.refusing.pop(NodeID("a"), None)
+
+    chain.on_step = refuse_a_once
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and session.route_waits == 0
+    assert [f.action for f in session.failover_log] == [Action.BAN_AND_REROUTE]
+    assert [s.peer_id for s in session.stages] == ["a", "b", "c"]
+    assert isinstance(client.routes, LocalRoutes)
+    assert client.routes.bans.failures(NodeID("a")) == 0  # the good steps since forgot the failure
+
+
+def test_the_only_holder_of_a_range_saying_it_is_full_is_tried_again_not_fatal(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """b, the only holder of 2:4, answers one step with CapacityError: the session avoids it, finds nobody else
+    for 2:4, and tries it again (avoiding is only a preference) instead of failing with NoRouteError."""
+    client, chain = make_client(tiny, TINY_SPLIT, route_wait_s=0.0)
+
+    def refuse_b_once(step: int) -> None:
+        if step == 4:
+            chain.refusing[NodeID("b")] = CapacityError("40 sessions open, the limit")
+        else:
+            chain.refusing.pop(NodeID("b"), None)
+
+    chain.on_step = refuse_b_once
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 10, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and session.route_waits == 0
+    assert [s.peer_id for s in session.stages] == ["a", "b", "c"] and not session.avoided
+
+
+def test_with_no_live_holder_the_session_waits_and_completes_once_one_serves(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """c, the only holder of 4:6, dies at step 3 and is withdrawn: nobody serves 4:6. The session waits (its
+    pauses are injected: the first one brings c back, as a restart would) instead of failing at once."""
+    client, chain = make_client(tiny, TINY_SPLIT, route_wait_s=3600.0)
+    chain.on_step = lambda step: chain.dead.add(NodeID("c")) if step == 3 else None
+    request = GenerationRequest(tuple(PROMPT_IDS), 10, frozenset())
+    session = client.new_session(len(PROMPT_IDS) + 10)
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if session.route_waits and NodeID("c") in chain.dead:  # waiting for a route: the holder comes back
+            assert isinstance(client.routes, LocalRoutes)
+            assert NodeID("c") in client.routes.withdrawn  # it was not routed to while dead
+            chain.dead.discard(NodeID("c"))
+
+    session.sleep = pause
+
+    async def generate() -> list[int]:
+        return [t async for t in generate_ids(session, request, Sampler(SamplingParams()).sample)]
+
+    assert asyncio.run(generate()) == greedy_reference(tiny_reference, PROMPT_IDS, 10)
+    assert session.route_waits == 1 and session.failovers == 1
+    assert pauses == [client.config.route_poll_s, 0.0]  # one poll of the swarm, then the retry's own pause
+    assert [s.peer_id for s in session.stages] == ["a", "b", "c"]
 
 
 # --- default model: text ----------------------------------------------------------------------------------

@@ -82,13 +82,45 @@ def test_bans_steer_failover_and_missing_layers_are_named() -> None:
     routes.ban(victim)
     tail = asyncio.run(routes.route(4, first[0].peer_id, 16))
     assert [s.peer_id for s in tail] == [({"b", "b2"} - {victim}).pop()]
-    routes.ban(tail[0].peer_id)
+    assert len(reads) == 1
+    routes.withdraw(tail[0].peer_id)  # seen dead: not even deprioritised, out
+    routes.withdraw(victim)
     with pytest.raises(NoRouteError) as info:
         asyncio.run(routes.route(4, NodeID("a"), 16))
     assert info.value.missing_layers == [4, 5, 6, 7]
     assert len(reads) == 2  # the failure was retried once on a fresh snapshot
-    clock.now_s = 11.0  # the first ban is over
-    assert asyncio.run(routes.route(4, NodeID("a"), 16))[0].peer_id == victim
+
+
+def test_a_ban_only_deprioritises_the_only_holder_of_a_range() -> None:
+    """Today's failure: the only holder of 4:8 failed once, was banned for 15 s and every request failed with
+    "no route" meanwhile, although it served. Now the route goes through it, and through no other banned peer."""
+    routes, _ = make_routes(
+        [snapshot(peer_record("a", 0, 4), peer_record("a2", 0, 4), peer_record("b", 4, 8))], FakeClock()
+    )
+    routes.ban(NodeID("b"))
+    routes.ban(NodeID("a2"))
+    for _ in range(3):
+        route = asyncio.run(routes.route(0, SOURCE, 16))
+        assert [(s.peer_id, str(s.layers)) for s in route] == [("a", "0:4"), ("b", "4:8")]
+    routes.ban(NodeID("a"))  # now every holder of 0:4 is banned too: still a route, not an error
+    assert [s.peer_id for s in asyncio.run(routes.route(0, SOURCE, 16))][1] == "b"
+
+
+def test_a_peer_seen_dead_is_routable_again_only_after_it_announces_again() -> None:
+    clock = FakeClock()
+    old = snapshot(peer_record("a", 0, 4, updated_at=100.0), peer_record("b", 4, 8, updated_at=100.0))
+    same = snapshot(peer_record("a", 0, 4, updated_at=100.0), peer_record("b", 4, 8, updated_at=100.0))
+    fresh = snapshot(peer_record("a", 0, 4, updated_at=100.0), peer_record("b", 4, 8, updated_at=112.0))
+    routes, _ = make_routes([old, same, fresh], clock)
+    assert len(asyncio.run(routes.route(0, SOURCE, 16))) == 2
+    routes.withdraw(NodeID("b"))  # its record still says "serving" until it expires
+    with pytest.raises(NoRouteError) as info:  # reads `same`: the stale record does not bring it back
+        asyncio.run(routes.route(4, NodeID("a"), 16))
+    assert info.value.missing_layers == [4, 5, 6, 7]
+    assert routes.withdrawn == {NodeID("b"): 100.0}
+    clock.now_s = 5.0  # the next read brings b's refreshed record: it was alive (or is back)
+    assert [s.peer_id for s in asyncio.run(routes.route(4, NodeID("a"), 16))] == ["b"]
+    assert routes.withdrawn == {}
 
 
 def test_avoided_peers_are_left_out_without_a_ban_and_a_success_forgets_failures() -> None:
