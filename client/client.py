@@ -118,6 +118,7 @@ class AsyncSwarmClient:
                 bans=BanConfig(base_s=config.ban_initial_s, max_s=config.ban_max_s),
                 min_reporters=config.min_reporters,
                 max_layer_tokens_s=config.max_layer_tokens_s,
+                rng=random.Random(),  # seeded by the OS: another client's routes start elsewhere
             )
             await routes.wait_for_coverage(config.connect_timeout_s)
             chain = RemoteChain(
