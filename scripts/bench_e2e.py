@@ -54,6 +54,7 @@ from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.launcher import log_tail  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 
+STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
 
 
@@ -257,7 +258,7 @@ class Workers:
         self, tmp: Path, initial_peers: Sequence[str], model: str, count: int, spot: dict[str, float]
     ):
         command = [sys.executable, __file__, "--worker", "--model", model, "--initial-peers", *initial_peers]
-        if spot:
+        if "spot_check_rate" in spot:
             command += ["--spot-check-rate", str(spot["spot_check_rate"])]
         self.procs = []
         for i in range(count):
@@ -272,6 +273,8 @@ class Workers:
                         env={**os.environ, "FLOWSWARM_THREADS": "1"},
                     )  # fmt: skip
                 )
+
+    def wait_ready(self) -> None:
         for proc in self.procs:
             self._read(proc)  # "ready"
 
@@ -310,6 +313,7 @@ class Workers:
 def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float | None) -> None:
     """A client process: connect, say ready, then run one greedy session per order line until stdin ends."""
     spot: dict[str, Any] = {} if spot_check_rate is None else {"spot_check_rate": spot_check_rate}
+    spot["step_timeout_s"] = STEP_TIMEOUT_S
     offset = (
         time.monotonic() - time.perf_counter()
     )  # timelines in CLOCK_MONOTONIC, comparable across processes
@@ -322,13 +326,12 @@ def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float
 
 
 def start_swarm(swarm: LocalSwarm, args: argparse.Namespace, num_layers: int) -> list[str]:
-    """The peers, each on a fixed equal run of layers; returns their ranges."""
+    """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
     cuts = [round(i * num_layers / args.peers) for i in range(args.peers + 1)]
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
     fixed = ["--no-follow-plan", "--cache-tokens", "16384", *args.peer_args.split()]
     for i, layers in enumerate(ranges):
         swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
-    swarm.wait_all_ready(timeout_s=300)
     return ranges
 
 
@@ -348,8 +351,9 @@ def measure_single(
     ttft: dict[str, dict[str, float]] = {}
     for size in args.ttft_tokens:
         prompt = ids if size == len(ids) else prompt_of(source, size)
-        swarm_s = min(client.run(swarm_ttft(client.aclient, prompt)) for _ in range(args.repeats))
-        local_s = min(local_ttft(reference, prompt) for _ in range(args.repeats))
+        repeats = args.repeats if size < 512 else 1  # a long prefill is long enough to average out noise
+        swarm_s = min(client.run(swarm_ttft(client.aclient, prompt)) for _ in range(repeats))
+        local_s = min(local_ttft(reference, prompt) for _ in range(repeats))
         ttft[str(size)] = {"local": round(local_s, 4), "swarm": round(swarm_s, 4)}
         log(f"ttft {size}: swarm {swarm_s:.3f} s, local {local_s:.3f} s")
     return {"swarm": best["swarm"], "local": best["local"], "ttft": ttft, "tokens_match": match}
@@ -408,6 +412,38 @@ def plot(path: str, aggregate: dict[str, dict[str, float]], single: float) -> No
     fig.savefig(path, dpi=120)
 
 
+def measure_in_client(
+    client: SwarmClient,
+    reference: torch.nn.Module,
+    source: ModelSource,
+    ids: list[int],
+    args: argparse.Namespace,
+    windows: dict[str, tuple[float, float]],
+    phases: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float], dict[str, float]]:
+    """The phases run from this process's client: single session, one client's N sessions, prefill."""
+    mark = time.perf_counter()
+    single = measure_single(client, reference, ids, args)
+    phases["single"], mark = time.perf_counter() - mark, time.perf_counter()
+    one_client = measure_one_client(client, ids, args, windows) if "one_client" not in args.skip else {}
+    phases["one_client"], mark = time.perf_counter() - mark, time.perf_counter()
+    during: dict[str, float] = {}
+    if "prefill" not in args.skip:
+        start = clock()
+        long_prompt = prompt_of(source, args.long_prompt)
+        during = client.run(decode_during_prefill(client.aclient, ids, long_prompt, args.decoders))
+        windows["prefill"] = (start, clock())
+        log(f"decode during a {args.long_prompt}-token prefill: {during}")
+    phases["prefill_under_decode"] = time.perf_counter() - mark
+    head = client.aclient.batcher
+    stats = {
+        "calls": head.calls,
+        "mean_rows": round(head.rows / max(1, head.calls), 2),
+        "largest": head.largest,
+    }
+    return single, one_client, during, stats
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     phases: dict[str, float] = {}
@@ -416,47 +452,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = chat_prompt_ids(source, QUESTION)
     reference = source.load_reference_model()
     spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
+    spot["step_timeout_s"] = STEP_TIMEOUT_S
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
         LocalSwarm(Path(tmp), model=args.model) as swarm,
+        contextlib.ExitStack() as stack,
     ):
         ranges = start_swarm(swarm, args, source.spec.num_layers)
+        workers = None
+        if "processes" not in args.skip:
+            # The client processes start now, alongside the peers' loading: their start (imports, head, DHT)
+            # is the longest phase on a busy machine. Until their phase they idle (DHT upkeep only).
+            count = max(args.sessions)
+            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, spot))
+        swarm.wait_all_ready(timeout_s=300)
         phases["start_peers"] = time.perf_counter() - began
         log(f"peers serving {ranges} after {phases['start_peers']:.0f} s")
+        if workers is not None:
+            workers.wait_ready()
+            phases["start_clients"] = time.perf_counter() - began
+            log(f"{max(args.sessions)} client processes ready after {phases['start_clients']:.0f} s")
         with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
-            mark = time.perf_counter()
-            single = measure_single(client, reference, ids, args)
-            phases["single"], mark = time.perf_counter() - mark, time.perf_counter()
-            one_client = (
-                measure_one_client(client, ids, args, windows) if "one_client" not in args.skip else {}
+            single, one_client, during, head_stats = measure_in_client(
+                client, reference, source, ids, args, windows, phases
             )
-            phases["one_client"], mark = time.perf_counter() - mark, time.perf_counter()
-            windows["prefill"] = (clock(), 0.0)
-            during = (
-                client.run(
-                    decode_during_prefill(
-                        client.aclient, ids, prompt_of(source, args.long_prompt), args.decoders
-                    )
-                )
-                if "prefill" not in args.skip
-                else {}
-            )
-            windows["prefill"] = (windows["prefill"][0], clock())
-            phases["prefill_under_decode"], mark = time.perf_counter() - mark, time.perf_counter()
-            log(f"decode during a {args.long_prompt}-token prefill: {during}")
-            head = client.aclient.batcher
-            head_stats = {
-                "calls": head.calls,
-                "mean_rows": round(head.rows / max(1, head.calls), 2),
-                "largest": head.largest,
-            }
-        processes: dict[str, float] = {}
-        if "processes" not in args.skip:
-            with Workers(Path(tmp), swarm.initial_peers, args.model, max(args.sessions), spot) as workers:
-                phases["start_clients"], mark = time.perf_counter() - mark, time.perf_counter()
-                log(f"{max(args.sessions)} client processes ready after {phases['start_clients']:.0f} s")
-                processes = measure_processes(workers, ids, args, windows)
-                phases["processes"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        processes = measure_processes(workers, ids, args, windows) if workers is not None else {}
+        phases["processes"] = time.perf_counter() - mark
         peer_batches = peer_batch_sizes(swarm, windows)
     return {
         "local_decode_tok_s": round(single["local"], 2),
