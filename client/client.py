@@ -21,6 +21,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from client.batching import BatchedSession, HeadBatcher
 from client.chain import RemoteChain
 from client.config import ClientConfig
 from client.generation import GenerationRequest, generate_ids, generate_text
@@ -83,6 +84,8 @@ class AsyncSwarmClient:
             rng=random.Random(config.spot_check_seed),
             timeout_s=config.step_timeout_s,
         )
+        # the norm + LM head of concurrent generations run as one batched call per round (client.batching)
+        self.batcher = HeadBatcher(head)
         self.last_session: InferenceSession | None = None  # the latest session, for failover counts in tests
 
     @classmethod
@@ -120,6 +123,7 @@ class AsyncSwarmClient:
                 bans=BanConfig(base_s=config.ban_initial_s, max_s=config.ban_max_s),
                 min_reporters=config.min_reporters,
                 max_layer_tokens_s=config.max_layer_tokens_s,
+                rng=random.Random(),  # seeded by the OS: another client's routes start elsewhere
             )
             await routes.wait_for_coverage(config.connect_timeout_s)
             chain = RemoteChain(
@@ -182,10 +186,10 @@ class AsyncSwarmClient:
 
     def new_session(self, max_length_tokens: int) -> InferenceSession:
         """An inference session reserving `max_length_tokens` of KV cache on each peer of its route."""
-        session = InferenceSession(
+        session = BatchedSession(
+            self.batcher,
             self.chain,
             self.routes,
-            self.head,
             self.policy,
             self.config.step_timeout_s,
             max_length_tokens,
@@ -237,8 +241,21 @@ class AsyncSwarmClient:
         finally:
             await session.close()
 
+    async def generate_ids_batch(
+        self,
+        rows: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        yield_eos: bool = False,
+    ) -> list[list[int]]:
+        """`generate_ids` for every row at once: concurrent sessions, their head work batched each round."""
+        return list(
+            await asyncio.gather(*(self.generate_ids(r, max_new_tokens, params, yield_eos) for r in rows))
+        )
+
     async def close(self) -> None:
         """Leave the swarm: close our P2P connection to the daemon, then stop the DHT child and its p2pd."""
+        self.batcher.close()
         if isinstance(self.chain, RemoteChain):
             await self.chain.p2p.shutdown()
         if self.dht is not None:
@@ -303,6 +320,15 @@ class SwarmClient:
         self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
     ) -> list[int]:
         return self.run(self._client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
+
+    def generate_ids_batch(
+        self,
+        rows: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        yield_eos: bool = False,
+    ) -> list[list[int]]:
+        return self.run(self._client.generate_ids_batch(rows, max_new_tokens, params, yield_eos))
 
     @property
     def tokenizer(self) -> Any:

@@ -27,9 +27,13 @@ class IdsClient(Protocol):
     @property
     def tokenizer(self) -> Any: ...
 
-    def generate_ids(
-        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
-    ) -> list[int]: ...
+    def generate_ids_batch(
+        self,
+        rows: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        yield_eos: bool = False,
+    ) -> list[list[int]]: ...  # one list of new ids per row, the rows generated concurrently
 
     def close(self) -> None: ...
 
@@ -79,10 +83,12 @@ class SwarmModelForCausalLM:
             repetition_penalty=repetition_penalty,
             seed=secrets.randbits(63) if seed is None else seed,
         )
-        rows = []
-        for b in range(input_ids.shape[0]):
-            row = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
-            rows.append(self.client.generate_ids(row.tolist(), max_new_tokens, params, yield_eos=True))
+        prompts = [
+            (input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]).tolist()
+            for b in range(input_ids.shape[0])
+        ]
+        # the rows run as concurrent sessions: the peers batch their decode steps, the client its LM head
+        rows = self.client.generate_ids_batch(prompts, max_new_tokens, params, yield_eos=True)
         pad = pad_token_id if pad_token_id is not None else _pad_id(self.tokenizer)
         width = max(len(r) for r in rows)
         new = torch.full((len(rows), width), pad, dtype=torch.long)

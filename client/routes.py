@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
@@ -139,8 +140,10 @@ class SwarmRoutes:
         clock: Callable[[], float] = time.monotonic,
         min_reporters: int = 2,
         max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
+        rng: random.Random | None = None,
     ) -> None:
         self._read_snapshot = snapshot
+        self.rng = rng  # random IWRR start phases, so many clients' first sessions spread over replicas
         self.num_layers = num_layers
         self.cache_high_water = cache_high_water
         self.snapshot_max_age_s = snapshot_max_age_s
@@ -198,7 +201,7 @@ class SwarmRoutes:
             if plan is not None and (self._router_key is None or self._router_key[0] != epoch):
                 logger.info("routing by plan epoch %d (%s)", plan.epoch, plan.method)
             routed = discount_plan(plan, factors) if plan is not None else None
-            self._router, self._router_key = Router(routed, bans=self.bans), key
+            self._router, self._router_key = Router(routed, bans=self.bans, rng=self.rng), key
         return self._router
 
     def observe(self, peer_id: NodeID, layers: int, tokens: int, compute_s: float) -> None:

@@ -62,6 +62,9 @@ REACHABILITY_ADVICE = (
 )
 
 
+BATCH_LOG_INTERVAL_S = 5.0
+
+
 class _Leave(Exception):
     """Raised inside the TaskGroup to stop every child once the peer has drained."""
 
@@ -114,6 +117,7 @@ async def _serve(
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
             tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
+            tg.create_task(_log_batches(executor, BATCH_LOG_INTERVAL_S))
             tg.create_task(links.run())
             if config.plan:  # the election runs always; the planner plans while we hold the lease
                 election = Election(directory, config.election)
@@ -133,6 +137,24 @@ async def _serve(
             raise _Leave
     except* _Leave:
         pass
+
+
+async def _log_batches(executor: Executor, interval_s: float) -> None:
+    """Log, for each busy interval, how many steps ran in how many forward calls: the mean batch the executor
+    formed (scripts/bench_e2e.py reads it to check that concurrent sessions' decode steps do batch)."""
+    steps, batches = executor.steps_run, executor.batches_run
+    while True:
+        await asyncio.sleep(interval_s)
+        if executor.batches_run > batches:
+            new_steps, new_batches = executor.steps_run - steps, executor.batches_run - batches
+            logger.info(
+                "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f)",
+                new_steps,
+                new_batches,
+                interval_s,
+                new_steps / new_batches,
+            )
+        steps, batches = executor.steps_run, executor.batches_run
 
 
 def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
@@ -26,7 +27,9 @@ T = TypeVar("T", bound=Hashable)
 class IWRR(Generic[T]):
     """Deterministic, smooth weighted round-robin over fixed candidates with positive float weights."""
 
-    def __init__(self, candidates: Sequence[T], weights: Sequence[float]) -> None:
+    def __init__(
+        self, candidates: Sequence[T], weights: Sequence[float], rng: random.Random | None = None
+    ) -> None:
         if len(candidates) != len(weights):
             raise ValueError(f"{len(candidates)} candidates but {len(weights)} weights")
         if len(set(candidates)) != len(candidates):
@@ -40,7 +43,13 @@ class IWRR(Generic[T]):
         total = sum(self.weights)
         self._strides = [total / w for w in self.weights]
         # Starting at half a stride spreads the first picks (a small weight does not start with a free turn).
-        self._heap: list[tuple[float, int]] = [(s / 2, i) for i, s in enumerate(self._strides)]
+        # With `rng`, each candidate starts at a random point of its first stride instead: clients that each
+        # build their own IWRR from the same plan then do not all send their first sessions to the same peer.
+        # The long-run shares do not depend on where the passes start.
+        phases = [rng.random() if rng is not None else 0.5 for _ in self._strides]
+        self._heap: list[tuple[float, int]] = [
+            (s * p, i) for i, (s, p) in enumerate(zip(self._strides, phases, strict=True))
+        ]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -105,8 +106,10 @@ class Router:
         *,
         bans: BanList | None = None,
         config: RoutingConfig | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.plan = plan
+        self.rng = rng  # random start phases for the IWRRs (see IWRR); None: deterministic
         self.bans = bans
         self.config = config or RoutingConfig()
         self._placement: dict[NodeID, LayerRange] = dict(plan.placement) if plan else {}
@@ -132,7 +135,7 @@ class Router:
             self._inflow[f.dst] = self._inflow.get(f.dst, 0.0) + f.tokens_s
         for node, edges in out.items():
             edges.sort()  # a fixed candidate order keeps the picks deterministic whatever the flows' order
-            self._by_node[node] = IWRR([d for d, _ in edges], [w for _, w in edges])
+            self._by_node[node] = IWRR([d for d, _ in edges], [w for _, w in edges], self.rng)
 
     def _end_of(self, node: NodeID) -> int | None:
         r = self._placement.get(node)
@@ -209,7 +212,9 @@ class Router:
             holders = sorted(
                 n for n, r in self._placement.items() if layer in r and self._inflow.get(n, 0) > 0
             )
-            self._by_layer[layer] = IWRR(holders, [self._inflow[n] for n in holders]) if holders else None
+            self._by_layer[layer] = (
+                IWRR(holders, [self._inflow[n] for n in holders], self.rng) if holders else None
+            )
         return self._by_layer[layer]
 
     def fastest_path(self, view: RoutingView, start_layer: int, session_tokens: int = 0) -> Route:

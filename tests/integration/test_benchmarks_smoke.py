@@ -237,3 +237,33 @@ def test_bench_kill_pause_tiny() -> None:
     )
     [run] = out["runs"]
     assert run["failovers"] >= 1 and run["reasons"][0] == "PeerSilent/probe"  # not the 30 s step timeout
+
+
+def _sizes(value: object, keys: set[str], check: Callable[[Any], bool]) -> bool:
+    return isinstance(value, dict) and set(value) == keys and all(check(v) for v in value.values())
+
+
+def _local_and_swarm(value: object) -> bool:
+    return _sizes(value, {"local", "swarm"}, _positive)
+
+
+@pytest.mark.timeout(600)
+def test_bench_e2e_quick(tmp_path: Path) -> None:
+    out_file, plot = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    args = ["--quick", "--json", str(out_file), "--png", str(plot), "--sessions", "1", "2"]
+    out = _run_json(["scripts/bench_e2e.py", *args, "--ttft-tokens", "37", "512"], 560)
+    assert json.loads(out_file.read_text()) == out
+    assert plot.stat().st_size > 0
+    assert isinstance(out, dict)
+    assert _positive(out["local_decode_tok_s"]) and _positive(out["swarm_decode_tok_s"])
+    assert _sizes(out["ttft_s"], {"37", "512"}, _local_and_swarm)
+    aggregate = out["aggregate_tok_s"]
+    assert isinstance(aggregate, dict) and set(aggregate) == {"processes", "one_client"}
+    for mode in ("processes", "one_client"):
+        assert _sizes(aggregate[mode], {"1", "2"}, _positive), aggregate
+    during = out["decode_during_long_prefill_ms"]
+    assert isinstance(during, dict) and {"p50", "p99", "p50_alone"} <= set(during)
+    assert all(_positive(during[k]) for k in ("p50", "p99", "p50_alone"))
+    assert during["p99"] >= during["p50"]
+    assert out["tokens_match"] is True  # greedy tokens through the swarm equal local transformers'
+    assert set(out["peer_batches"]) >= {"processes/2", "one_client/2"}

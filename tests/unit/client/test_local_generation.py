@@ -412,17 +412,21 @@ def test_bad_prompts_get_clear_errors(default_client: AsyncSwarmClient) -> None:
 
 
 class _SyncIds:
-    """The blocking generate_ids that SwarmModelForCausalLM calls, over an in-process AsyncSwarmClient."""
+    """The blocking generate_ids_batch that SwarmModelForCausalLM calls, over an in-process AsyncSwarmClient."""
 
     def __init__(self, client: AsyncSwarmClient) -> None:
         self.client = client
         self.tokenizer = client.tokenizer
         self.closed = False
 
-    def generate_ids(
-        self, input_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, yield_eos: bool = False
-    ) -> list[int]:
-        return asyncio.run(self.client.generate_ids(input_ids, max_new_tokens, params, yield_eos))
+    def generate_ids_batch(
+        self,
+        rows: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        yield_eos: bool = False,
+    ) -> list[list[int]]:
+        return asyncio.run(self.client.generate_ids_batch(rows, max_new_tokens, params, yield_eos))
 
     def close(self) -> None:
         self.closed = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -157,3 +158,33 @@ def test_bad_input_is_a_clear_error() -> None:
         Router(OVERLAP).route_from(view, 6)
     with pytest.raises(ValueError):
         RoutingView(0, {})
+
+
+# two replicas of each half, equal flows: what a plan gives four equal peers
+REPLICAS = make_plan(
+    {"a1": (0, 3), "a2": (0, 3), "b1": (3, 6), "b2": (3, 6)},
+    [
+        (SOURCE, "a1", 2.0),
+        (SOURCE, "a2", 2.0),
+        *((a, b, 1.0) for a in ("a1", "a2") for b in ("b1", "b2")),
+        ("b1", SINK, 2.0),
+        ("b2", SINK, 2.0),
+    ],
+)
+
+
+def test_many_clients_first_sessions_spread_over_replicas_with_random_phases() -> None:
+    view = make_view(6, REPLICAS)
+    # Without an rng every client's router starts alike: all their first sessions take the same peers.
+    same = {Router(REPLICAS).build(view, session_tokens=100) for _ in range(16)}
+    assert len(same) == 1
+    firsts = [Router(REPLICAS, rng=random.Random(seed)).build(view, session_tokens=100) for seed in range(64)]
+    for stage in (0, 1):
+        counts = Counter(route[stage].peer_id for route in firsts)
+        assert len(counts) == 2 and min(counts.values()) >= 16, counts
+    # the long-run shares are still the plan's flows
+    router = Router(OVERLAP, rng=random.Random(7))
+    counts = edge_counts([router.build(make_view(6, OVERLAP), session_tokens=100) for _ in range(4000)])
+    for f in OVERLAP.flows:
+        share = counts[(f.src, f.dst)] / 4000
+        assert abs(share - f.tokens_s / OVERLAP.max_flow_tokens_s) <= 0.01, (f, share)

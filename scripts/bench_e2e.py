@@ -1,0 +1,586 @@
+#!/usr/bin/env python
+"""End-to-end serving speed of a real local swarm next to local transformers, in ONE run. Prints ONE JSON object.
+
+Three `swarm-peer join` processes on 127.0.0.1 each hold a third of the layers (10 of the default model's 30;
+--no-follow-plan keeps them there), every process runs one torch thread, and the plain transformers model runs
+in this process as the reference. Phases, in order (progress goes to stderr):
+
+  decode       64 greedy tokens (EOS ignored) after the 37-token chat prompt, swarm and local alternating,
+               best of --repeats: tokens/s after the first token.
+  ttft         time to the first token of 37-, 512- and 2048-token prompts, swarm and local (best of repeats).
+  one_client   N generations at once in this process's one AsyncSwarmClient (asyncio.gather).
+  prefill      4 sessions decode; meanwhile a 2048-token prompt is prefilled: their inter-token gaps (ms) while
+               it runs (p50, p99), and before it started (p50_alone).
+  processes    N client processes (started once, then told to go together) generating at once.
+
+Aggregate tokens/s = decode steps of all sessions inside the common window (from the last session's first
+token to the first session's last token) / the window's length; sessions' prefills are outside it.
+
+    .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
+    .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ["FLOWSWARM_THREADS"] = "1"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python scripts/bench_e2e.py` from anywhere
+
+import torch  # noqa: E402
+
+from client import AsyncSwarmClient, SwarmClient  # noqa: E402
+from client.generation import GenerationRequest, generate_ids, timed_ids  # noqa: E402
+from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
+from swarm.models.loading import ModelSource  # noqa: E402
+from swarm.peer.server import BATCH_LOG_INTERVAL_S  # noqa: E402
+from swarm.testing import LocalSwarm  # noqa: E402
+from swarm.testing.launcher import log_tail  # noqa: E402
+from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
+
+STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
+QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
+
+
+def log(message: str) -> None:
+    print(f"[bench_e2e {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", metavar="OUT", help="also write the JSON object to this file")
+    parser.add_argument("--png", metavar="PLOT", help="plot aggregate tokens/s against sessions")
+    parser.add_argument("--quick", action="store_true", help="tiny model, small sizes (the CI smoke run)")
+    parser.add_argument("--model", default=None, help="default | tiny[:SEED] | checkpoint dir")
+    parser.add_argument("--peers", type=int, default=3, help="peers, each holding an equal run of layers")
+    parser.add_argument("--new-tokens", type=int, default=None, help="single-session decode tokens (64)")
+    parser.add_argument(
+        "--aggregate-tokens", type=int, default=None, help="tokens per concurrent session (32)"
+    )
+    parser.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrency levels (1 4 8 16)")
+    parser.add_argument("--ttft-tokens", type=int, nargs="+", default=None, help="prompt sizes (37 512 2048)")
+    parser.add_argument("--long-prompt", type=int, default=None, help="prefill under decode (2048)")
+    parser.add_argument("--decoders", type=int, default=4, help="sessions decoding during the long prefill")
+    parser.add_argument("--repeats", type=int, default=None, help="best of this many runs (2)")
+    parser.add_argument("--spot-check-rate", type=float, default=None, help="client's (default: its own)")
+    parser.add_argument("--peer-args", default="", help="extra `swarm-peer join` arguments, one string")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["processes", "one_client", "prefill"])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a client process
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    full = {"model": "default", "new_tokens": 64, "aggregate_tokens": 32, "sessions": [1, 4, 8, 16],
+            "ttft_tokens": [37, 512, 2048], "long_prompt": 2048, "repeats": 2}  # fmt: skip
+    quick = {"model": "tiny", "new_tokens": 8, "aggregate_tokens": 6, "sessions": [1, 2],
+             "ttft_tokens": [37, 64], "long_prompt": 96, "repeats": 1}  # fmt: skip
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.new_tokens < 2 or args.aggregate_tokens < 2 or args.repeats < 1 or min(args.sessions) < 1:
+        parser.error("need --new-tokens >= 2, --aggregate-tokens >= 2, --repeats >= 1, --sessions >= 1")
+    return args
+
+
+# --- one session: decode and time to first token --------------------------------------------------------------
+
+
+def greedy_request(ids: Sequence[int], new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(tuple(ids), new_tokens, eos_ids=frozenset())  # EOS ignored, like the local runs
+
+
+async def timeline(client: AsyncSwarmClient, ids: Sequence[int], new_tokens: int) -> list[float]:
+    """perf_counter times of one greedy session: before the prefill, then as each token arrives."""
+    session = client.new_session(len(ids) + new_tokens)
+    try:
+        _tokens, times = await timed_ids(
+            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample
+        )
+    finally:
+        await session.close()
+    return times
+
+
+async def timelines_together(
+    client: AsyncSwarmClient, n: int, ids: Sequence[int], new_tokens: int
+) -> list[list[float]]:
+    """`n` greedy sessions started at once in one client (asyncio.gather)."""
+    return list(await asyncio.gather(*(timeline(client, ids, new_tokens) for _ in range(n))))
+
+
+async def swarm_decode(
+    client: AsyncSwarmClient, ids: Sequence[int], new_tokens: int
+) -> tuple[float, list[int]]:
+    """(decode tokens/s after the first token, the tokens) of one greedy session through the swarm."""
+    session = client.new_session(len(ids) + new_tokens)
+    try:
+        tokens, times = await timed_ids(
+            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample
+        )
+    finally:
+        await session.close()
+    return (new_tokens - 1) / (times[-1] - times[1]), tokens
+
+
+async def swarm_ttft(client: AsyncSwarmClient, ids: Sequence[int]) -> float:
+    times = await timeline(client, ids, 1)
+    return times[1] - times[0]
+
+
+def local_decode(model: torch.nn.Module, ids: Sequence[int], new_tokens: int) -> tuple[float, list[int]]:
+    """The same greedy decode with transformers' own KV cache, in this process: (tokens/s, tokens)."""
+    with torch.inference_mode():
+        out = model(torch.tensor([list(ids)]), use_cache=True)
+        first = time.perf_counter()
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(new_tokens - 1):
+            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return (new_tokens - 1) / (time.perf_counter() - first), tokens
+
+
+def local_ttft(model: torch.nn.Module, ids: Sequence[int]) -> float:
+    with torch.inference_mode():
+        began = time.perf_counter()
+        out = model(torch.tensor([list(ids)]), use_cache=True)
+        int(out.logits[0, -1].argmax())
+        return time.perf_counter() - began
+
+
+def prompt_of(source: ModelSource, size: int) -> list[int]:
+    """A `size`-token prompt: text of the question repeated, ending with the chat prompt (ids cycled for the
+    tiny model, which has no tokenizer)."""
+    tail = chat_prompt_ids(source, QUESTION)
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        return [(7 * i + 3) % source.spec.vocab_size for i in range(size)]
+    filler = tokenizer(" ".join([QUESTION] * size), add_special_tokens=False)["input_ids"]
+    ids = [*filler[: max(0, size - len(tail))], *tail][-size:]
+    if len(ids) != size:
+        raise ValueError(f"could not build a {size}-token prompt")
+    return ids
+
+
+# --- many sessions ---------------------------------------------------------------------------------------------
+
+
+def aggregate_tok_s(timelines: Sequence[Sequence[float]]) -> float:
+    """Decode steps of all sessions inside the window where every one of them is decoding, per second.
+
+    The window runs from the last session's first token to the first session's last; when sessions barely
+    overlap (window under a tenth of the span), all decode steps over the whole span count instead."""
+    start = max(t[1] for t in timelines)
+    end = min(t[-1] for t in timelines)
+    span = max(t[-1] for t in timelines) - min(t[1] for t in timelines)
+    if end - start < 0.1 * span:
+        return sum(len(t) - 2 for t in timelines) / span
+    steps = sum(1 for t in timelines for x in t[2:] if start < x <= end)
+    return steps / (end - start)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def decode_during_prefill(
+    client: AsyncSwarmClient, ids: Sequence[int], long_prompt: Sequence[int], decoders: int
+) -> dict[str, float]:
+    """Inter-token gaps (ms) of `decoders` running sessions while `long_prompt` is prefilled, and before."""
+    stop = asyncio.Event()
+    gaps: list[list[tuple[float, float]]] = [[] for _ in range(decoders)]  # (token time, gap) per session
+    cap = 512  # decode steps at most (a client may reserve 8192 cache tokens per peer); they stop after the prefill
+
+    async def decode(i: int) -> None:
+        session = client.new_session(len(ids) + cap)
+        pick = Sampler(SamplingParams()).sample
+        try:
+            async with contextlib.aclosing(generate_ids(session, greedy_request(ids, cap), pick)) as stream:
+                last = None
+                async for _ in stream:
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps[i].append((now, now - last))
+                    last = now
+                    if stop.is_set():
+                        break
+        finally:
+            await session.close()
+
+    tasks = [asyncio.create_task(decode(i)) for i in range(decoders)]
+    async with asyncio.timeout(300):
+        while min(len(g) for g in gaps) < 24:  # every session decoding steadily: that is the "alone" sample
+            failed = [t for t in tasks if t.done()]
+            if failed:
+                await failed[0]  # raises its error; a session that ended early is a bug here too
+                raise RuntimeError("a decoding session ended before the long prefill began")
+            await asyncio.sleep(0.01)
+    alone = [gap for g in gaps for _, gap in g[8:]]
+    began = time.perf_counter()
+    await swarm_ttft(client, long_prompt)
+    ended = time.perf_counter()
+    await asyncio.sleep(0.2)  # a few steps after, so the gap spanning the prefill's end is counted
+    stop.set()
+    await asyncio.gather(*tasks)
+    during = [gap for g in gaps for at, gap in g if began < at and at - gap < ended]
+    return {
+        "p50": round(1000 * statistics.median(during), 2),
+        "p99": round(1000 * percentile(during, 99), 2),
+        "p50_alone": round(1000 * statistics.median(alone), 2),
+        "prefill_s": round(ended - began, 3),
+        "gaps_during": len(during),
+    }
+
+
+# --- client processes --------------------------------------------------------------------------------------------
+
+
+class Workers:
+    """Client processes (this script with --worker), started once and told to generate together."""
+
+    def __init__(
+        self, tmp: Path, initial_peers: Sequence[str], model: str, count: int, spot: dict[str, float]
+    ):
+        command = [sys.executable, __file__, "--worker", "--model", model, "--initial-peers", *initial_peers]
+        if "spot_check_rate" in spot:
+            command += ["--spot-check-rate", str(spot["spot_check_rate"])]
+        self.procs = []
+        for i in range(count):
+            with open(tmp / f"client-{i}.log", "wb") as log_file:
+                self.procs.append(
+                    subprocess.Popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log_file,
+                        text=True,
+                        env={**os.environ, "FLOWSWARM_THREADS": "1"},
+                    )  # fmt: skip
+                )
+
+    def wait_ready(self) -> None:
+        for proc in self.procs:
+            self._read(proc)  # "ready"
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[str]) -> Any:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line:
+            raise RuntimeError(f"client process {proc.pid} exited with {proc.wait()}; see its log")
+        return json.loads(line)
+
+    def run_together(self, n: int, ids: Sequence[int], new_tokens: int) -> list[list[float]]:
+        """Monotonic timelines of `n` processes generating at once (each told as close together as we can)."""
+        order = json.dumps({"ids": list(ids), "new_tokens": new_tokens}) + "\n"
+        for proc in self.procs[:n]:
+            assert proc.stdin is not None
+            proc.stdin.write(order)
+            proc.stdin.flush()
+        return [self._read(proc)["times"] for proc in self.procs[:n]]
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                if proc.stdin:
+                    proc.stdin.close()  # end of input: the worker leaves the swarm and exits
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float | None) -> None:
+    """A client process: connect, say ready, then run one greedy session per order line until stdin ends."""
+    spot: dict[str, Any] = {} if spot_check_rate is None else {"spot_check_rate": spot_check_rate}
+    spot["step_timeout_s"] = STEP_TIMEOUT_S
+    offset = (
+        time.monotonic() - time.perf_counter()
+    )  # timelines in CLOCK_MONOTONIC, comparable across processes
+    with SwarmClient(initial_peers, model=model, **spot) as client:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            order = json.loads(line)
+            times = client.run(timeline(client.aclient, order["ids"], order["new_tokens"]))
+            print(json.dumps({"times": [t + offset for t in times]}), flush=True)
+
+
+def start_swarm(swarm: LocalSwarm, args: argparse.Namespace, num_layers: int) -> list[str]:
+    """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
+    cuts = [round(i * num_layers / args.peers) for i in range(args.peers + 1)]
+    ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
+    fixed = ["--no-follow-plan", "--cache-tokens", "16384", *args.peer_args.split()]
+    for i, layers in enumerate(ranges):
+        swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
+    return ranges
+
+
+def measure_single(
+    client: SwarmClient, reference: torch.nn.Module, ids: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Decode speed and time to first token, swarm and local alternating (the machine is shared and noisy)."""
+    source = resolve_model(args.model)
+    best = {"swarm": 0.0, "local": 0.0}
+    match = True
+    for _ in range(args.repeats):
+        swarm_tok_s, swarm_tokens = client.run(swarm_decode(client.aclient, ids, args.new_tokens))
+        local_tok_s, local_tokens = local_decode(reference, ids, args.new_tokens)
+        best = {"swarm": max(best["swarm"], swarm_tok_s), "local": max(best["local"], local_tok_s)}
+        match &= swarm_tokens == local_tokens
+    log(f"decode: swarm {best['swarm']:.1f} tok/s, local {best['local']:.1f} tok/s, tokens match: {match}")
+    ttft: dict[str, dict[str, float]] = {}
+    for size in args.ttft_tokens:
+        prompt = ids if size == len(ids) else prompt_of(source, size)
+        repeats = args.repeats if size < 512 else 1  # a long prefill is long enough to average out noise
+        swarm_s = min(client.run(swarm_ttft(client.aclient, prompt)) for _ in range(repeats))
+        local_s = min(local_ttft(reference, prompt) for _ in range(repeats))
+        ttft[str(size)] = {"local": round(local_s, 4), "swarm": round(swarm_s, 4)}
+        log(f"ttft {size}: swarm {swarm_s:.3f} s, local {local_s:.3f} s")
+    return {"swarm": best["swarm"], "local": best["local"], "ttft": ttft, "tokens_match": match}
+
+
+def measure_one_client(
+    client: SwarmClient, ids: list[int], args: argparse.Namespace, windows: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Aggregate tokens/s of N generations at once in one AsyncSwarmClient."""
+    rates = {}
+    for n in args.sessions:
+        began = clock()
+        head = client.aclient.batcher
+        calls, rows = head.calls, head.rows
+        timelines = client.run(timelines_together(client.aclient, n, ids, args.aggregate_tokens))
+        calls, rows = head.calls - calls, head.rows - rows
+        windows[f"one_client/{n}"] = (began, clock())
+        rates[str(n)] = round(aggregate_tok_s(timelines), 2)
+        log(
+            f"one client, {n} sessions: {rates[str(n)]} tok/s (client head: {rows / max(1, calls):.1f} rows/call)"
+        )
+    return rates
+
+
+def measure_processes(
+    workers: Workers, ids: list[int], args: argparse.Namespace, windows: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Aggregate tokens/s of N client processes generating at once."""
+    rates = {}
+    for n in args.sessions:
+        began = clock()
+        timelines = workers.run_together(n, ids, args.aggregate_tokens)
+        windows[f"processes/{n}"] = (began, clock())
+        rates[str(n)] = round(aggregate_tok_s(timelines), 2)
+        log(f"{n} client processes: {rates[str(n)]} tok/s")
+    return rates
+
+
+def plot(path: str, aggregate: dict[str, dict[str, float]], single: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, label in (("processes", "client processes"), ("one_client", "one client, N generations")):
+        if aggregate.get(mode):
+            sessions = sorted(int(n) for n in aggregate[mode])
+            ax.plot(sessions, [aggregate[mode][str(n)] for n in sessions], marker="o", label=label)
+    ax.axhline(single, color="grey", linestyle=":", label="one session")
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_title("FlowSwarm: 3 peers on 127.0.0.1, 1 torch thread each")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def measure_in_client(
+    client: SwarmClient,
+    reference: torch.nn.Module,
+    source: ModelSource,
+    ids: list[int],
+    args: argparse.Namespace,
+    windows: dict[str, tuple[float, float]],
+    phases: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float], dict[str, float]]:
+    """The phases run from this process's client: single session, one client's N sessions, prefill."""
+    mark = time.perf_counter()
+    single = measure_single(client, reference, ids, args)
+    phases["single"], mark = time.perf_counter() - mark, time.perf_counter()
+    one_client = measure_one_client(client, ids, args, windows) if "one_client" not in args.skip else {}
+    phases["one_client"], mark = time.perf_counter() - mark, time.perf_counter()
+    during: dict[str, float] = {}
+    if "prefill" not in args.skip:
+        start = clock()
+        long_prompt = prompt_of(source, args.long_prompt)
+        during = client.run(decode_during_prefill(client.aclient, ids, long_prompt, args.decoders))
+        windows["prefill"] = (start, clock())
+        log(f"decode during a {args.long_prompt}-token prefill: {during}")
+    phases["prefill_under_decode"] = time.perf_counter() - mark
+    head = client.aclient.batcher
+    stats = {
+        "calls": head.calls,
+        "mean_rows": round(head.rows / max(1, head.calls), 2),
+        "largest": head.largest,
+    }
+    return single, one_client, during, stats
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.perf_counter()
+    phases: dict[str, float] = {}
+    windows: dict[str, tuple[float, float]] = {}  # phase -> (start, end), seconds of the day like peer logs
+    source = resolve_model(args.model)
+    ids = chat_prompt_ids(source, QUESTION)
+    reference = source.load_reference_model()
+    spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
+    spot["step_timeout_s"] = STEP_TIMEOUT_S
+    with (
+        tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
+        LocalSwarm(Path(tmp), model=args.model) as swarm,
+        contextlib.ExitStack() as stack,
+    ):
+        ranges = start_swarm(swarm, args, source.spec.num_layers)
+        workers = None
+        if "processes" not in args.skip:
+            # The client processes start now, alongside the peers' loading: their start (imports, head, DHT)
+            # is the longest phase on a busy machine. Until their phase they idle (DHT upkeep only).
+            count = max(args.sessions)
+            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, spot))
+        swarm.wait_all_ready(timeout_s=300)
+        phases["start_peers"] = time.perf_counter() - began
+        log(f"peers serving {ranges} after {phases['start_peers']:.0f} s")
+        if workers is not None:
+            workers.wait_ready()
+            phases["start_clients"] = time.perf_counter() - began
+            log(f"{max(args.sessions)} client processes ready after {phases['start_clients']:.0f} s")
+        with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
+            single, one_client, during, head_stats = measure_in_client(
+                client, reference, source, ids, args, windows, phases
+            )
+        mark = time.perf_counter()
+        processes = measure_processes(workers, ids, args, windows) if workers is not None else {}
+        phases["processes"] = time.perf_counter() - mark
+        peer_batches = peer_batch_sizes(swarm, windows)
+    return {
+        "local_decode_tok_s": round(single["local"], 2),
+        "swarm_decode_tok_s": round(single["swarm"], 2),
+        "ttft_s": single["ttft"],
+        "aggregate_tok_s": {"processes": processes, "one_client": one_client},
+        "decode_during_long_prefill_ms": during,
+        "targets": _targets(single, processes, one_client, during),
+        "tokens_match": single["tokens_match"],
+        "client_head_batches": head_stats,
+        "peer_batches": peer_batches,
+        "model": source.spec.name,
+        "route": ranges,
+        "prompt_tokens": len(ids),
+        "new_tokens": args.new_tokens,
+        "aggregate_tokens_per_session": args.aggregate_tokens,
+        "repeats": args.repeats,
+        "phases_s": {k: round(v, 1) for k, v in phases.items()},
+        "total_s": round(time.perf_counter() - began, 1),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m_end": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+        },
+        "threads_per_process": torch.get_num_threads(),
+    }
+
+
+def _targets(
+    single: dict[str, Any],
+    processes: dict[str, float],
+    one_client: dict[str, float],
+    during: dict[str, float],
+) -> dict[str, float | None]:
+    """The issue's ratios, None where a phase was skipped or a size not measured."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    ttft = single["ttft"]
+    return {
+        "decode_vs_local": ratio(single["swarm"], single["local"]),  # target >= 0.92
+        "ttft_37_vs_local": ratio(ttft.get("37", {}).get("swarm"), ttft.get("37", {}).get("local")),  # <= 1.2
+        "ttft_2048_vs_local": ratio(
+            ttft.get("2048", {}).get("swarm"), ttft.get("2048", {}).get("local")
+        ),  # <= 0.65
+        "processes_8_vs_single": ratio(processes.get("8"), single["swarm"]),  # >= 4
+        "one_client_8_vs_single": ratio(one_client.get("8"), single["swarm"]),  # >= 4
+        "prefill_p99_vs_alone_p50": ratio(during.get("p99"), during.get("p50_alone")),  # <= 2
+    }
+
+
+EXECUTOR_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) .*executor: (\d+) steps in (\d+) forward calls")
+
+
+def clock() -> float:
+    """Seconds since local midnight: the clock of the peers' log lines (HH:MM:SS)."""
+    now = time.time()
+    local = time.localtime(now)
+    return local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec + now % 1
+
+
+def peer_batch_sizes(
+    swarm: LocalSwarm, windows: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Mean decode batch of each peer's executor in each phase (steps / forward calls), from the lines the
+    peers log every few seconds; a line covers the seconds before it, so a phase's figure is approximate."""
+    totals: dict[str, dict[str, list[int]]] = {phase: {} for phase in windows}
+    for peer in swarm.peers:
+        for line in log_tail(peer.log_path, 10**8).splitlines():
+            match = EXECUTOR_LINE.match(line)
+            if match is None:
+                continue
+            hours, minutes, seconds, steps, calls = (int(g) for g in match.groups())
+            at = hours * 3600 + minutes * 60 + seconds
+            for phase, (start, end) in windows.items():
+                if start < at <= end + BATCH_LOG_INTERVAL_S:
+                    counts = totals[phase].setdefault(peer.name, [0, 0])
+                    counts[0] += steps
+                    counts[1] += calls
+    return {
+        phase: {name: round(steps / calls, 2) for name, (steps, calls) in peers.items() if calls}
+        for phase, peers in totals.items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    # a SIGTERM (timeout, CI) unwinds like an exception, so the `with` blocks stop the peers and clients
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.worker:
+        worker_main(args.initial_peers, args.model, args.spot_check_rate)
+        return
+    report = run(args)
+    text = json.dumps(report)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.png:
+        plot(args.png, report["aggregate_tok_s"], report["swarm_decode_tok_s"])
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

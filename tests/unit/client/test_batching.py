@@ -1,0 +1,121 @@
+"""One client running many generations at once: its head work is batched, and the tokens do not change."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from client.batching import HeadBatcher
+from swarm.models.head import ClientHead, SamplingParams
+from swarm.models.loading import ModelSource
+from tests.unit.client.test_local_generation import (
+    TINY_SPLIT,
+    greedy_reference,
+    make_client,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class CountingHead:
+    """The real ClientHead, counting its calls and the rows in each."""
+
+    def __init__(self, head: ClientHead) -> None:
+        self.head = head
+        self.batch_rows: list[int] = []
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.embed(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.batch_rows.append(hidden.shape[0])
+        return self.head.logits(hidden)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(320) for _ in range(rng.randrange(3, 12))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_concurrent_greedy_generations_equal_sequential_and_transformers(
+    tiny_source: ModelSource, seed: int
+) -> None:
+    reference = tiny_source.load_reference_model()
+    prompts = _prompts(6, seed)
+    client, _ = make_client(tiny_source, TINY_SPLIT)
+    sequential = [asyncio.run(client.generate_ids(p, 9, SamplingParams())) for p in prompts]
+    calls_alone = client.batcher.calls
+
+    together = asyncio.run(client.generate_ids_batch(prompts, 9, SamplingParams()))
+
+    assert together == sequential
+    assert together == [greedy_reference(reference, p, 9) for p in prompts]
+    # each generation asks the head 9 times; run together, the six share head calls
+    batched_calls = client.batcher.calls - calls_alone
+    assert calls_alone == 6 * 9 and batched_calls < 6 * 9 and client.batcher.largest > 1
+
+
+def test_requests_of_one_tick_run_as_one_head_call_with_the_same_rows(tiny_source: ModelSource) -> None:
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head)
+    hiddens = torch.randn(5, tiny_source.spec.hidden_size)
+
+    async def ask_all() -> list[torch.Tensor]:
+        return list(await asyncio.gather(*(batcher.logits(h) for h in hiddens)))
+
+    rows = asyncio.run(ask_all())
+    assert head.batch_rows == [5]
+    alone = head.head.logits(hiddens)
+    for got, want in zip(rows, alone, strict=True):
+        assert torch.allclose(got, want, atol=1e-5) and int(got.argmax()) == int(want.argmax())
+    batcher.close()
+
+
+def test_requests_arriving_while_a_call_runs_form_the_next_round(tiny_source: ModelSource) -> None:
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head, max_batch=3)
+    hiddens = torch.randn(7, tiny_source.spec.hidden_size)
+
+    async def ask_all() -> None:
+        await asyncio.gather(*(batcher.logits(h) for h in hiddens))
+
+    asyncio.run(ask_all())
+    assert head.batch_rows == [3, 3, 1]  # capped at max_batch, the rest in later rounds
+    batcher.close()
+
+
+def test_a_bad_row_fails_only_its_own_request_and_a_cancelled_one_is_skipped(
+    tiny_source: ModelSource,
+) -> None:
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head)
+    size = tiny_source.spec.hidden_size
+
+    async def scenario() -> list[Any]:
+        good = asyncio.ensure_future(batcher.logits(torch.randn(size)))
+        bad = asyncio.ensure_future(batcher.logits(torch.randn(size + 1)))
+        gone = asyncio.ensure_future(batcher.logits(torch.randn(size)))
+        await asyncio.sleep(0)  # all three are queued for the same round
+        gone.cancel()
+        results = await asyncio.gather(good, bad, gone, return_exceptions=True)
+        after = await batcher.logits(torch.randn(size))  # the batcher still serves the next round
+        return [*results, after]
+
+    good, bad, gone, after = asyncio.run(scenario())
+    assert isinstance(good, torch.Tensor) and good.shape == (tiny_source.spec.vocab_size,)
+    assert isinstance(bad, ValueError) and "hidden size" in str(bad)
+    assert isinstance(gone, asyncio.CancelledError)
+    assert isinstance(after, torch.Tensor)
+    batcher.close()
+
+
+def test_hidden_must_be_one_position(tiny_source: ModelSource) -> None:
+    batcher = HeadBatcher(tiny_source.load_head())
+    with pytest.raises(ValueError, match="1-D"):
+        asyncio.run(batcher.logits(torch.randn(2, tiny_source.spec.hidden_size)))
+    batcher.close()
