@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from client.liveness import StepWatch
 from client.retry import RetryPolicy
 from client.session import Chain, Head, InferenceSession, RouteSource
 from client.spot import SpotChecker
@@ -143,9 +144,10 @@ class BatchedSession(InferenceSession):
         step_timeout_s: float,
         max_length_tokens: int,
         checker: SpotChecker | None = None,
+        watch: StepWatch | None = None,
     ) -> None:
         head = _LastHidden(batcher.head)
-        super().__init__(chain, routes, head, policy, step_timeout_s, max_length_tokens, checker)
+        super().__init__(chain, routes, head, policy, step_timeout_s, max_length_tokens, checker, watch)
         self.batcher = batcher
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:

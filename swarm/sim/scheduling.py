@@ -28,7 +28,7 @@ class SampledRouter(Router):
 
     def __init__(self, plan: Plan, rng: random.Random) -> None:
         super().__init__(plan)
-        self.rng = rng
+        self.draws = rng  # (not Router.rng: that one would also move the IWRR phases)
         self._cum_weights: dict[int, list[float]] = {}  # by id() of the IWRR, which lives as long as we do
 
     def _choose(self, iwrr: IWRR[NodeID], masked: Callable[[NodeID], bool]) -> NodeID | None:
@@ -38,13 +38,13 @@ class SampledRouter(Router):
             cum = self._cum_weights.get(id(iwrr))
             if cum is None:
                 cum = self._cum_weights[id(iwrr)] = list(itertools.accumulate(iwrr.weights))
-            v = self.rng.choices(iwrr.candidates, cum_weights=cum)[0]
+            v = self.draws.choices(iwrr.candidates, cum_weights=cum)[0]
             if not masked(v):
                 return v
         pairs = [(v, w) for v, w in zip(iwrr.candidates, iwrr.weights, strict=True) if not masked(v)]
         if not pairs:
             return None
-        return self.rng.choices([v for v, _ in pairs], [w for _, w in pairs])[0]
+        return self.draws.choices([v for v, _ in pairs], [w for _, w in pairs])[0]
 
 
 def weighted_plan(cluster: Cluster, plan: Plan, weight: Callable[[NodeID], float]) -> Plan:
