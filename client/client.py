@@ -185,6 +185,7 @@ class AsyncSwarmClient:
             self.config.step_timeout_s,
             max_length_tokens,
             self.checker,
+            self.config.prefill_chunk_tokens,
         )
         self.last_session = session
         return session

@@ -66,6 +66,10 @@ class ClientConfig:
     spot_check_seed: int | None = None
     """Seed of the draw of which steps are checked (None: unpredictable, as it should be against real liars)."""
 
+    prefill_chunk_tokens: int = 256
+    """A longer prompt is sent as chunks of about this many tokens, all at once, so the route's peers compute
+    different chunks at the same time (pipelined along the tokens); 0 sends it whole."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
@@ -77,6 +81,10 @@ class ClientConfig:
         if self.max_layer_tokens_s <= 0:
             raise ValueError(
                 f"ClientConfig.max_layer_tokens_s must be positive, got {self.max_layer_tokens_s}"
+            )
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"ClientConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}"
             )
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")

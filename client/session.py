@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -33,6 +34,36 @@ from swarm.routing.route import Route, Stage, route_text
 from swarm.types import SOURCE, LayerRange, NodeID, SessionID
 
 logger = logging.getLogger(__name__)
+
+
+# Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
+# chunks of a pipelined prompt are cut to cost the same, so later ones hold fewer tokens. Measured with
+# scripts/bench_prefill.py --chunk-costs on SmolLM2-135M, 10 layers, 1 thread.
+ATTENTION_COST_TOKENS = 3000
+
+
+def prefill_chunks(
+    tokens: int, position: int, chunk_tokens: int, attention_tokens: int = ATTENTION_COST_TOKENS
+) -> list[int]:
+    """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
+    ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
+    1 + x / attention_tokens."""
+    count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
+    if count <= 1:
+        return [tokens]
+
+    def cost(x: float) -> float:  # of positions [position, x)
+        return (x - position) + (x * x - position * position) / (2 * attention_tokens)
+
+    step = cost(position + tokens) / count
+    base = position + position * position / (2 * attention_tokens)
+    ends: list[int] = []
+    for k in range(1, count):
+        # solve x + x^2 / 2A = base + k * step for x
+        x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
+        ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
+    bounds = [position, *ends, position + tokens]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 class Head(Protocol):
@@ -75,6 +106,7 @@ class InferenceSession:
         step_timeout_s: float,
         max_length_tokens: int,
         checker: SpotChecker | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         self.chain = chain
         self.routes = routes
@@ -88,6 +120,7 @@ class InferenceSession:
         self.failovers = 0  # how many times a step was retried on a new route or replayed
         self.avoided: set[NodeID] = set()  # peers that could not take this session (full, leaving, moved)
         self.checker = checker  # spot-checks a sampled fraction of steps (None: no checks)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
 
     def _avoid(self) -> frozenset[NodeID]:
@@ -133,12 +166,40 @@ class InferenceSession:
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
         async with asyncio.timeout(self.step_timeout_s):
-            out = await self.chain.step(
-                self.session_id, self.stages, position, hidden, self.max_length_tokens
-            )
+            out = await self._pipelined(hidden, position)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
+
+    async def _pipelined(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Send ``hidden`` [T, H] at ``position`` through the route, a long prompt as consecutive chunks sent
+        at once (HPipe): peer k computes chunk i while peer k+1 computes chunk i-1, so the route's peers work
+        on one prompt together instead of each waiting for the whole of it. Peers run a session's steps in
+        position order whatever order they arrive in (swarm/peer/executor.py).
+
+        A failed chunk fails the step: we wait for every chunk's answer first (the chunks queued behind a
+        failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
+        prefix, and raise the first chunk's error, the cause of the others'."""
+        sizes = prefill_chunks(hidden.shape[0], position, self.prefill_chunk_tokens)
+        starts = [0, *itertools.accumulate(sizes)]
+        answers = await asyncio.gather(
+            *(
+                self.chain.step(
+                    self.session_id,
+                    self.stages,
+                    position + start,
+                    hidden[start : start + size],
+                    self.max_length_tokens,
+                )
+                for start, size in zip(starts, sizes, strict=False)
+            ),
+            return_exceptions=True,
+        )
+        error = next((a for a in answers if isinstance(a, BaseException)), None)
+        if error is not None:
+            raise error
+        outputs = [a for a in answers if isinstance(a, torch.Tensor)]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     async def _spot_check(self, token_ids: list[int]) -> None:
         """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.

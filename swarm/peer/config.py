@@ -38,12 +38,17 @@ class SessionConfig:
         3600.0, "close a session this long after it opened, however busy (the client then replays it)"
     )
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
+    # Chunks of one pipelined prompt overtake each other by milliseconds; the bound only delays the answer to
+    # a step of a session that expired (SessionError, and the client replays).
+    order_wait_s: float = setting(
+        5.0, "how long a session's later step waits for its first step to arrive and open the session"
+    )
 
     def __post_init__(self) -> None:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
         positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
         positive(self, "max_requests_per_remote")
-        positive(self, "max_session_lifetime_s")
+        positive(self, "max_session_lifetime_s", "order_wait_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"

@@ -8,6 +8,12 @@ steps run alone. A full queue is a CapacityError at once, not an unbounded backl
 
 Opening and closing sessions also go through the queue (``call``), so a KV cache is only ever touched on the
 executor thread; the BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+
+Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt
+as consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the
+way. ``forward`` holds a step whose position is past the session's cached length until the earlier steps have
+run; if one of them fails here, the steps waiting behind it fail at once (SessionError) instead of at their
+deadline, so the client's failover starts without delay.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarm.errors import CapacityError, SwarmError
+from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
 from swarm.peer.config import ExecutorConfig
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class Executor:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.batches_run = 0
         self.steps_run = 0
+        self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
+        self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
 
     @property
     def queued(self) -> int:
@@ -96,13 +105,53 @@ class Executor:
     async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
-        A session's prefill longer than ``prefill_chunk_tokens`` runs as consecutive chunks, each its own job:
-        decode steps queued meanwhile run between two chunks instead of waiting for the whole prompt (prefill
-        is compute-bound, decode latency-bound). Each chunk extends the session's cache from where the last
-        one ended, so the output is the whole step's."""
+        A session's step waits for the session's earlier steps first (see the module doc). A prefill longer
+        than ``prefill_chunk_tokens`` runs as consecutive chunks, each its own job: decode steps queued
+        meanwhile run between two chunks instead of waiting for the whole prompt (prefill is compute-bound,
+        decode latency-bound). Each chunk extends the session's cache from where the last one ended, so the
+        output is the whole step's."""
+        sid = step.session_id
+        if sid is None:
+            return await self._forward_job(blocks, step)
+        await self._in_order(blocks, step)
+        if (
+            self._failed.get(sid, -1) >= step.position
+        ):  # the failed step is being replayed: steps may wait again
+            del self._failed[sid]
+        try:
+            result = await self._forward_chunks(blocks, step)
+        except BaseException:
+            self._failed[sid] = step.position
+            while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
+                del self._failed[next(iter(self._failed))]
+            self._stepped.set()
+            raise
+        return result
+
+    async def _in_order(self, blocks: BlockRange, step: Step) -> None:
+        """Return once the session's cache on the step's layers reaches ``step.position``: every earlier step
+        has run, or is running its last layer (then this one queues behind it, and the one thread keeps the
+        order). SessionError when an earlier step of the session failed here; the caller's deadline bounds
+        the wait for one that has not arrived yet."""
+        sid = step.session_id
+        assert sid is not None
+        while True:
+            length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
+            if length >= step.position:
+                return
+            failed = self._failed.get(sid)
+            if failed is not None and failed < step.position:
+                raise SessionError(
+                    f"session {sid[:16]}: the step at position {failed} failed here, so the step at "
+                    f"{step.position} cannot run: replay from it"
+                )
+            self._stepped.clear()
+            await self._stepped.wait()
+
+    async def _forward_chunks(self, blocks: BlockRange, step: Step) -> StepResult:
         chunk = self.config.prefill_chunk_tokens
         tokens = step.hidden.shape[0]
-        if step.session_id is None or tokens <= chunk:
+        if tokens <= chunk:
             return await self._forward_job(blocks, step)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
@@ -129,6 +178,7 @@ class Executor:
                 if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
                     continue
                 await self._execute(loop, self._take_batch(first))
+                self._stepped.set()
         finally:
             while not self._queue.empty():
                 job = self._queue.get_nowait()
