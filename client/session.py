@@ -184,6 +184,10 @@ class InferenceSession:
         failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
         prefix, and raise the first chunk's error, the cause of the others'."""
         sizes = prefill_chunks(hidden.shape[0], position, self.prefill_chunk_tokens)
+        if len(sizes) == 1:  # a decode step or a short prompt
+            return await self.chain.step(
+                self.session_id, self.stages, position, hidden, self.max_length_tokens
+            )
         starts = [0, *itertools.accumulate(sizes)]
         answers = await asyncio.gather(
             *(
@@ -201,8 +205,7 @@ class InferenceSession:
         error = next((a for a in answers if isinstance(a, BaseException)), None)
         if error is not None:
             raise error
-        outputs = [a for a in answers if isinstance(a, torch.Tensor)]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return torch.cat([a for a in answers if isinstance(a, torch.Tensor)])
 
     async def _spot_check(self, token_ids: list[int]) -> None:
         """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.
