@@ -150,6 +150,31 @@ def chunk_costs(model: str, tokens: int, chunk: int, repeats: int) -> dict[str, 
     }
 
 
+def ttft_report(
+    client: SwarmClient, reference: torch.nn.Module, prompt: list[int], repeats: int, chunk_tokens: int
+) -> dict[str, object]:
+    """TTFT local, swarm with the prompt whole, swarm pipelined: ``repeats`` rounds, the three in turn."""
+    report: dict[str, object] = {}
+    modes = {"local": None, "swarm_whole": 0, "swarm_pipelined": chunk_tokens}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    match = True
+    for _ in range(repeats):  # alternate, so all see the same (shared, noisy) machine
+        local_s, local_token = local_ttft(reference, prompt)
+        times["local"].append(local_s)
+        for mode in ("swarm_whole", "swarm_pipelined"):
+            swarm_s, swarm_token = client.run(swarm_ttft(client.aclient, prompt, modes[mode]))
+            times[mode].append(swarm_s)
+            match &= local_token == swarm_token
+    report["ttft_s"] = {mode: [round(t, 3) for t in ts] for mode, ts in times.items()}
+    for mode in ("swarm_whole", "swarm_pipelined"):
+        report[f"{mode}_vs_local_best"] = round(min(times[mode]) / min(times["local"]), 3)
+        report[f"{mode}_vs_local_median"] = round(
+            statistics.median(times[mode]) / statistics.median(times["local"]), 3
+        )
+    report["first_token_match"] = match
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,6 +186,7 @@ def main() -> None:
     parser.add_argument("--client-chunk-tokens", type=int, default=256, help="pipelined chunk size")
     parser.add_argument("--peer-args", default="", help="extra swarm-peer join arguments")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--chunk-costs", action="store_true", help="only time chunks in this process")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -191,23 +217,8 @@ def main() -> None:
         swarm.wait_all_ready(timeout_s=300)
         with SwarmClient(swarm.initial_peers, model=args.model, **client_kwargs) as client:  # type: ignore[arg-type]
             client.run(swarm_ttft(client.aclient, prompt[:64]))  # warm up connections
-            modes = {"local": None, "swarm_whole": 0, "swarm_pipelined": args.client_chunk_tokens}
-            times: dict[str, list[float]] = {mode: [] for mode in modes}
-            match = True
-            for _ in range(args.repeats):  # alternate, so all see the same (shared, noisy) machine
-                local_s, local_token = local_ttft(reference, prompt)
-                times["local"].append(local_s)
-                for mode in ("swarm_whole", "swarm_pipelined"):
-                    swarm_s, swarm_token = client.run(swarm_ttft(client.aclient, prompt, modes[mode]))
-                    times[mode].append(swarm_s)
-                    match &= local_token == swarm_token
-            report["ttft_s"] = {mode: [round(t, 3) for t in ts] for mode, ts in times.items()}
-            for mode in ("swarm_whole", "swarm_pipelined"):
-                report[f"{mode}_vs_local_best"] = round(min(times[mode]) / min(times["local"]), 3)
-                report[f"{mode}_vs_local_median"] = round(
-                    statistics.median(times[mode]) / statistics.median(times["local"]), 3
-                )
-            report["first_token_match"] = match
+            if not args.skip_ttft:
+                report.update(ttft_report(client, reference, prompt, args.repeats, args.client_chunk_tokens))
             print(json.dumps(report), file=sys.stderr, flush=True)
             if not args.skip_decode:
                 report["decode_during_prefill"] = client.run(

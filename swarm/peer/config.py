@@ -74,7 +74,7 @@ class ExecutorConfig:
         32, "prefill chunk size while other sessions decode here (at most prefill_chunk_tokens)"
     )
     decode_recent_s: float = setting(
-        0.5, "other sessions count as decoding for this long after their last one-token step here"
+        2.0, "other sessions count as decoding for this long after their last one-token step here"
     )
 
     def __post_init__(self) -> None:

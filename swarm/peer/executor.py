@@ -118,21 +118,18 @@ class Executor:
     async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
-        A session's step waits for the session's earlier steps first (see the module doc). A prefill longer
-        than ``prefill_chunk_tokens`` runs as consecutive chunks, each its own job: decode steps queued
-        meanwhile run between two chunks instead of waiting for the whole prompt (prefill is compute-bound,
-        decode latency-bound). Each chunk extends the session's cache from where the last one ended, so the
-        output is the whole step's."""
+        A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
+        runs as consecutive chunks, each its own job (see _chunk_tokens): other sessions' steps queued meanwhile
+        run between two chunks, or with one, instead of waiting for the whole prompt. Each chunk extends the
+        session's cache from where the last one ended, so the output is the whole step's."""
         sid = step.session_id
         if sid is None:
             return await self._forward_job(blocks, step)
         if step.hidden.shape[0] == 1:
             self._last_decode_s = self.clock()
         await self._in_order(blocks, step)
-        if (
-            self._failed.get(sid, -1) >= step.position
-        ):  # the failed step is being replayed: steps may wait again
-            del self._failed[sid]
+        if self._failed.get(sid, -1) >= step.position:
+            del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
         try:
             result = await self._forward_chunks(blocks, step)
         except BaseException:

@@ -252,7 +252,7 @@ class Peer:
             async with asyncio.timeout(self.config.order_wait_s):
                 await asyncio.shield(opening)
         except TimeoutError:
-            if self._opening.get(key) is opening:
+            if self._opening.get(key) is opening and self.find(key) is None:
                 del self._opening[key]
             logger.debug("session %s: no first step within %.1f s", key[:8], self.config.order_wait_s)
 
@@ -277,7 +277,7 @@ class Peer:
                 del self._open_failed[next(iter(self._open_failed))]
             raise
         finally:
-            del self._opening[key]
+            self._opening.pop(key, None)  # a waiter that gave up may have dropped it already
         _settle(opening, None)
         return served
 
