@@ -38,10 +38,10 @@ class SessionConfig:
         3600.0, "close a session this long after it opened, however busy (the client then replays it)"
     )
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
-    # Chunks of one pipelined prompt overtake each other by milliseconds; the bound only delays the answer to
-    # a step of a session that expired (SessionError, and the client replays).
+    # Chunks of one pipelined prompt overtake each other by milliseconds; the bound delays the answer to a
+    # step of a session that expired (SessionError, and the client replays) by as much.
     order_wait_s: float = setting(
-        5.0, "how long a session's later step waits for its first step to arrive and open the session"
+        1.0, "how long a session's later step waits for its first step to arrive and open the session"
     )
 
     def __post_init__(self) -> None:
