@@ -73,7 +73,7 @@ class Executor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or ExecutorConfig()
-        self.clock = clock
+        self.clock = clock  # only tells whether others decode now (_chunk_tokens); inject one in tests
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         self._queue: asyncio.Queue[_Job] = asyncio.Queue(self.config.queue_jobs)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
