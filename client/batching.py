@@ -145,9 +145,20 @@ class BatchedSession(InferenceSession):
         max_length_tokens: int,
         checker: SpotChecker | None = None,
         watch: StepWatch | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         head = _LastHidden(batcher.head)
-        super().__init__(chain, routes, head, policy, step_timeout_s, max_length_tokens, checker, watch)
+        super().__init__(
+            chain,
+            routes,
+            head,
+            policy,
+            step_timeout_s,
+            max_length_tokens,
+            checker,
+            watch,
+            prefill_chunk_tokens,
+        )
         self.batcher = batcher
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:

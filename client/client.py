@@ -195,6 +195,7 @@ class AsyncSwarmClient:
             max_length_tokens,
             self.checker,
             self.watch,
+            self.config.prefill_chunk_tokens,
         )
         self.last_session = session
         return session

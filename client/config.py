@@ -84,6 +84,10 @@ class ClientConfig:
     spot_check_seed: int | None = None
     """Seed of the draw of which steps are checked (None: unpredictable, as it should be against real liars)."""
 
+    prefill_chunk_tokens: int = 256
+    """A longer prompt is sent as chunks of about this many tokens, all at once, so the route's peers compute
+    different chunks at the same time (pipelined along the tokens); 0 sends it whole."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
@@ -101,6 +105,10 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.route_wait_s must be >= 0, got {self.route_wait_s}")
         if self.probe_factor < 1:
             raise ValueError(f"ClientConfig.probe_factor must be >= 1, got {self.probe_factor}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"ClientConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}"
+            )
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:

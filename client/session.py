@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterable, Sequence
@@ -42,6 +43,39 @@ from swarm.types import SOURCE, LayerRange, NodeID, SessionID
 
 logger = logging.getLogger(__name__)
 ROUTE_WAIT_LOG_S = 5.0  # while waiting for a route, log progress this often
+
+
+# Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
+# chunks of a pipelined prompt are cut to cost the same, so later ones hold fewer tokens. SmolLM2-135M counts
+# 7.1 MFLOP per token per layer outside attention and 2.3 kFLOP per earlier token in it: 3,000; a straight-line
+# fit of measured chunk times (scripts/bench_prefill.py --chunk-costs, 10 layers, 1 thread) gave 2,100 on a
+# loaded machine. Equal-cost chunks keep the pipeline's stages in step; the last chunk, which no other work
+# overlaps, is the cheapest in tokens.
+ATTENTION_COST_TOKENS = 3000
+
+
+def prefill_chunks(
+    tokens: int, position: int, chunk_tokens: int, attention_tokens: int = ATTENTION_COST_TOKENS
+) -> list[int]:
+    """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
+    ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
+    1 + x / attention_tokens."""
+    count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
+    if count <= 1:
+        return [tokens]
+
+    def cost(x: float) -> float:  # of positions [position, x)
+        return (x - position) + (x * x - position * position) / (2 * attention_tokens)
+
+    step = cost(position + tokens) / count
+    base = position + position * position / (2 * attention_tokens)
+    ends: list[int] = []
+    for k in range(1, count):
+        # solve x + x^2 / 2A = base + k * step for x
+        x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
+        ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
+    bounds = [position, *ends, position + tokens]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 class Head(Protocol):
@@ -98,6 +132,7 @@ class InferenceSession:
         max_length_tokens: int,
         checker: SpotChecker | None = None,
         watch: StepWatch | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         self.chain = chain
         self.routes = routes
@@ -115,6 +150,7 @@ class InferenceSession:
         self.failover_log: list[Failover] = []
         self.route_waits = 0  # how many times building a route found layers nobody serves, and waited
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
 
     def _avoid(self) -> frozenset[NodeID]:
@@ -159,11 +195,44 @@ class InferenceSession:
 
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
-        step = self.chain.step(self.session_id, self.stages, position, hidden, self.max_length_tokens)
+        step = self._pipelined(hidden, position)
         out = await self.watch.run(step, self.stages, len(ids), self.step_timeout_s)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
+
+    async def _pipelined(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Send ``hidden`` [T, H] at ``position`` through the route, a long prompt as consecutive chunks sent
+        at once (HPipe): peer k computes chunk i while peer k+1 computes chunk i-1, so the route's peers work
+        on one prompt together instead of each waiting for the whole of it. Peers run a session's steps in
+        position order whatever order they arrive in (swarm/peer/executor.py).
+
+        A failed chunk fails the step: we wait for every chunk's answer first (the chunks queued behind a
+        failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
+        prefix, and raise the first chunk's error, the cause of the others'."""
+        sizes = prefill_chunks(hidden.shape[0], position, self.prefill_chunk_tokens)
+        if len(sizes) == 1:  # a decode step or a short prompt
+            return await self.chain.step(
+                self.session_id, self.stages, position, hidden, self.max_length_tokens
+            )
+        starts = [0, *itertools.accumulate(sizes)]
+        answers = await asyncio.gather(
+            *(
+                self.chain.step(
+                    self.session_id,
+                    self.stages,
+                    position + start,
+                    hidden[start : start + size],
+                    self.max_length_tokens,
+                )
+                for start, size in zip(starts, sizes, strict=False)
+            ),
+            return_exceptions=True,
+        )
+        error = next((a for a in answers if isinstance(a, BaseException)), None)
+        if error is not None:
+            raise error
+        return torch.cat([a for a in answers if isinstance(a, torch.Tensor)])
 
     async def _spot_check(self, token_ids: list[int]) -> None:
         """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.

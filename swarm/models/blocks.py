@@ -4,10 +4,12 @@ The Llama block is written out here (rather than calling transformers' layer.for
 layout and batching; the weights and small submodules (norms, projections, MLP, rotary embedding) are the
 transformers modules of the checkpoint's family, so numerics match transformers.
 
-One forward() call takes a list of Steps. Decode steps (one token) of different sessions that cover the same
-sub-range run as ONE batched forward: norms, projections and MLP see a [B, 1, H] batch (the weights are read
-once, which is what decode speed is bound by), attention runs per session over its own cache (no padding copies;
-2x faster than padding+masking at 8 sessions of ~1k tokens on CPU). Prefill and stateless steps run one by one. A BlockRange is not thread-safe: one executor thread owns it.
+One forward() call takes a list of Steps. Steps of different sessions that cover the same sub-range run as ONE
+batched forward, whatever their lengths (decode steps of one token and prefill chunks mixed, as Sarathi does):
+norms, projections and MLP see all their tokens as one [1, N, H] tensor (the weights are read once, which is
+what decode speed is bound by, and decode rows ride along a prefill chunk almost for free), attention runs per
+step over its own session's cache (no padding copies; 2x faster than padding+masking at 8 sessions of ~1k tokens
+on CPU). Stateless steps (no session) run one by one. A BlockRange is not thread-safe: one executor thread owns it.
 """
 
 from __future__ import annotations
@@ -184,81 +186,113 @@ class BlockRange:
                     session.truncate(layer, step.position)
 
         outputs: list[torch.Tensor | None] = [None] * len(steps)
-        decode_groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, step in enumerate(steps):
-            if step.session_id is not None and step.hidden.shape[0] == 1:
-                decode_groups.setdefault((step.start, step.end), []).append(i)
+            if step.session_id is not None:
+                groups.setdefault((step.start, step.end), []).append(i)
             else:
-                outputs[i] = self._run([step])[0]
-        for group in decode_groups.values():
+                outputs[i] = self._run_stateless(step)
+        for group in groups.values():
             for i, out in zip(group, self._run([steps[i] for i in group]), strict=True):
                 outputs[i] = out
         return [out for out in outputs if out is not None]
 
     def _run(self, steps: list[Step]) -> list[torch.Tensor]:
-        """Steps with the same [start, end) and T (several only when T == 1) as one batch."""
+        """Session steps with the same [start, end), any number of tokens each (decode steps and prefill chunks
+        alike), as one batch: their N tokens in all go through norms, projections and MLP as one [1, N, H]
+        tensor; attention runs per step over its own session's cache."""
         start, end = steps[0].start, steps[0].end
-        h = torch.stack([s.hidden.to(self.device) for s in steps])  # [B, T, H]
-        batch, tokens = h.shape[0], h.shape[1]
-        positions = torch.tensor([s.position for s in steps], device=self.device)
-        position_ids = positions[:, None] + torch.arange(tokens, device=self.device)  # [B, T]
-        cos, sin = self.rotary(h, position_ids)  # [B, T, head_dim] each, in h's dtype
-
-        caches = None if steps[0].session_id is None else [self.cache.get(s.session_id or "") for s in steps]
-        mask: torch.Tensor | None = None
-        is_causal = False
-        first = steps[0].position
-        if caches is None or (batch == 1 and first == 0):
-            is_causal = tokens > 1  # no past: plain causal attention over the T new tokens
-        elif batch == 1 and tokens > 1:
-            # T new queries after `first` cached keys: query i sees keys 0 .. first + i.
-            key_pos = torch.arange(first + tokens, device=self.device)  # [L]
-            mask = key_pos[None, :] <= (first + torch.arange(tokens, device=self.device))[:, None]  # [T, L]
-
+        sizes = [s.hidden.shape[0] for s in steps]
+        h = torch.cat([s.hidden.to(self.device) for s in steps])[None]  # [1, N, H]
+        position_ids = torch.cat(
+            [
+                torch.arange(s.position, s.position + t, device=self.device)
+                for s, t in zip(steps, sizes, strict=True)
+            ]
+        )[None]  # [1, N]
+        cos, sin = self.rotary(h, position_ids)  # [1, N, head_dim] each, in h's dtype
+        caches = [self.cache.get(s.session_id or "") for s in steps]
+        attention = [self._attention_mask(s.position, t) for s, t in zip(steps, sizes, strict=True)]
         for layer in range(start, end):
-            h = self._layer(layer, h, cos, sin, caches, mask, is_causal)
-        return list(h.unbind(0))
+            h = self._layer(layer, h, cos, sin, _Ragged(caches, sizes, attention))
+        return list(h[0].split(sizes))
+
+    def _attention_mask(self, first: int, tokens: int) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) for ``tokens`` new queries after ``first`` cached keys."""
+        if tokens == 1:
+            return None, False  # one query sees every key
+        if first == 0:
+            return None, True  # no past: plain causal attention over the new tokens
+        # query i sees keys 0 .. first + i
+        key_pos = torch.arange(first + tokens, device=self.device)  # [L]
+        return key_pos[None, :] <= (first + torch.arange(tokens, device=self.device))[
+            :, None
+        ], False  # [T, L]
+
+    def _run_stateless(self, step: Step) -> torch.Tensor:
+        """A step without a session: causal attention over its own tokens, nothing cached."""
+        h = step.hidden.to(self.device)[None]  # [1, T, H]
+        position_ids = torch.arange(h.shape[1], device=self.device)[None]  # [1, T]
+        cos, sin = self.rotary(h, position_ids)
+        for layer in range(step.start, step.end):
+            h = self._layer(layer, h, cos, sin, None)
+        return h[0]
 
     def _layer(
         self,
         layer: int,
-        h: torch.Tensor,  # [B, T, H]
+        h: torch.Tensor,  # [1, N, H]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        caches: list[SessionCache] | None,
-        mask: torch.Tensor | None,
-        is_causal: bool,
+        ragged: _Ragged | None,  # None: one stateless step, causal over its own tokens
     ) -> torch.Tensor:
         block: Any = self.layers[layer - self.range.start]  # a transformers *DecoderLayer
         attn = block.self_attn
-        batch, tokens, _ = h.shape
+        tokens = h.shape[1]
         num_heads, num_kv, head_dim = self.spec.num_heads, self.spec.num_kv_heads, self.head_dim
 
-        x = block.input_layernorm(h)  # [B, T, H]
-        q = attn.q_proj(x).view(batch, tokens, num_heads, head_dim).transpose(1, 2)  # [B, nh, T, hd]
-        k = attn.k_proj(x).view(batch, tokens, num_kv, head_dim).transpose(1, 2)  # [B, nkv, T, hd]
-        v = attn.v_proj(x).view(batch, tokens, num_kv, head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        x = block.input_layernorm(h)  # [1, N, H]
+        q = attn.q_proj(x).view(1, tokens, num_heads, head_dim).transpose(1, 2)  # [1, nh, N, hd]
+        k = attn.k_proj(x).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
+        v = attn.v_proj(x).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         gqa = num_kv != num_heads
 
-        if caches is not None and batch > 1:
-            # Batched decode (T == 1): attention per session over its own cache, no padding.
-            outs = []
-            for b, cache in enumerate(caches):
-                keys, values = cache.append(layer, k[b], v[b])  # [nkv, L_b, hd]
+        if ragged is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=tokens > 1, scale=attn.scaling, enable_gqa=gqa
+            )  # [1, nh, N, hd]
+        else:
+            # Per step, its T queries over its own cache (past + its new keys): no padding across steps.
+            outs, offset = [], 0
+            for cache, size, (mask, causal) in zip(
+                ragged.caches, ragged.sizes, ragged.attention, strict=True
+            ):
+                keys, values = cache.append(
+                    layer, k[0, :, offset : offset + size], v[0, :, offset : offset + size]
+                )
                 outs.append(
                     F.scaled_dot_product_attention(
-                        q[b : b + 1], keys[None], values[None], scale=attn.scaling, enable_gqa=gqa
+                        q[:, :, offset : offset + size],  # [1, nh, T, hd]
+                        keys[None],  # [1, nkv, L, hd]
+                        values[None],
+                        attn_mask=mask,
+                        is_causal=causal,
+                        scale=attn.scaling,
+                        enable_gqa=gqa,
                     )
                 )
-            out = torch.cat(outs)  # [B, nh, 1, hd]
-        else:
-            if caches is not None:
-                keys, values = caches[0].append(layer, k[0], v[0])  # [nkv, L, hd], past + new
-                k, v = keys[None], values[None]  # [1, nkv, L, hd]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, scale=attn.scaling, enable_gqa=gqa
-            )  # [B, nh, T, hd]
-        out = out.transpose(1, 2).reshape(batch, tokens, num_heads * head_dim)  # [B, T, nh * hd]
+                offset += size
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, nh, N, hd]
+        out = out.transpose(1, 2).reshape(1, tokens, num_heads * head_dim)  # [1, N, nh * hd]
         h = h + attn.o_proj(out)
         return h + block.mlp(block.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """The steps of one batch as seen by attention: each step's cache, token count and (mask, is_causal)."""
+
+    caches: list[SessionCache]
+    sizes: list[int]
+    attention: list[tuple[torch.Tensor | None, bool]]

@@ -38,12 +38,17 @@ class SessionConfig:
         3600.0, "close a session this long after it opened, however busy (the client then replays it)"
     )
     reap_interval_s: float = setting(5.0, "how often idle sessions are looked for")
+    # Chunks of one pipelined prompt overtake each other by milliseconds; the bound delays the answer to a
+    # step of a session that expired (SessionError, and the client replays) by as much.
+    order_wait_s: float = setting(
+        1.0, "how long a session's later step waits for its first step to arrive and open the session"
+    )
 
     def __post_init__(self) -> None:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
         positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
         positive(self, "max_requests_per_remote")
-        positive(self, "max_session_lifetime_s")
+        positive(self, "max_session_lifetime_s", "order_wait_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"
@@ -55,14 +60,26 @@ class ExecutorConfig:
     """The torch executor of one device"""
 
     queue_jobs: int = setting(256, "jobs waiting for the torch thread; past this, requests get CapacityError")
-    max_batch: int = setting(8, "most decode steps fused into one forward call")
+    max_batch: int = setting(8, "most steps (of different sessions) fused into one forward call")
+    max_batch_tokens: int = setting(
+        288, "most tokens in one forward call: decode steps join a prefill chunk while they fit"
+    )
     prefill_chunk_tokens: int = setting(
-        256,
-        "a longer prefill runs in chunks of this many tokens; other sessions' decode steps run between them",
+        256, "a longer prefill runs in chunks of this many tokens; other sessions' steps run between them"
+    )
+    # A decode step that arrives while a chunk runs waits for it, then rides along with the next one: its
+    # latency grows by about two chunks per peer of its route. Small chunks keep that low while others decode;
+    # big ones waste less per-call overhead when nobody does (scripts/bench_prefill.py measures both).
+    busy_chunk_tokens: int = setting(
+        32, "prefill chunk size while other sessions decode here (at most prefill_chunk_tokens)"
+    )
+    decode_recent_s: float = setting(
+        2.0, "other sessions count as decoding for this long after their last one-token step here"
     )
 
     def __post_init__(self) -> None:
-        positive(self, "queue_jobs", "max_batch", "prefill_chunk_tokens")
+        positive(self, "queue_jobs", "max_batch", "max_batch_tokens", "prefill_chunk_tokens")
+        positive(self, "busy_chunk_tokens", "decode_recent_s")
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,27 @@
 """The one thread per device that runs torch, fed by a bounded queue, batching concurrent decode steps.
 
 The event loop never runs torch: the peer submits jobs and awaits their futures. A step names the BlockRange it
-runs on (a peer serves one range, or two while it moves). ``run()`` takes the oldest job and, when it is a
-one-token decode step, gathers every other queued decode step of a *different* session on the *same* BlockRange
-(up to ``max_batch``) into one ``BlockRange.forward`` call: continuous batching at step granularity. Prefill
-steps run alone. A full queue is a CapacityError at once, not an unbounded backlog.
+runs on (a peer serves one range, or two while it moves). ``run()`` takes the oldest job and gathers the queued
+steps of *other* sessions on the *same* BlockRange into one ``BlockRange.forward`` call, within a budget of
+steps and tokens: continuous batching at step granularity, decode steps riding along with a prefill chunk
+(Sarathi's chunked prefill; prefill is compute-bound, decode latency-bound). A long prefill runs as chunks,
+small ones while other sessions decode here. A full queue is a CapacityError at once, not an unbounded backlog.
 
 Opening and closing sessions also go through the queue (``call``), so a KV cache is only ever touched on the
 executor thread; the BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+
+Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt
+as consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the
+way. ``forward`` holds a step whose position is past the session's cached length until the earlier steps have
+run; if one of them fails here, the steps waiting behind it fail at once (SessionError) instead of at their
+deadline, so the client's failover starts without delay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +30,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarm.errors import CapacityError, SwarmError
+from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
 from swarm.peer.config import ExecutorConfig
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
 
 
 @dataclass(frozen=True)
@@ -46,19 +55,32 @@ class _Job:
     submitted: float = field(default_factory=time.perf_counter)
 
     @property
-    def is_decode(self) -> bool:
-        return self.step is not None and self.step.session_id is not None and self.step.hidden.shape[0] == 1
+    def session_id(self) -> str | None:
+        return self.step.session_id if self.step is not None else None
+
+    @property
+    def tokens(self) -> int:
+        return self.step.hidden.shape[0] if self.step is not None else 0
 
 
 class Executor:
     """Runs torch work on one worker thread. Start ``run()`` in the owner's TaskGroup before submitting."""
 
-    def __init__(self, config: ExecutorConfig | None = None, name: str = "torch") -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig | None = None,
+        name: str = "torch",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config or ExecutorConfig()
+        self.clock = clock  # only tells whether others decode now (_chunk_tokens); inject one in tests
+        self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         self._queue: asyncio.Queue[_Job] = asyncio.Queue(self.config.queue_jobs)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.batches_run = 0
         self.steps_run = 0
+        self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
+        self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
 
     @property
     def queued(self) -> int:
@@ -96,24 +118,73 @@ class Executor:
     async def forward(self, blocks: BlockRange, step: Step) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
-        A session's prefill longer than ``prefill_chunk_tokens`` runs as consecutive chunks, each its own job:
-        decode steps queued meanwhile run between two chunks instead of waiting for the whole prompt (prefill
-        is compute-bound, decode latency-bound). Each chunk extends the session's cache from where the last
-        one ended, so the output is the whole step's."""
-        chunk = self.config.prefill_chunk_tokens
+        A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
+        runs as consecutive chunks, each its own job (see _chunk_tokens): other sessions' steps queued meanwhile
+        run between two chunks, or with one, instead of waiting for the whole prompt. Each chunk extends the
+        session's cache from where the last one ended, so the output is the whole step's."""
+        sid = step.session_id
+        if sid is None:
+            return await self._forward_job(blocks, step)
+        if step.hidden.shape[0] == 1:
+            self._last_decode_s = self.clock()
+        await self._in_order(blocks, step)
+        if self._failed.get(sid, -1) >= step.position:
+            del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
+        try:
+            result = await self._forward_chunks(blocks, step)
+        except BaseException:
+            self._failed[sid] = step.position
+            while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
+                del self._failed[next(iter(self._failed))]
+            self._stepped.set()
+            raise
+        return result
+
+    async def _in_order(self, blocks: BlockRange, step: Step) -> None:
+        """Return once the session's cache on the step's layers reaches ``step.position``: every earlier step
+        has run, or is running its last layer (then this one queues behind it, and the one thread keeps the
+        order). SessionError when an earlier step of the session failed here; the caller's deadline bounds
+        the wait for one that has not arrived yet."""
+        sid = step.session_id
+        assert sid is not None
+        while True:
+            length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
+            if length >= step.position:
+                return
+            failed = self._failed.get(sid)
+            if failed is not None and failed < step.position:
+                raise SessionError(
+                    f"session {sid[:16]}: the step at position {failed} failed here, so the step at "
+                    f"{step.position} cannot run: replay from it"
+                )
+            self._stepped.clear()
+            await self._stepped.wait()
+
+    async def _forward_chunks(self, blocks: BlockRange, step: Step) -> StepResult:
+        """``step`` as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is queued."""
         tokens = step.hidden.shape[0]
-        if step.session_id is None or tokens <= chunk:
+        if tokens <= self._chunk_tokens():
             return await self._forward_job(blocks, step)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
-        for offset in range(0, tokens, chunk):
-            hidden = step.hidden[offset : offset + chunk]  # [<=chunk, H]
+        offset = 0
+        while offset < tokens:
+            hidden = step.hidden[offset : offset + self._chunk_tokens()]  # [<=chunk, H]
             part = await self._forward_job(
                 blocks, Step(step.session_id, hidden, step.start, step.end, step.position + offset)
             )
             parts.append(part.hidden)
+            offset += hidden.shape[0]
             queue_s, compute_s = queue_s + part.queue_s, compute_s + part.compute_s
         return StepResult(torch.cat(parts), queue_s, compute_s)
+
+    def _chunk_tokens(self) -> int:
+        """Small chunks while other sessions decode here (their steps wait for the chunk in progress), big
+        ones otherwise (less overhead per token)."""
+        config = self.config
+        if self.clock() - self._last_decode_s < config.decode_recent_s:
+            return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
+        return config.prefill_chunk_tokens
 
     async def _forward_job(self, blocks: BlockRange, step: Step) -> StepResult:
         loop = asyncio.get_running_loop()
@@ -129,6 +200,7 @@ class Executor:
                 if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
                     continue
                 await self._execute(loop, self._take_batch(first))
+                self._stepped.set()
         finally:
             while not self._queue.empty():
                 job = self._queue.get_nowait()
@@ -137,21 +209,26 @@ class Executor:
             self._thread.shutdown(wait=False, cancel_futures=True)
 
     def _take_batch(self, first: _Job) -> list[_Job]:
-        """``first`` plus queued decode steps of other sessions, keeping the rest of the queue in order."""
-        if not first.is_decode:
+        """``first`` plus queued steps of other sessions on the same blocks (decode steps and prefill chunks
+        alike) within ``max_batch`` steps and ``max_batch_tokens`` tokens; the rest of the queue keeps its order,
+        and no step is taken past an earlier one of its own session."""
+        if first.session_id is None:
             return [first]
-        batch, kept = [first], []
-        sessions = {first.step.session_id if first.step else None}
+        batch, kept, tokens = [first], [], first.tokens
+        sessions = {first.session_id}  # in the batch, or skipped: later steps of theirs must not overtake
         while not self._queue.empty():
             job = self._queue.get_nowait()
             if job.future.cancelled():
                 continue
-            if len(batch) < self.config.max_batch and job.is_decode and job.blocks is first.blocks:
-                if job.step is not None and job.step.session_id not in sessions:
-                    sessions.add(job.step.session_id)
-                    batch.append(job)
-                    continue
-            kept.append(job)
+            sid = job.session_id
+            fits = len(batch) < self.config.max_batch and tokens + job.tokens <= self.config.max_batch_tokens
+            if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
+                batch.append(job)
+                tokens += job.tokens
+            else:
+                kept.append(job)
+            if sid is not None:
+                sessions.add(sid)
         for job in kept:  # put back what we skipped, in order (the queue had room for them a moment ago)
             self._queue.put_nowait(job)
         return batch

@@ -32,6 +32,7 @@ from swarm.types import LayerRange
 from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
+_MAX_FAILED_OPENS = 4096  # failed opens remembered for the later steps of their attempt
 
 
 class Status(enum.StrEnum):
@@ -121,7 +122,9 @@ class Peer:
         # Peer ids in our latest read of the DHT (any state); None until a read that lists us came in.
         self.live = LiveView(identity.peer_id, clock, read_live)  # the swarm's peer ids, as we last read them
         self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
-        self._sessions_changed = asyncio.Event()
+        self._sessions_changed = asyncio.Event()  # a session opened, began opening, or closed
+        self._opening: dict[str, asyncio.Future[None]] = {}  # sessions whose first step is opening them
+        self._open_failed: dict[str, float] = {}  # sessions whose first step just failed here -> when
 
     @property
     def peer_id(self) -> str:
@@ -232,27 +235,73 @@ class Peer:
         self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int
     ) -> Served:
         """The range that runs this step of session ``key`` (see session_key): where it is open, else where
-        it opens now for ``owner``."""
+        it opens now for ``owner``.
+
+        A later step (position > 0) may overtake the session's first step on the way (a client pipelines a
+        long prompt as chunks sent without waiting): it waits, at most ``order_wait_s``, for the first step
+        to open the session, and fails at once if that open fails. The executor then runs the steps in
+        position order (Executor.forward)."""
         served = self.find(key)
+        if served is None and position == 0:
+            return await self._open(key, owner, layers, max_length_tokens)
+        opening = self._opening.get(key)
+        if served is None or opening is not None:  # not open yet, or its first step is opening it
+            await self._wait_opened(key)
+            served = self.find(key)
         if served is None:
-            served = await self._open(key, owner, layers, position, max_length_tokens)
-        elif not served.range.covers(layers):
+            raise SessionError(
+                f"unknown session {key[:16]} at position {position} (expired or never opened): "
+                "reopen it and replay the prefix"
+            )
+        if not served.range.covers(layers):
             raise CapacityError(f"layers {layers} requested, session is open on {served.range}")
         return served
+
+    async def _wait_opened(self, key: str) -> None:
+        """Wait up to ``order_wait_s`` for session ``key``'s first step to open it; SessionError if its open
+        failed. Returns on a timeout too (the session expired or never opened: the caller says so)."""
+        failed_s = self._open_failed.get(key)
+        if failed_s is not None and self.clock() - failed_s < self.config.order_wait_s:
+            raise SessionError(f"session {key[:16]}: its first step failed here")
+        opening = self._opening.get(key)
+        if opening is None:  # a placeholder that the first step's _open settles
+            opening = self._opening[key] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self.config.order_wait_s):
+                await asyncio.shield(opening)
+        except TimeoutError:
+            if self._opening.get(key) is opening and self.find(key) is None:
+                del self._opening[key]
+            logger.debug("session %s: no first step within %.1f s", key[:8], self.config.order_wait_s)
 
     def touch(self, key: str) -> None:
         served = self.find(key)
         if served is not None:
             served.sessions[key].last_used_s = self.clock()
 
-    async def _open(
-        self, key: str, owner: str, layers: LayerRange, position: int, max_length_tokens: int
+    async def _open(self, key: str, owner: str, layers: LayerRange, max_length_tokens: int) -> Served:
+        # Later steps of the session that overtook this first one wait on `opening` (_wait_opened).
+        self._open_failed.pop(key, None)
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = self._opening[key] = asyncio.get_running_loop().create_future()
+        try:
+            served = await self._reserve_and_open(key, owner, layers, max_length_tokens)
+        except BaseException as e:
+            _settle(opening, SessionError(f"session {key[:16]}: its first step failed here ({e!r})"))
+            # Steps of this attempt still on their way fail at once too; the replay's first step clears it.
+            self._open_failed[key] = self.clock()
+            while len(self._open_failed) > _MAX_FAILED_OPENS:
+                del self._open_failed[next(iter(self._open_failed))]
+            raise
+        finally:
+            self._opening.pop(key, None)  # a waiter that gave up may have dropped it already
+        _settle(opening, None)
+        return served
+
+    async def _reserve_and_open(
+        self, key: str, owner: str, layers: LayerRange, max_length_tokens: int
     ) -> Served:
-        if position != 0:
-            raise SessionError(
-                f"unknown session {key[:16]} at position {position} (expired or never opened): "
-                "reopen it and replay the prefix"
-            )
         served = self.current
         if self.status in (Status.DRAINING, Status.LEAVING) or served is None:
             raise CapacityError("peer is leaving the swarm and takes no new sessions")
@@ -410,6 +459,15 @@ class Peer:
             reachable=self.reachable,
             updated_at=0.0,
         )
+
+
+def _settle(opening: asyncio.Future[None], error: SessionError | None) -> None:
+    """Tell the steps waiting for a session's open how it went."""
+    if error is None:
+        opening.set_result(None)
+        return
+    opening.set_exception(error)
+    opening.exception()  # retrieved: nobody may be waiting, which is no reason to log it
 
 
 def _forget(blocks: BlockRange, key: str) -> None:

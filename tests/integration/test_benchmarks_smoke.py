@@ -267,3 +267,38 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     assert during["p99"] >= during["p50"]
     assert out["tokens_match"] is True  # greedy tokens through the swarm equal local transformers'
     assert set(out["peer_batches"]) >= {"processes/2", "one_client/2"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_prefill_tiny() -> None:
+    args = [
+        "--model",
+        "tiny",
+        "--tokens",
+        "64",
+        "--client-chunk-tokens",
+        "16",
+        "--repeats",
+        "1",
+        "--sessions",
+        "2",
+    ]
+    out = _check(
+        _run_json(["scripts/bench_prefill.py", *args], 280),
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "tokens": lambda v: v == 64,
+            "peer_args": lambda v: v == "",
+            "ttft_s": lambda v: set(v) == {"local", "swarm_whole", "swarm_pipelined"},
+            "swarm_whole_vs_local_best": _positive,
+            "swarm_whole_vs_local_median": _positive,
+            "swarm_pipelined_vs_local_best": _positive,
+            "swarm_pipelined_vs_local_median": _positive,
+            "first_token_match": lambda v: v is True,  # whole and pipelined both give transformers' token
+            "decode_during_prefill": lambda v: all(
+                _positive(v[k]) for k in ("p50_alone_ms", "p50_ms", "p99_ms")
+            ),
+            "load_avg_1m": _non_negative,
+        },
+    )
+    assert all(len(times) == 1 and _positive(times[0]) for times in out["ttft_s"].values())

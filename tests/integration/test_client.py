@@ -72,6 +72,18 @@ def test_three_peers_answer_exactly_like_transformers(client: SwarmClient, expec
     assert session is not None and len(session.stages) == 3 and session.failovers == 0
 
 
+@pytest.mark.timeout(300)
+def test_a_prompt_pipelined_in_chunks_across_the_peers_answers_exactly_like_transformers(
+    default_swarm: LocalSwarm, expected_answer: str
+) -> None:
+    """The chat prompt (~37 tokens) goes as 5 chunks sent at once, so the three peers compute different
+    chunks at the same time and may receive them out of order; the answer is still transformers'."""
+    with SwarmClient(default_swarm.initial_peers, model="default", prefill_chunk_tokens=8) as pipelined:
+        assert pipelined.generate(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS) == expected_answer
+        session = pipelined.aclient.last_session
+        assert session is not None and session.failovers == 0
+
+
 @pytest.mark.timeout(120)
 def test_stream_yields_the_same_text_piece_by_piece(client: SwarmClient, expected_answer: str) -> None:
     pieces = list(client.stream(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS))

@@ -19,6 +19,7 @@ from client.config import ClientConfig
 from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain, LocalRoutes, in_process_client
 from client.retry import Action
+from client.session import prefill_chunks
 from swarm.errors import CapacityError, NoRouteError, ProtocolError, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
@@ -45,6 +46,7 @@ def make_client(
 ) -> tuple[AsyncSwarmClient, LocalChain]:
     blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
     # No spot-checks here: these tests count the calls each step makes (test_spot.py checks spot-checks).
+    settings.setdefault("prefill_chunk_tokens", 256)
     config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0, **settings)
     client = in_process_client(source.load_head(), blocks, source.tokenizer(), config, clock=clock)
     assert isinstance(client.chain, LocalChain)
@@ -85,6 +87,42 @@ def test_greedy_ids_equal_transformers(tiny: ModelSource, tiny_reference: Any) -
     assert [c for c in chain.calls if c[0] == "a"] == [("a", 0, 8)] + [("a", 8 + i, 1) for i in range(11)]
     # the session was closed on every peer
     assert all(not block.active_sessions for block in chain.blocks.values())
+
+
+def test_a_prompt_pipelined_in_chunks_equals_transformers(tiny: ModelSource, tiny_reference: Any) -> None:
+    client, chain = make_client(tiny, TINY_SPLIT, prefill_chunk_tokens=3)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 6, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 6)
+    sizes = prefill_chunks(len(PROMPT_IDS), 0, 3)
+    assert len(sizes) == 3 and sum(sizes) == len(PROMPT_IDS)
+    starts = [0, sizes[0], sizes[0] + sizes[1]]
+    # the prompt went as three steps, each through the three stages; then one-token decode steps
+    assert [c for c in chain.calls if c[0] == "a"][:4] == [
+        ("a", p, n) for p, n in zip(starts, sizes, strict=True)
+    ] + [("a", 8, 1)]
+
+
+def test_a_failed_chunk_fails_over_and_replays_the_prompt_in_chunks(
+    tiny: ModelSource, tiny_reference: Any
+) -> None:
+    """The middle peer dies on the prompt's second chunk: the step fails over like any other (ban, re-route,
+    replay from position 0, in chunks again) and the answer is the same."""
+    client, chain = make_client(tiny, {**TINY_SPLIT, "b2": (2, 4)}, prefill_chunk_tokens=3)
+
+    def kill_middle_at_second_chunk(step: int) -> None:
+        if step == 2:
+            assert client.last_session is not None
+            chain.dead.add(client.last_session.stages[1].peer_id)
+
+    chain.on_step = kill_middle_at_second_chunk
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 6, SamplingParams()))
+    assert got == greedy_reference(tiny_reference, PROMPT_IDS, 6)
+    session = client.last_session
+    assert session is not None and session.failovers == 1
+    sizes = prefill_chunks(len(PROMPT_IDS), 0, 3)
+    chunks = [("a", 0, sizes[0]), ("a", sizes[0], sizes[1]), ("a", sizes[0] + sizes[1], sizes[2])]
+    # all three chunks ran on the first hop (two of them then failed further on), then the replay, in chunks
+    assert [c for c in chain.calls if c[0] == "a"][:7] == [*chunks, *chunks, ("a", 8, 1)]
 
 
 def test_seeded_sampling_equals_the_same_sampler_over_transformers(

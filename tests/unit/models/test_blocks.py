@@ -115,6 +115,33 @@ def test_batched_decode_equals_separate_runs(tiny_source, head, whole) -> None: 
     assert all(whole.session_length(s, 5) == len(p) + 6 for s, p in prompts.items())
 
 
+def test_decode_steps_and_prefill_chunks_in_one_forward_equal_separate_runs(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    """One forward of: a first prefill chunk (position 0), a later chunk (position 5, attends to its cache),
+    and two decode steps of other sessions: each output and each cache equal running the steps one by one."""
+    hidden = torch.randn(12, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    prepared = {"p1": hidden[:5], "d1": hidden[:3], "d2": hidden[:7]}
+    steps = [
+        Step("p0", hidden[:4], 0, 6, 0),
+        Step("d1", hidden[9:10], 0, 6, 3),
+        Step("p1", hidden[5:11], 0, 6, 5),
+        Step("d2", hidden[11:12], 0, 6, 7),
+    ]
+    outputs = {}
+    for mixed in (True, False):
+        blocks = tiny_source.load_blocks(0, 6, cache_tokens=1000)
+        for session in ("p0", "p1", "d1", "d2"):
+            blocks.open_session(session, 16)
+        for session, prefix in prepared.items():
+            blocks.forward([Step(session, prefix, 0, 6, 0)])
+        outs = blocks.forward(steps) if mixed else [blocks.forward([step])[0] for step in steps]
+        after = [
+            blocks.forward([Step(s, hidden[:1], 0, 6, blocks.session_length(s, 5))])[0] for s in prepared
+        ]
+        outputs[mixed] = [*outs, *after]
+    for got, want in zip(outputs[True], outputs[False], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_sub_range_steps_inside_a_block(head, whole, split) -> None:  # type: ignore[no-untyped-def]
     """A session run as [0,3) then [3,6) through one 0:6 block equals the 0:2/2:4/4:6 split."""
     whole.open_session("s", 20)

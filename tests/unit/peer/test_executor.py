@@ -191,3 +191,69 @@ def test_a_job_whose_caller_gave_up_while_queued_is_skipped(blocks: BlockRange) 
 
     asyncio.run(main())
     assert ran == ["kept"]
+
+
+def test_decode_steps_ride_along_a_prefill_chunk_within_the_token_budget(blocks: BlockRange) -> None:
+    """A prefill chunk of 8 tokens and three decode steps queued together: with a budget of 10 tokens the
+    chunk and two decodes share one forward call, the third decode runs next; every output equals its step
+    run alone."""
+    executor = Executor(ExecutorConfig(max_batch_tokens=10))
+    sessions = ["p", "d1", "d2", "d3"]
+    steps = [Step("p", _hidden(blocks, 8, 1), 0, 2, 0)]
+    steps += [Step(sid, _hidden(blocks, 1, 2 + i), 0, 2, 3) for i, sid in enumerate(sessions[1:])]
+
+    async def main() -> list[torch.Tensor]:
+        for sid in sessions:
+            blocks.open_session(sid, 16)
+            if sid != "p":
+                blocks.forward([Step(sid, _hidden(blocks, 3, 9), 0, 2, 0)])
+        queued = [asyncio.ensure_future(executor.forward(blocks, step)) for step in steps]
+        for _ in range(3):
+            await asyncio.sleep(0)  # each forward passes its order check and queues its job
+        assert executor.queued == 4
+        results = await _with_executor(executor, lambda: asyncio.gather(*queued))
+        assert (executor.batches_run, executor.steps_run) == (2, 4)
+        return [r.hidden for r in results]  # type: ignore[attr-defined]
+
+    mixed = asyncio.run(main())
+    for sid in sessions:
+        blocks.close_session(sid)
+    for sid, step, out in zip(sessions, steps, mixed, strict=True):
+        blocks.open_session(sid, 16)
+        if sid != "p":
+            blocks.forward([Step(sid, _hidden(blocks, 3, 9), 0, 2, 0)])
+        torch.testing.assert_close(out, blocks.forward([step])[0], atol=1e-5, rtol=1e-5)
+        blocks.close_session(sid)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_prefill_runs_in_small_chunks_only_while_other_sessions_decode(blocks: BlockRange) -> None:
+    clock = _Clock()
+    config = ExecutorConfig(prefill_chunk_tokens=32, busy_chunk_tokens=8, decode_recent_s=1.0)
+    executor = Executor(config, clock=clock)
+
+    async def prefill_jobs(sid: str) -> int:
+        await executor.call(lambda: blocks.open_session(sid, 64))
+        before = executor.steps_run
+        await executor.forward(blocks, Step(sid, _hidden(blocks, 40, 4), 0, 2, 0))
+        return executor.steps_run - before
+
+    async def body() -> list[int]:
+        jobs = [await prefill_jobs("quiet")]  # 32 + 8
+        await executor.forward(blocks, Step("quiet", _hidden(blocks, 1, 5), 0, 2, 40))  # someone decodes
+        clock.now += 0.5
+        jobs.append(await prefill_jobs("busy"))  # 5 x 8
+        clock.now += 1.0
+        jobs.append(await prefill_jobs("quiet again"))
+        for sid in ("quiet", "busy", "quiet again"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return jobs
+
+    assert asyncio.run(_with_executor(executor, body)) == [2, 5, 2]

@@ -36,7 +36,9 @@ class Fixture:
     def __init__(self) -> None:
         self.clock = Clock()
         self.h: PeerHandlers = _handlers(self.clock, idle_timeout_s=60.0, cache_tokens=64)
-        self.h.peer.config = SessionConfig(idle_timeout_s=60.0, max_sessions_per_remote=3)
+        # order_wait_s is real time: a step of an unknown session at a position past 0 waits that long for
+        # a first step that never comes (each example runs its actions one after another).
+        self.h.peer.config = SessionConfig(idle_timeout_s=60.0, max_sessions_per_remote=3, order_wait_s=0.001)
         self.loop = asyncio.new_event_loop()
         self.executor_task = self.loop.create_task(self.h.peer.executor.run())
         self.cases = 0

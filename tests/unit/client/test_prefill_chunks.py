@@ -1,0 +1,43 @@
+"""How a long prompt is cut for pipelining (client.session.prefill_chunks): pure arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from client.session import prefill_chunks
+
+
+@pytest.mark.parametrize(
+    ("tokens", "position", "chunk"), [(2048, 0, 256), (512, 0, 256), (300, 7, 64), (5, 0, 1)]
+)
+def test_chunks_cover_the_prompt_once_and_count_one_per_chunk_tokens(
+    tokens: int, position: int, chunk: int
+) -> None:
+    sizes = prefill_chunks(tokens, position, chunk)
+    assert sum(sizes) == tokens and min(sizes) >= 1
+    assert len(sizes) == -(-tokens // chunk)
+
+
+def test_later_chunks_hold_fewer_tokens_for_the_same_cost() -> None:
+    """A token's attention grows with its position, so equal-cost chunks shrink; without attention cost
+    (a huge attention_tokens) they are equal."""
+    sizes = prefill_chunks(2048, 0, 256, attention_tokens=3000)
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1.3 * sizes[-1]
+    assert prefill_chunks(2048, 0, 256, attention_tokens=10**12) == [256] * 8
+
+    def cost(a: int, b: int) -> float:
+        return (b - a) + (b * b - a * a) / 6000
+
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    costs = [cost(a, b) for a, b in itertools.pairwise(bounds)]
+    assert max(costs) / min(costs) < 1.02
+
+
+def test_short_prompts_and_no_chunking_go_whole() -> None:
+    assert prefill_chunks(37, 0, 256) == [37]
+    assert prefill_chunks(1, 500, 256) == [1]
+    assert prefill_chunks(4096, 0, 0) == [4096]
