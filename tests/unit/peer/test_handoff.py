@@ -72,14 +72,36 @@ def test_steps_of_other_positions_or_sessions_do_not_meet_the_wait() -> None:
     asyncio.run(body())
 
 
-def test_a_second_wait_for_the_same_step_is_refused() -> None:
+def test_a_new_wait_of_a_session_replaces_its_abandoned_one() -> None:
+    """A client that gave up on a step (its wait's stream closed) and replays it waits again: the new wait
+    gets the step, the old one fails instead of holding the slot until its deadline."""
+
+    async def body() -> None:
+        handoff = Handoff()
+        abandoned = asyncio.create_task(handoff.take("s1", 0))
+        other_session = asyncio.create_task(handoff.take("s2", 0))
+        await asyncio.sleep(0)
+        replay = asyncio.create_task(handoff.take("s1", 0))
+        await asyncio.sleep(0)
+        with pytest.raises(CapacityError, match="newer wait"):
+            await abandoned
+        parked = _parked()
+        handoff.park("s1", 0, parked)
+        assert await replay is parked
+        assert not other_session.done()
+        other_session.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_wait_for_a_step_already_being_computed_is_refused() -> None:
     async def body() -> None:
         handoff = Handoff()
         first = asyncio.create_task(handoff.take("s1", 3))
         await asyncio.sleep(0)
+        handoff.park("s1", 3, _parked())
         with pytest.raises(CapacityError, match="already waited for"):
             await handoff.take("s1", 3)
-        handoff.park("s1", 3, _parked())
         await first
 
     asyncio.run(body())
