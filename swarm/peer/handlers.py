@@ -66,9 +66,8 @@ class PeerHandlers:
         self.config = config or SessionConfig()
         self.in_flight: Counter[str] = Counter()  # steps being served, per remote peer
         self.faults = faults  # TEST ONLY (--faulty-output-rate): corrupts some outputs, for spot-check tests
-        self.handoff = (
-            Handoff()
-        )  # wait_result steps meet their clients' waits here (when we are the last hop)
+        # wait_result steps meet their clients' waits here (when we are the last hop of their route)
+        self.handoff = Handoff()
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
