@@ -1,9 +1,11 @@
 """The remote chain: one step of a session goes to the route's first peer, which forwards it peer to peer.
 
 The client sends the hidden states once, to the first stage, with the rest of the route as `route_rest`; each
-peer computes its layers and pushes the result to the next hop itself, and the last hop's output comes back
-the same way. So a decode step costs one round trip from the client plus one hop per stage, not one
-client round trip per stage.
+peer computes its layers and pushes the result to the next hop itself. The last hop's output comes straight
+back to the client: with the step (sent with `wait_result`) goes a StepWait to the last hop, which answers it
+with the output, while the step's own call returns as soon as every hop has accepted it. So a decode step costs
+one message per hop plus one back, and no peer relays the output (see swarm.peer.handoff). A one-stage route
+just calls its peer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from hivemind.p2p import P2P
 
 from swarm.errors import SwarmError
 from swarm.routing.route import Stage
-from swarm.transport import call_close, call_info, call_step
+from swarm.transport import call_close, call_info, call_step, call_step_acked, call_wait
 from swarm.types import NodeID, SessionID
-from swarm.wire import CloseRequest, Hop, StepRequest
+from swarm.wire import CloseRequest, Hop, StepReply, StepRequest, StepWait
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class RemoteChain:
         position: int,
         hidden: torch.Tensor,
         max_length_tokens: int,
+        *,
+        relayed: bool = False,
     ) -> torch.Tensor:
         first, *rest = self._hops(stages)
         request = StepRequest(
@@ -71,11 +75,41 @@ class RemoteChain:
             model_hash=self.model_hash,
             route_rest=tuple(rest),
             timeout_s=self.step_timeout_s,  # the route stops working on it when we stop waiting
+            wait_result=bool(rest) and not relayed,
         )
-        reply = await call_step(
-            self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
-        )
+        if not request.wait_result:
+            reply = await call_step(
+                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+            )
+        else:
+            reply = await self._step_and_wait(request, first, rest[-1])
         return reply.hidden.to(hidden.dtype)
+
+    async def _step_and_wait(self, request: StepRequest, first: Hop, last: Hop) -> StepReply:
+        """Send ``request`` down the route and wait for its output at ``last``; a failure of either raises,
+        naming the failed hop, and cancels the other."""
+        wait = StepWait(request.session_id, request.position, self.step_timeout_s)
+        waiter = asyncio.ensure_future(
+            call_wait(
+                self.p2p,
+                last.peer_id,
+                wait,
+                maddrs=last.maddrs,
+                timeout_s=self.step_timeout_s,
+                reply_bytes_hint=request.hidden.numel() * request.hidden.element_size(),
+            )
+        )
+        try:
+            await call_step_acked(
+                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+            )
+            return await waiter
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                await asyncio.wait([waiter])  # the step failed first: its error is the one we raise
+            if not waiter.cancelled():
+                waiter.exception()  # retrieved, so asyncio does not log it as lost
 
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """`stage` alone on `hidden` as a fresh session at position 0, closed after; the output in the dtype the

@@ -49,6 +49,8 @@ class LocalChain:
         position: int,
         hidden: torch.Tensor,
         max_length_tokens: int,
+        *,
+        relayed: bool = False,
     ) -> torch.Tensor:
         self._steps += 1
         if self.on_step is not None:

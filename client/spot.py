@@ -117,7 +117,9 @@ class CheckChain(Protocol):
         position: int,
         hidden: torch.Tensor,
         max_length_tokens: int,
-    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage
+        *,
+        relayed: bool = False,
+    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage (relayed: each hop answers its caller)
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None: ...
 
@@ -229,7 +231,9 @@ class SpotChecker:
         """`stages` as one forwarded step from position 0 in a fresh session (closed after): peer to peer."""
         session_id = SessionID(secrets.token_hex(16))
         try:
-            return await self.chain.step(session_id, stages, 0, hidden, hidden.shape[0])
+            # Relayed, each hop answering its caller: that is the path on which a hop could answer for the hops
+            # after it (on the default path the last hop answers the client directly)
+            return await self.chain.step(session_id, stages, 0, hidden, hidden.shape[0], relayed=True)
         finally:
             await _close_quietly(self.chain, session_id, stages)
 

@@ -5,8 +5,11 @@
 
 Join time is process start to serving (``--maddr-file`` written, i.e. loaded, measured, announced), with the
 model already in the local cache. The per-hop overhead is (route step - local step) / hops, where the local
-step runs the same layers in-process on a BlockRange; the route step is one call_step to the first peer, which
-forwards to the next two. Fixed seeds; every number is a median over ``--steps`` decode steps.
+step runs the same layers in-process on a BlockRange; the route step is what the client does (a step with
+``wait_result`` to the first peer, which forwards to the next two, and a StepWait for the output at the last);
+``relayed_*`` is the same step with the output relayed back along the chain. The two kinds of step alternate,
+so both see the same (shared, noisy) machine. Fixed seeds; every number is a median over ``--steps`` decode
+steps.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import torch
 from swarm.models.blocks import Step
 from swarm.models.loading import resolve_model
 from swarm.testing import LocalSwarm, swarm_client
-from swarm.transport import call_close, call_step
-from swarm.wire import CloseRequest, Hop, StepRequest
+from swarm.transport import call_close, call_step, call_step_acked, call_wait
+from swarm.wire import CloseRequest, Hop, StepRequest, StepWait
 
 
 def main() -> None:
@@ -75,8 +78,10 @@ def main() -> None:
 
     route_s = [r[0] for r in route]
     compute_s = [r[1] for r in route]
+    relayed_s = [r[2] for r in route]
     local_med = statistics.median(local_s)
     route_med = statistics.median(route_s)
+    relayed_med = statistics.median(relayed_s)
     print(
         json.dumps(
             {
@@ -91,6 +96,8 @@ def main() -> None:
                 "route_compute_ms_sum_of_hops": 1e3 * statistics.median(compute_s),
                 "overhead_per_hop_ms": 1e3 * (route_med - local_med) / 3,
                 "route_step_ms_p90": 1e3 * sorted(route_s)[int(0.9 * (len(route_s) - 1))],
+                "relayed_decode_step_ms": 1e3 * relayed_med,
+                "relayed_overhead_per_hop_ms": 1e3 * (relayed_med - local_med) / 3,
             },
             indent=2,
         )
@@ -105,25 +112,60 @@ async def _route_steps(
     model_hash: str,
     steps: int,
     max_length: int,
-) -> list[tuple[float, float]]:
+) -> list[tuple[float, float, float]]:
+    """(wait_result step s, its compute s summed over hops, relayed step s) per decode step.
+
+    Two sessions, one per kind of step, fed the same tokens."""
     first, *rest = hops
-    session = uuid.uuid4().hex
+    last = hops[-1]
+    sessions = (uuid.uuid4().hex, uuid.uuid4().hex)
     out = []
     async with swarm_client(swarm.initial_peers, model_hash) as (_dht, _directory, p2p):
         embed = head.embed  # type: ignore[attr-defined]
-        prefill = StepRequest(
-            session, 0, embed(tokens), first.start, first.end, max_length, model_hash, tuple(rest)
+
+        def request(session: str, position: int, hidden: torch.Tensor, wait: bool) -> StepRequest:
+            return StepRequest(
+                session,
+                position,
+                hidden,
+                first.start,
+                first.end,
+                max_length,
+                model_hash,
+                tuple(rest),
+                60.0,
+                wait,
+            )
+
+        async def waited(session: str, position: int, hidden: torch.Tensor) -> float:
+            wait = call_wait(
+                p2p, last.peer_id, StepWait(session, position, 60.0), maddrs=last.maddrs, timeout_s=60
+            )
+            _, reply = await asyncio.gather(
+                call_step_acked(
+                    p2p, first.peer_id, request(session, position, hidden, True), maddrs=first.maddrs
+                ),
+                wait,
+            )
+            return reply.timings[-1].compute_s
+
+        await waited(sessions[0], 0, embed(tokens))
+        await call_step(
+            p2p, first.peer_id, request(sessions[1], 0, embed(tokens), False), maddrs=first.maddrs
         )
-        await call_step(p2p, first.peer_id, prefill, maddrs=first.maddrs, timeout_s=60)
         for i in range(steps):
             hidden = embed(tokens[i % len(tokens)][None])
-            request = StepRequest(
-                session, len(tokens) + i, hidden, first.start, first.end, max_length, model_hash, tuple(rest)
-            )
             started = time.perf_counter()
-            reply = await call_step(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=60)
-            out.append((time.perf_counter() - started, sum(t.compute_s for t in reply.timings)))
-        await call_close(p2p, first.peer_id, CloseRequest(session, tuple(rest)), maddrs=first.maddrs)
+            await waited(sessions[0], len(tokens) + i, hidden)
+            waited_s = time.perf_counter() - started
+            started = time.perf_counter()
+            reply = await call_step(
+                p2p, first.peer_id, request(sessions[1], len(tokens) + i, hidden, False), maddrs=first.maddrs
+            )
+            relayed_s = time.perf_counter() - started
+            out.append((waited_s, sum(t.compute_s for t in reply.timings), relayed_s))
+        for session in sessions:
+            await call_close(p2p, first.peer_id, CloseRequest(session, tuple(rest)), maddrs=first.maddrs)
     return out
 
 

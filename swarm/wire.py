@@ -9,6 +9,8 @@ malformed input and a peer never crashes on it.
 Requests and their replies:
 
     StepRequest    -> StepReply     one inference step of a session, forwarded along ``route_rest``
+                   -> StepAck       the same, sent with ``wait_result``: the last hop's output goes to a StepWait
+    StepWait       -> StepReply     the output of one step, from the route's last hop straight to the client
     CloseRequest   -> CloseReply    close a session on this peer and every hop in ``route_rest``
     InfoRequest    -> InfoReply     what the peer serves right now
     ProbeRequest   -> ProbeReply    link measurement (payload for bandwidth, empty for RTT) and dial-back
@@ -119,6 +121,29 @@ class StepRequest:
     model_hash: str
     route_rest: tuple[Hop, ...] = ()
     timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    # The client waits for the output at the last hop (StepWait) instead of down the chain: each hop answers
+    # its caller with a StepAck once the next hop has accepted the step, so relays are off the critical path.
+    wait_result: bool = False
+
+
+@dataclass(frozen=True)
+class StepAck:
+    """A step with ``wait_result`` accepted by this hop and every later one (their timings so far)."""
+
+    timings: tuple[HopTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepWait:
+    """The output of step ``position`` of ``session_id``, once the route's last hop has computed it.
+
+    The session id is a random secret of the client, known only to the hops of its route; a wait names no
+    remote peer, so it is the one way a hop's output reaches the client without passing back along the chain.
+    """
+
+    session_id: str
+    position: int
+    timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -212,17 +237,19 @@ class ErrorReply:
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
-Request = StepRequest | CloseRequest | InfoRequest | ProbeRequest
-Reply = StepReply | CloseReply | InfoReply | ProbeReply | ErrorReply
+Request = StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest
+Reply = StepReply | StepAck | CloseReply | InfoReply | ProbeReply | ErrorReply
 
 _REQUEST_KINDS: dict[type, str] = {
     StepRequest: "step",
+    StepWait: "wait",
     CloseRequest: "close",
     InfoRequest: "info",
     ProbeRequest: "probe",
 }
 _REPLY_KINDS: dict[type, str] = {
     StepReply: "step_reply",
+    StepAck: "step_ack",
     CloseReply: "close_reply",
     InfoReply: "info_reply",
     ProbeReply: "probe_reply",
@@ -230,7 +257,8 @@ _REPLY_KINDS: dict[type, str] = {
 }
 # The reply each request verb expects (besides ErrorReply).
 REPLY_FOR: dict[type, type] = {
-    StepRequest: StepReply,
+    StepRequest: StepReply,  # StepAck when it has wait_result
+    StepWait: StepReply,
     CloseRequest: CloseReply,
     InfoRequest: InfoReply,
     ProbeRequest: ProbeReply,
@@ -238,7 +266,7 @@ REPLY_FOR: dict[type, type] = {
 
 
 def request_verb(request: Request) -> str:
-    """ "step", "close", "info" or "probe": the rpc_<verb> that handles this request."""
+    """ "step", "wait", "close", "info" or "probe": the rpc_<verb> that handles this request."""
     return _REQUEST_KINDS[type(request)]
 
 
@@ -246,12 +274,16 @@ def request_verb(request: Request) -> str:
 
 
 def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """(dtype, shape, raw bytes); the tensor is moved to CPU and made contiguous, its dtype is kept."""
+    """(dtype, shape, raw bytes); the tensor is moved to CPU and made contiguous, its dtype is kept.
+
+    ``data`` is a view of the tensor's memory (no copy; msgpack copies it once, into the message), so the
+    tensor must not change before the message is packed.
+    """
     name = _DTYPE_NAMES.get(tensor.dtype)
     if name is None:
         raise ProtocolError(f"cannot send a {tensor.dtype} tensor: wire dtypes are {sorted(WIRE_DTYPES)}")
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes()
+    data = flat.view(torch.uint8).numpy().data
     return {"dtype": name, "shape": list(tensor.shape), "data": data}
 
 
@@ -267,7 +299,7 @@ def decode_tensor(obj: object, what: str = "tensor") -> torch.Tensor:
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_TOKENS * 16 for d in shape):
         raise ProtocolError(f"{what}: every dimension must be a positive int, got shape {shape}")
     data = body.get("data")
-    if not isinstance(data, bytes):
+    if not isinstance(data, bytes | memoryview):  # memoryview: an encode_tensor result decoded unsent
         raise ProtocolError(f"{what}: data must be bytes")
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
@@ -275,6 +307,8 @@ def decode_tensor(obj: object, what: str = "tensor") -> torch.Tensor:
         raise ProtocolError(f"{what}: {expected} bytes is over the {MAX_TENSOR_BYTES}-byte tensor limit")
     if len(data) != expected:
         raise ProtocolError(f"{what}: shape {shape} of {name} needs {expected} bytes, got {len(data)}")
+    # One copy, on purpose: msgpack hands us immutable bytes, and the tensor must own writable memory (torch
+    # warns on, and in-place ops would write into, a view of bytes).
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
     return flat.reshape(shape)
 
@@ -325,6 +359,13 @@ def _timeout(body: dict[str, Any], what: str) -> float:
     value = _float(body, "timeout_s", what)
     if not 0 < value <= MAX_STEP_TIMEOUT_S:
         raise ProtocolError(f"{what}.timeout_s must be in (0, {MAX_STEP_TIMEOUT_S:.0f}] seconds, got {value}")
+    return value
+
+
+def _flag(body: dict[str, Any], key: str, what: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{what}.{key} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -384,10 +425,13 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
             "timeout_s": msg.timeout_s,
-        }
+        } | ({"wait_result": True} if msg.wait_result else {})  # absent when unset: the old bytes
     if isinstance(msg, StepReply):
-        timings = [[t.peer_id, t.start, t.end, t.queue_s, t.compute_s, t.total_s] for t in msg.timings]
-        return {"hidden": encode_tensor(msg.hidden), "timings": timings}
+        return {"hidden": encode_tensor(msg.hidden), "timings": _encode_timings(msg.timings)}
+    if isinstance(msg, StepAck):
+        return {"timings": _encode_timings(msg.timings)}
+    if isinstance(msg, StepWait):
+        return {"session_id": msg.session_id, "position": msg.position, "timeout_s": msg.timeout_s}
     if isinstance(msg, CloseRequest):
         return {"session_id": msg.session_id, "route_rest": _encode_route(msg.route_rest)}
     if isinstance(msg, ProbeRequest | ProbeReply):
@@ -402,6 +446,10 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         return body
     # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
+
+
+def _encode_timings(timings: tuple[HopTiming, ...]) -> list[list[Any]]:
+    return [[t.peer_id, t.start, t.end, t.queue_s, t.compute_s, t.total_s] for t in timings]
 
 
 def _decode_timings(value: object) -> tuple[HopTiming, ...]:
@@ -425,30 +473,42 @@ def _decode_timings(value: object) -> tuple[HopTiming, ...]:
     return tuple(timings)
 
 
+def _decode_step(body: dict[str, Any]) -> StepRequest:
+    w = "step"
+    start, end = _layers(body, w)
+    position = _int(body, "position", w, 0, MAX_POSITION)
+    max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
+    hidden = _hidden(body)
+    if position + hidden.shape[0] > max_length:
+        raise ProtocolError(
+            f"step: position {position} + {hidden.shape[0]} tokens is past max_length_tokens {max_length}"
+        )
+    return StepRequest(
+        session_id=_str(body, "session_id", w, 128),
+        position=position,
+        hidden=hidden,
+        start=start,
+        end=end,
+        max_length_tokens=max_length,
+        model_hash=_str(body, "model_hash", w, 256),
+        route_rest=_route(body),
+        timeout_s=_timeout(body, w),
+        wait_result=_flag(body, "wait_result", w),
+    )
+
+
 def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
     w = kind
     if kind == "step":
-        start, end = _layers(body, w)
-        position = _int(body, "position", w, 0, MAX_POSITION)
-        max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
-        hidden = _hidden(body)
-        if position + hidden.shape[0] > max_length:
-            raise ProtocolError(
-                f"step: position {position} + {hidden.shape[0]} tokens is past max_length_tokens {max_length}"
-            )
-        return StepRequest(
-            session_id=_str(body, "session_id", w, 128),
-            position=position,
-            hidden=hidden,
-            start=start,
-            end=end,
-            max_length_tokens=max_length,
-            model_hash=_str(body, "model_hash", w, 256),
-            route_rest=_route(body),
-            timeout_s=_timeout(body, w),
-        )
+        return _decode_step(body)
     if kind == "step_reply":
         return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))
+    if kind == "step_ack":
+        return StepAck(_decode_timings(body.get("timings", [])))
+    if kind == "wait":
+        return StepWait(
+            _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
+        )
     if kind == "close":
         return CloseRequest(_str(body, "session_id", w, 128), _route(body))
     if kind == "close_reply":
@@ -617,8 +677,10 @@ __all__ = [
     "REPLY_FOR",
     "Reply",
     "Request",
+    "StepAck",
     "StepReply",
     "StepRequest",
+    "StepWait",
     "decode_reply",
     "decode_request",
     "decode_tensor",

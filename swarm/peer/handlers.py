@@ -2,8 +2,12 @@
 
 A step carries the rest of its route. This peer computes its layers on the executor thread and pushes the
 output straight to the next hop with call_step (which does the same), so the client sends one request per
-token and only the last hop's output travels back up the chain. When the next hop fails, the error that comes
-back names it (``failed_peer_id``), so the client knows whom to ban.
+token. When the next hop fails, the error that comes back names it (``failed_peer_id``), so the client knows
+whom to ban. Without ``wait_result`` the last hop's output travels back up the chain. With it (the client's
+default for routes of two hops or more), the last hop acknowledges the step once accepted and gives its output
+to the client's StepWait (``rpc_wait``, see swarm.peer.handoff); each hop answers its caller with a StepAck as
+soon as the next hop has, so the acks travel back while the last hop computes and no relay is on the path of
+the output. A failure after the last hop accepted the step reaches the client through its wait.
 
 Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
 (the reaper), or when the peer leaves (``Peer.drain``). A session belongs to the remote peer that opened it
@@ -27,8 +31,10 @@ from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
-from swarm.peer.state import Peer, session_key
-from swarm.transport.calls import call_close, call_probe, call_step
+from swarm.peer.executor import StepResult
+from swarm.peer.handoff import Handoff, Parked
+from swarm.peer.state import Peer, Served, session_key
+from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked
 from swarm.types import LayerRange
 from swarm.wire import (
     CloseReply,
@@ -38,8 +44,10 @@ from swarm.wire import (
     InfoRequest,
     ProbeReply,
     ProbeRequest,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,6 +68,8 @@ class PeerHandlers:
         self.faults = (
             faults  # TEST ONLY (--faulty-output/skip-rate): lies on some steps, for spot-check tests
         )
+        # wait_result steps meet their clients' waits here (when we are the last hop of their route)
+        self.handoff = Handoff()
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -80,7 +90,7 @@ class PeerHandlers:
     def peer_id(self) -> str:
         return self.peer.peer_id
 
-    async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply:
+    async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck:
         with self._admit(remote_id):
             try:
                 async with asyncio.timeout(request.timeout_s):  # the caller's deadline bounds our work
@@ -88,46 +98,77 @@ class PeerHandlers:
             except TimeoutError:
                 raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
 
-    async def _step(self, request: StepRequest, remote_id: str) -> StepReply:
+    async def _step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck:
         received = time.perf_counter()
         deadline = received + request.timeout_s
         layers = LayerRange(request.start, request.end)
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         self.peer.check_route(layers, request.route_rest)
         await self.peer.check_live(request.route_rest)
-        sid, key = request.session_id, session_key(remote_id, request.session_id)
+        key = session_key(remote_id, request.session_id)
         served = await self.peer.session_for(
             key, remote_id, layers, request.position, request.max_length_tokens
         )
         step = Step(key, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
-        try:
-            result = await self.peer.executor.forward(served.blocks, step)
-        finally:
-            self.peer.touch(key)
-        if self.faults is not None:
-            result = replace(result, hidden=self.faults.corrupt(result.hidden))
+        if request.wait_result and not request.route_rest:  # the last hop: the client's wait computes it
+            self.handoff.park(request.session_id, request.position, Parked(served, step, deadline, received))
+            return StepAck(
+                (_finish(HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0), received),)
+            )
+        result = await self._compute(served, step)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
-        if self.faults is not None and self.faults.skip_forward():  # TEST ONLY: lie about the hops after us
+        # TEST ONLY: lie about the hops after us. Only a relayed step can: a wait_result step's output goes from
+        # the last hop to the client, so a middle hop cannot answer for the hops after it.
+        if self.faults is not None and not request.wait_result and self.faults.skip_forward():
             return StepReply(
                 result.hidden, (_finish(timing, received), *self.faults.fake_timings(request.route_rest))
             )
         hop, rest = request.route_rest[0], request.route_rest[1:]
-        downstream = StepRequest(
-            session_id=sid,
-            position=request.position,
+        downstream = replace(
+            request,
             hidden=result.hidden,
             start=hop.start,
             end=hop.end,
-            max_length_tokens=request.max_length_tokens,
-            model_hash=request.model_hash,
             route_rest=rest,
             timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
         )
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
+        if request.wait_result:
+            ack = await call_step_acked(
+                self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s
+            )
+            return StepAck((_finish(timing, received), *ack.timings))
         reply = await call_step(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
+
+    async def _compute(self, served: Served, step: Step) -> StepResult:
+        try:
+            result = await self.peer.executor.forward(served.blocks, step)
+        finally:
+            self.peer.touch(step.session_id or "")
+        if self.faults is not None:
+            result = replace(result, hidden=self.faults.corrupt(result.hidden))
+        return result
+
+    async def rpc_wait(self, request: StepWait, remote_id: str) -> StepReply:
+        """The output of a ``wait_result`` step for which we are the last hop, computed once it arrives.
+
+        Whoever knows the session id may wait (the client's secret, shared only with its route's hops); the
+        step itself runs under the session of the hop that sent it, as any step does.
+        """
+        with self._admit(remote_id):
+            try:
+                async with asyncio.timeout(request.timeout_s):
+                    parked = await self.handoff.take(request.session_id, request.position)
+                    async with asyncio.timeout(max(1e-3, parked.deadline - time.perf_counter())):
+                        result = await self._compute(parked.served, parked.step)
+            except TimeoutError:
+                raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
+        step = parked.step
+        timing = HopTiming(self.peer_id, step.start, step.end, result.queue_s, result.compute_s, 0.0)
+        return StepReply(result.hidden, (_finish(timing, parked.received),))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
         closed = await self.peer.close(session_key(remote_id, request.session_id))

@@ -6,6 +6,8 @@ from swarm.transport.calls import (
     call_info,
     call_probe,
     call_step,
+    call_step_acked,
+    call_wait,
     measure_link,
 )
 from swarm.transport.serving import RpcHandler, dispatch, serve
@@ -17,6 +19,8 @@ __all__ = [
     "call_info",
     "call_probe",
     "call_step",
+    "call_step_acked",
+    "call_wait",
     "dispatch",
     "measure_link",
     "serve",

@@ -28,8 +28,10 @@ from swarm.wire import (
     ProbeReply,
     ProbeRequest,
     Request,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
     decode_reply,
     encode_request,
 )
@@ -95,6 +97,48 @@ async def call_step(
         maddrs=maddrs,
         timeout_s=timeout_s,
         reply_bytes_hint=_hidden_bytes(request.hidden),
+    )
+
+
+async def call_step_acked(
+    p2p: P2P,
+    peer_id: str,
+    request: StepRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> StepAck:
+    """Send a step with ``wait_result`` set; returns once every hop of the route has accepted it.
+
+    The output then waits at the route's last hop for a ``call_wait``. Raises like call_step.
+    """
+    if not request.wait_result:
+        raise ValueError("call_step_acked sends steps with wait_result set")
+    return await _call(p2p, peer_id, request, StepAck, maddrs=maddrs, timeout_s=timeout_s)
+
+
+async def call_wait(
+    p2p: P2P,
+    peer_id: str,
+    request: StepWait,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    reply_bytes_hint: int = 0,
+) -> StepReply:
+    """The output of a ``wait_result`` step, from the last hop of its route (``peer_id``) once it is computed.
+
+    Send it before (or with) the step itself: it waits there for the step to arrive. Raises like call_step,
+    with ``failed_peer_id`` naming the last hop.
+    """
+    return await _call(
+        p2p,
+        peer_id,
+        request,
+        StepReply,
+        maddrs=maddrs,
+        timeout_s=timeout_s,
+        reply_bytes_hint=reply_bytes_hint,
     )
 
 

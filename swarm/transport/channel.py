@@ -1,8 +1,8 @@
-"""Moving encoded messages between two hivemind P2P instances: unary calls for small ones, streams for big ones.
+"""Moving encoded messages between two hivemind P2P instances over long-lived libp2p streams.
 
-hivemind's unary calls ride one persistent connection to p2pd and are capped at 4 MiB per message (request or
-reply, protobuf framing included), so anything near that goes over a fresh libp2p stream instead, framed as one
-length-prefixed request and one length-prefixed reply. Both paths carry the same bytes (``swarm.wire``); this
+Every call goes as one length-prefixed request and one length-prefixed reply on a stream kept open between
+calls (``swarm.transport.streams``: half the round trip of a hivemind unary call, and no 4 MiB cap). Peers still
+answer unary calls too, for callers of earlier releases. Both paths carry the same bytes (``swarm.wire``); this
 module knows nothing about their meaning.
 
 hivemind exposes unary calls on raw bytes only through ``P2P._client`` (the public API wants protobufs); this
@@ -14,67 +14,59 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
-from contextlib import closing
+from collections import Counter
+from collections.abc import Callable
 from typing import TypeVar
 
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
 from swarm.errors import ProtocolError, TransportError
-from swarm.wire import MAX_MESSAGE_BYTES
+from swarm.transport.streams import (
+    MAX_STREAMS_PER_REMOTE,
+    STREAM_PROTOCOL,
+    RawHandler,
+    pool_for,
+    serve_stream,
+)
 
 logger = logging.getLogger(__name__)
 
-UNARY_PROTOCOL = "flowswarm.rpc"
-STREAM_PROTOCOL = "flowswarm.rpc.stream"
-# Requests or replies bigger than this go by stream: the unary cap is 4 MiB including protobuf framing.
-UNARY_LIMIT_BYTES = 3 * 1024**2
-_HEADER_BYTES = 8  # the length prefix hivemind uses for raw stream data (big-endian)
+UNARY_PROTOCOL = "flowswarm.rpc"  # answered for callers of earlier releases; this one calls by stream only
 
 # Messages bigger than this are decoded on a worker thread: unpacking and checking a 200 MB tensor takes a
 # while, and the event loop must keep serving meanwhile. Smaller ones are not worth a thread hop.
 OFF_LOOP_BYTES = 1024**2
 
-RawHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request bytes, remote peer id) -> reply bytes
 _T = TypeVar("_T")
 
 # Peers this P2P instance has dialled with explicit multiaddrs, so we do not ask p2pd to connect on every call.
 _dialled: weakref.WeakKeyDictionary[P2P, set[str]] = weakref.WeakKeyDictionary()
 
 
-async def serve_raw(p2p: P2P, handler: RawHandler, *, read_timeout_s: float = 60.0) -> None:
+async def serve_raw(p2p: P2P, handler: RawHandler) -> None:
     """Register ``handler`` for both unary calls and streams on ``p2p``. The handler must not raise."""
+    open_streams: Counter[str] = Counter()  # per remote peer, so one remote cannot hold all our sockets
 
     async def on_unary(request: bytes, remote_id: PeerID) -> bytes:
         return await handler(request, remote_id.to_base58())
 
     async def on_stream(info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = str(getattr(info, "peer_id", "?"))
-        with closing(writer):
-            try:
-                async with asyncio.timeout(read_timeout_s):
-                    request = await read_frame(reader)
-            except (TimeoutError, ProtocolError, ConnectionError, asyncio.IncompleteReadError) as e:
-                logger.info("dropped a stream from %s: %s", remote[-8:], e)
-                return
-            reply = await handler(request, remote)
-            try:
-                await P2P.send_raw_data(reply, writer)
-            except (ConnectionError, OSError) as e:  # the caller went away; it will report its own timeout
-                logger.debug("could not send a stream reply to %s: %s", remote[-8:], e)
+        if open_streams[remote] >= MAX_STREAMS_PER_REMOTE:
+            logger.info("refused a stream from %s: %d already open", remote[-8:], open_streams[remote])
+            writer.close()
+            return
+        open_streams[remote] += 1
+        try:
+            await serve_stream(handler, remote, reader, writer)
+        finally:
+            open_streams[remote] -= 1
+            if not open_streams[remote]:
+                del open_streams[remote]
 
     await p2p._client.add_unary_handler(UNARY_PROTOCOL, on_unary)
     await p2p.add_binary_stream_handler(STREAM_PROTOCOL, on_stream)
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """One length-prefixed frame, refusing anything over MAX_MESSAGE_BYTES before allocating it."""
-    header = await reader.readexactly(_HEADER_BYTES)
-    length = int.from_bytes(header, "big")
-    if length > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"frame of {length} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
-    return await reader.readexactly(length)
 
 
 async def decode_off_loop(decode: Callable[[bytes], _T], data: bytes) -> _T:
@@ -98,6 +90,7 @@ async def ensure_connected(p2p: P2P, peer_id: str, maddrs: tuple[str, ...] | lis
 def forget_peer(p2p: P2P, peer_id: str) -> None:
     """After a failure, dial the peer again next time (it may have restarted on another port)."""
     _dialled.get(p2p, set()).discard(peer_id)
+    pool_for(p2p).forget(peer_id)
 
 
 async def call_raw(
@@ -111,8 +104,7 @@ async def call_raw(
 ) -> bytes:
     """Send ``request`` to ``peer_id`` and return its reply bytes within ``timeout_s``.
 
-    Goes by stream when the request or the expected reply (``reply_bytes_hint``) is past the unary limit.
-    Raises TransportError (with ``failed_peer_id``) when the peer cannot be reached or does not answer in time.
+    ``reply_bytes_hint`` is kept for callers; every size now goes by stream. Raises TransportError (with ``failed_peer_id``) when the peer cannot be reached or does not answer in time.
     """
     try:
         target = PeerID.from_base58(peer_id)
@@ -121,13 +113,7 @@ async def call_raw(
     try:
         async with asyncio.timeout(timeout_s):
             await ensure_connected(p2p, peer_id, maddrs)
-            if max(len(request), reply_bytes_hint) <= UNARY_LIMIT_BYTES:
-                reply: bytes = await p2p._client.call_unary_handler(target, UNARY_PROTOCOL, request)
-                return reply
-            _, reader, writer = await p2p.call_binary_stream_handler(target, STREAM_PROTOCOL)
-            with closing(writer):
-                await P2P.send_raw_data(request, writer)
-                return await read_frame(reader)
+            return await pool_for(p2p).call(peer_id, target, request)
     except TimeoutError:
         forget_peer(p2p, peer_id)
         error = TransportError(f"peer {peer_id} did not answer within {timeout_s:.1f} s")

@@ -23,8 +23,10 @@ from swarm.wire import (
     ProbeReply,
     ProbeRequest,
     Reply,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
     decode_request,
     encode_reply,
     request_verb,
@@ -39,7 +41,9 @@ class RpcHandler(Protocol):
     @property
     def peer_id(self) -> str: ...
 
-    async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply: ...
+    async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck: ...
+
+    async def rpc_wait(self, request: StepWait, remote_id: str) -> StepReply: ...
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply: ...
 

@@ -164,6 +164,8 @@ def test_bench_peer_and_swarm_tiny() -> None:
             "route_compute_ms_sum_of_hops": _positive,
             "overhead_per_hop_ms": lambda v: isinstance(v, float) and math.isfinite(v),
             "route_step_ms_p90": _positive,
+            "relayed_decode_step_ms": _positive,
+            "relayed_overhead_per_hop_ms": lambda v: isinstance(v, float) and math.isfinite(v),
         },
     )
     assert peer["join_s_first_peer"] == peer["join_s"][0]

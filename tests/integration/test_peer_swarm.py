@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError
+from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError, SwarmError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
-from swarm.transport import call_close, call_info, call_probe, call_step
+from swarm.transport import call_close, call_info, call_probe, call_step, call_step_acked, call_wait
 from swarm.transport.channel import call_raw
-from swarm.wire import ErrorReply, Hop, ProbeRequest, StepRequest, decode_reply, encode_tensor
+from swarm.wire import ErrorReply, Hop, ProbeRequest, StepRequest, StepWait, decode_reply, encode_tensor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -130,6 +130,79 @@ def test_three_hop_session_matches_local_model(swarm: LocalSwarm, tiny: ModelSou
     asyncio.run(run())
 
 
+def test_the_last_hop_answers_the_waiting_client_exactly(swarm: LocalSwarm, tiny: ModelSource) -> None:
+    """wait_result: the step's call returns acks of every hop; the output comes from the last hop's wait."""
+    head = tiny.load_head()
+    local = tiny.load_blocks(0, 6)
+    tokens = torch.randint(0, tiny.spec.vocab_size, (5,), generator=torch.Generator().manual_seed(1))
+    hops = _hops(swarm.peers)
+    first, *rest = hops
+    last = hops[-1]
+    session = uuid.uuid4().hex
+
+    async def step(p2p, position: int, hidden: torch.Tensor, wait_first: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        request = StepRequest(
+            session,
+            position,
+            hidden,
+            first.start,
+            first.end,
+            32,
+            tiny.spec.weights_hash,
+            tuple(rest),
+            30.0,
+            True,
+        )
+        wait = call_wait(
+            p2p, last.peer_id, StepWait(session, position, 30.0), maddrs=last.maddrs, timeout_s=30
+        )
+        acked = call_step_acked(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=30)
+        if wait_first:  # the wait usually reaches the last hop first; the other order must work as well
+            reply, ack = await asyncio.gather(wait, acked)
+        else:
+            ack = await acked
+            reply = await wait
+        assert [t.peer_id for t in ack.timings] == [h.peer_id for h in hops]
+        assert [t.peer_id for t in reply.timings] == [last.peer_id]
+        return reply.hidden
+
+    async def run() -> None:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            local.open_session(session, 32)
+            position, step_input = 0, head.embed(tokens)
+            for i in range(4):  # a prefill of 5 tokens, then 3 greedy decode steps
+                out = await step(p2p, position, step_input, wait_first=i % 2 == 0)
+                assert torch.equal(out, local.forward([local_step(session, step_input, position)])[0])
+                position += step_input.shape[0]
+                step_input = head.embed(head.logits(out)[-1].argmax()[None])
+            assert await call_close(p2p, first.peer_id, _close(session, rest), maddrs=first.maddrs)
+            with pytest.raises(CapacityError, match="deadline"):  # a wait for a step that never comes
+                await call_wait(
+                    p2p, last.peer_id, StepWait(session, 99, 0.5), maddrs=last.maddrs, timeout_s=10
+                )
+
+    asyncio.run(run())
+
+
+def test_a_wait_result_step_to_an_unreachable_last_hop_names_it(swarm: LocalSwarm, tiny: ModelSource) -> None:
+    first, middle, _ = _hops(swarm.peers)
+    nobody = "QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51"  # a well-formed id no process has
+    route = (middle, Hop(nobody, ("/ip4/127.0.0.1/tcp/9/p2p/" + nobody,), 4, 6))
+    hidden = torch.randn(2, tiny.spec.hidden_size)
+    session = uuid.uuid4().hex
+    request = StepRequest(session, 0, hidden, 0, 2, 8, tiny.spec.weights_hash, route, 10.0, True)
+
+    async def run() -> None:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            with pytest.raises(SwarmError) as error:
+                await call_step_acked(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=20)
+            assert error.value.failed_peer_id == nobody
+            # the first two hops opened the session: close it, so the next tests see idle peers
+            assert await call_close(p2p, first.peer_id, _close(session, [middle]), maddrs=first.maddrs)
+
+    asyncio.run(run())
+
+
 def local_step(session: str, hidden: torch.Tensor, position: int):  # type: ignore[no-untyped-def]
     from swarm.models.blocks import Step
 
@@ -233,8 +306,8 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
                 )
             info = await call_info(p2p, peer.peer_id, maddrs=peer.maddrs)
             assert info.state == "serving" and info.active_sessions == 0
-            # Past the unary limit both ways: the request and the reply go by stream. A probe's reply is at most
-            # session.max_probe_reply_bytes (4 MiB by default), still past the 3 MiB unary limit.
+            # Past hivemind's 4 MiB unary cap both ways, which streams do not have. A probe's reply is at most
+            # session.max_probe_reply_bytes (4 MiB by default).
             big, back = 5 * 1024**2, 4 * 1024**2
             probe = ProbeRequest(payload=bytes(big), reply_bytes=back)
             reply = await call_probe(p2p, peer.peer_id, probe, maddrs=peer.maddrs, timeout_s=30)

@@ -24,8 +24,10 @@ from swarm.wire import (
     InfoRequest,
     ProbeReply,
     ProbeRequest,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
     decode_reply,
     decode_request,
     decode_tensor,
@@ -85,6 +87,19 @@ def test_other_requests_round_trip() -> None:
     assert decode_request(encode_request(InfoRequest())) == InfoRequest()
     probe = ProbeRequest(b"x" * 1000, 10, "QmBack", ("/ip4/127.0.0.1/tcp/5",))
     assert decode_request(encode_request(probe)) == probe
+
+
+def test_wait_result_steps_waits_and_acks_round_trip() -> None:
+    request = _step(wait_result=True)
+    back = decode_request(encode_request(request))
+    assert isinstance(back, StepRequest) and back.wait_result
+    assert not decode_request(encode_request(_step())).wait_result  # absent on the wire when unset
+    assert decode_request(encode_request(StepWait("s1", 7, 12.5))) == StepWait("s1", 7, 12.5)
+    ack = StepAck((HopTiming("QmA", 0, 2, 0.001, 0.01, 0.02),))
+    assert decode_reply(encode_reply(ack)) == ack
+    with pytest.raises(ProtocolError, match="wait_result must be a bool"):
+        version, kind, body = msgpack.unpackb(encode_request(request), raw=False)
+        decode_request(_raw(kind, body | {"wait_result": 1}, version))
 
 
 def test_replies_round_trip() -> None:

@@ -27,8 +27,10 @@ from swarm.wire import (
     ProbeRequest,
     Reply,
     Request,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
     decode_reply,
     decode_request,
     encode_reply,
@@ -48,6 +50,11 @@ def messages() -> dict[str, Request | Reply]:
     return {
         "step_request_f32": StepRequest("sess", 5, _tensor(torch.float32), 0, 2, 64, "hash", ROUTE),
         "step_request_bf16": StepRequest("sess", 0, _tensor(torch.bfloat16), 0, 2, 64, "hash"),
+        "step_request_wait_result": StepRequest(
+            "sess", 5, _tensor(torch.float32), 0, 2, 64, "hash", ROUTE, 30.0, wait_result=True
+        ),
+        "step_ack": StepAck((HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)),
+        "step_wait_request": StepWait("sess", 5, 30.0),
         "step_reply": StepReply(_tensor(torch.float16), (HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)),
         "close_request": CloseRequest("sess", ROUTE),
         "close_reply": CloseReply(True),
@@ -60,7 +67,7 @@ def messages() -> dict[str, Request | Reply]:
 
 
 def _encode(message: Request | Reply) -> bytes:
-    if isinstance(message, StepRequest | CloseRequest | InfoRequest | ProbeRequest):
+    if isinstance(message, StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest):
         return encode_request(message)
     return encode_reply(message)
 

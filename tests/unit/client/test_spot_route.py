@@ -49,6 +49,8 @@ class RouteLiars(LocalChain):
         position: int,
         hidden: torch.Tensor,
         max_length_tokens: int,
+        *,
+        relayed: bool = False,
     ) -> torch.Tensor:
         for i, stage in enumerate(stages):
             hidden = await super().step(session_id, [stage], position, hidden, max_length_tokens)
