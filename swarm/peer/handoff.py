@@ -91,18 +91,19 @@ class Handoff:
             raise CapacityError("too many step outputs already wait for their clients here")
         slot.step.set_result(parked)
 
-    def _supersede(self, session_id: str) -> None:
-        """Fail the waits of ``session_id`` still without a step: a client waits for one step of a session at
-        a time, so a new wait means it gave up on those (their streams closed, their handlers wait on)."""
-        for key, slot in list(self._slots.items()):
-            if key[0] == session_id and slot.waited and not slot.step.done():
-                slot.step.set_exception(CapacityError("a newer wait for this session replaced this one"))
-                del self._slots[key]
+    def _supersede(self, key: tuple[str, int]) -> None:
+        """Fail an earlier wait for the same step that is still without it: the client gave up on that one and
+        replays (its stream closed, its handler waits on). Waits at other positions of the session stand: a
+        client pipelining a long prompt waits for all its chunks at once."""
+        slot = self._slots.get(key)
+        if slot is not None and slot.waited and not slot.step.done():
+            slot.step.set_exception(CapacityError("a newer wait for this step replaced this one"))
+            del self._slots[key]
 
     async def take(self, session_id: str, position: int) -> Parked:
         """The step at ``position`` of ``session_id``, once it has arrived (the caller bounds the wait)."""
         key = (session_id, position)
-        self._supersede(session_id)
+        self._supersede(key)
         slot = self._slot(session_id, position)
         if slot.waited:
             raise CapacityError(f"step {position} of this session is already waited for")

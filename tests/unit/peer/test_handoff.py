@@ -94,6 +94,23 @@ def test_a_new_wait_of_a_session_replaces_its_abandoned_one() -> None:
     asyncio.run(body())
 
 
+def test_waits_for_other_positions_of_a_session_stand_together() -> None:
+    """A client pipelining a long prompt waits for every chunk at once, in any order of arrival."""
+
+    async def body() -> None:
+        handoff = Handoff()
+        later = asyncio.create_task(handoff.take("s1", 64))
+        await asyncio.sleep(0)
+        earlier = asyncio.create_task(handoff.take("s1", 0))
+        await asyncio.sleep(0)
+        first, second = _parked(tag=1.0), _parked(tag=2.0)
+        handoff.park("s1", 0, first)
+        handoff.park("s1", 64, second)
+        assert await earlier is first and await later is second
+
+    asyncio.run(body())
+
+
 def test_a_wait_for_a_step_already_being_computed_is_refused() -> None:
     async def body() -> None:
         handoff = Handoff()
