@@ -30,8 +30,10 @@ from swarm.wire import (
     InfoRequest,
     ProbeReply,
     ProbeRequest,
+    StepAck,
     StepReply,
     StepRequest,
+    StepWait,
     decode_reply,
     decode_request,
     encode_reply,
@@ -63,6 +65,8 @@ VALUES = st.recursive(
 ROUTE = (Hop("QmPeerA", ("/ip4/127.0.0.1/tcp/1/p2p/QmPeerA",), 2, 4), Hop("QmPeerB", (), 4, 6))
 VALID_REQUESTS = [
     StepRequest("abc", 3, torch.randn(2, 8), 0, 2, 64, "hash", ROUTE),
+    StepRequest("abc", 3, torch.randn(1, 8), 0, 2, 64, "hash", ROUTE, timeout_s=5.0, wait_result=True),
+    StepWait("abc", 3, 5.0),
     CloseRequest("abc", ROUTE),
     InfoRequest(),
     ProbeRequest(b"x" * 32, 16, "QmBack", ("/ip4/127.0.0.1/tcp/5",)),
@@ -70,6 +74,7 @@ VALID_REQUESTS = [
 VALID_REPLIES = [
     StepReply(torch.randn(1, 8).to(torch.bfloat16), (HopTiming("QmA", 0, 2, 0.0, 0.1, 0.2),)),
     CloseReply(True),
+    StepAck((HopTiming("QmA", 0, 2, 0.0, 0.1, 0.2), HopTiming("QmB", 2, 4, 0.0, 0.0, 0.0))),
     InfoReply("QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving"),
     ProbeReply("QmA", 10, b"yy", False, "no"),
     ErrorReply("no_route", "missing", "QmB", (3, 4)),
@@ -120,7 +125,9 @@ HUGE_HEADERS = st.sampled_from(
 
 @FUZZ
 @given(
-    kind=st.sampled_from(["step", "close", "info", "probe", "step_reply", "error", "info_reply"]),
+    kind=st.sampled_from(
+        ["step", "wait", "close", "info", "probe", "step_reply", "step_ack", "error", "info_reply"]
+    ),
     headers=st.lists(HUGE_HEADERS, min_size=1, max_size=30),
     tail=st.binary(max_size=64),
     decode=st.sampled_from(DECODERS),
@@ -134,7 +141,7 @@ def test_oversized_declarations(kind: str, headers: list[bytes], tail: bytes, de
 @given(
     depth=st.integers(1, 3000),
     width=st.integers(0, 300),
-    kind=st.sampled_from(["step", "close", "step_reply", "error"]),
+    kind=st.sampled_from(["step", "wait", "close", "step_reply", "step_ack", "error"]),
     decode=st.sampled_from(DECODERS),
 )
 def test_deep_or_wide_msgpack(depth: int, width: int, kind: str, decode: Decode) -> None:
@@ -156,6 +163,7 @@ def _body(frame: bytes) -> tuple[int, str, dict[str, Any]]:
         st.sampled_from(
             ["session_id", "position", "hidden", "start", "end", "max_length_tokens", "model_hash"]
             + ["route_rest", "timings", "closed", "payload", "reply_bytes", "dial_back_peer_id"]
+            + ["timeout_s", "wait_result"]
             + ["dial_back_maddrs", "dial_back_ok", "code", "message", "failed_peer_id", "missing_layers"]
             + ["num_layers", "free_cache_tokens", "peer_id", "received_bytes", "unknown_field"]
         ),

@@ -20,7 +20,7 @@ from swarm.errors import SwarmError
 from swarm.peer.config import SessionConfig
 from swarm.peer.handlers import PeerHandlers
 from swarm.peer.state import Status
-from swarm.wire import CloseRequest, Hop, StepRequest
+from swarm.wire import CloseRequest, Hop, StepRequest, StepWait
 from tests.unit.peer.test_handlers import Clock, _handlers
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,6 +127,11 @@ def test_rpc_step_and_close_raise_only_swarm_errors_and_the_peer_keeps_serving(f
                 ),
                 st.tuples(st.just("close"), st.sampled_from(SESSIONS), st.sampled_from(REMOTES)),
                 st.tuples(st.just("wait"), st.integers(0, 90), st.just("")),
+                st.tuples(  # a client's wait for a step's output: no step comes, it ends at its deadline
+                    st.just("result"),
+                    st.builds(StepWait, st.sampled_from(SESSIONS), st.integers(-5, 2**40), st.just(0.002)),
+                    st.sampled_from(REMOTES),
+                ),
                 st.tuples(st.just("cancel"), st.integers(0, 6), st.sampled_from(REMOTES)),
             ),
             min_size=1,
@@ -143,6 +148,9 @@ def test_rpc_step_and_close_raise_only_swarm_errors_and_the_peer_keeps_serving(f
                     fx.served += 1
                 elif action == "cancel":  # a caller that gives up after a few loop turns
                     fx.run(_cancelled_step(h, remote, int(arg)))  # type: ignore[call-overload]
+                elif action == "result":
+                    assert isinstance(arg, StepWait)
+                    fx.run(h.rpc_wait(arg, remote))
                 elif action == "close":
                     fx.run(h.rpc_close(CloseRequest(str(arg)), remote))
                 else:
