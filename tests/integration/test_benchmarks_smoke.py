@@ -209,7 +209,7 @@ def test_bench_spot_check_tiny() -> None:
             "peers": lambda v: v == 2,
             "route": lambda v: _chained(v, 1),
             "prompt_tokens": _positive,
-            "per_rate": lambda v: isinstance(v, dict) and set(v) == {"0.0", "0.05", "1.0"},
+            "per_rate": lambda v: isinstance(v, dict) and len(v) == 3 and {"0.0", "1.0"} <= set(v),
             "tokens_equal_across_rates": lambda v: v is True,
             "check_cost_decode_steps": lambda v: isinstance(v, float) and math.isfinite(v),
             "predicted_overhead_at_default_rate": lambda v: isinstance(v, float) and v < 1,
