@@ -197,8 +197,10 @@ def test_a_wait_result_step_to_an_unreachable_last_hop_names_it(swarm: LocalSwar
             with pytest.raises(SwarmError) as error:
                 await call_step_acked(p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=20)
             assert error.value.failed_peer_id == nobody
-            # the first two hops opened the session: close it, so the next tests see idle peers
-            assert await call_close(p2p, first.peer_id, _close(session, [middle]), maddrs=first.maddrs)
+            # a hop with no DHT record is refused before any compute (Peer.check_live), or, when the peer has no
+            # complete DHT read yet, the first two hops opened the session: close it either way, so the next tests
+            # see idle peers
+            await call_close(p2p, first.peer_id, _close(session, [middle]), maddrs=first.maddrs)
 
     asyncio.run(run())
 

@@ -266,6 +266,13 @@ def test_browser_chat_streams_and_stop_cancels_on_the_swarm(
         timeout_s=15,
         what="every peer to drop the stopped session",
     )
+    # the server records the request once its generation task has unwound, which may end after the peers
+    # closed the session: wait for the record rather than read it at once
+    wait_until(
+        lambda: metrics(base).get(("flowswarm_generations_cancelled_total", ()), 0.0) > cancelled_before,
+        timeout_s=15,
+        what="the server to record the cancelled generation",
+    )
     shown = page.locator(".msg.assistant").last.locator(".text").inner_text()
     last = status(base)["recent_requests"][-1]
     assert last["finish_reason"] == "cancelled" and 5 <= last["completion_tokens"] < 1000
