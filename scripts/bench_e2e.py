@@ -41,7 +41,6 @@ from typing import Any
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python scripts/bench_e2e.py` from anywhere
 
 import torch  # noqa: E402
 
