@@ -149,6 +149,7 @@ class InferenceSession:
         self.watch = watch or StepWatch(chain.find_silent)  # probes the route when a step runs long
         self.failover_log: list[Failover] = []
         self.route_waits = 0  # how many times building a route found layers nobody serves, and waited
+        self.replayed_tokens = 0  # tokens sent again after failovers (what a failover cost the swarm)
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
@@ -189,6 +190,7 @@ class InferenceSession:
             # after any failure, replay every token from position 0: each peer on the route then truncates
             # (or, new to the session, fills) its cache, whatever it held before
             ids, position = [*self.token_ids, *new_ids], 0
+            self.replayed_tokens += len(self.token_ids)
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
         return self.head.logits(out[-1:])[0]
