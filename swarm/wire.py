@@ -124,6 +124,9 @@ class StepRequest:
     # The client waits for the output at the last hop (StepWait) instead of down the chain: each hop answers
     # its caller with a StepAck once the next hop has accepted the step, so relays are off the critical path.
     wait_result: bool = False
+    # The client whose session this is, as the first hop authenticated it ("" from the client itself): the hops
+    # after it key the session by it, so a session survives a change of the hop before them (failover).
+    origin: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class CloseRequest:
 
     session_id: str
     route_rest: tuple[Hop, ...] = ()
+    origin: str = ""  # as in StepRequest
 
 
 @dataclass(frozen=True)
@@ -378,6 +382,10 @@ def _str(body: dict[str, Any], key: str, what: str, max_chars: int = MAX_TEXT_CH
     return value
 
 
+def _origin(body: dict[str, Any], what: str) -> str:
+    return _str(body, "origin", what, 128) if "origin" in body else ""
+
+
 def _layers(body: dict[str, Any], what: str) -> tuple[int, int]:
     start = _int(body, "start", what, 0, MAX_LAYER)
     end = _int(body, "end", what, 1, MAX_LAYER)
@@ -425,7 +433,7 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
             "timeout_s": msg.timeout_s,
-        } | ({"wait_result": True} if msg.wait_result else {})  # absent when unset: the old bytes
+        } | _absent_when_unset(wait_result=msg.wait_result, origin=msg.origin)
     if isinstance(msg, StepReply):
         return {"hidden": encode_tensor(msg.hidden), "timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepAck):
@@ -433,7 +441,10 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
     if isinstance(msg, StepWait):
         return {"session_id": msg.session_id, "position": msg.position, "timeout_s": msg.timeout_s}
     if isinstance(msg, CloseRequest):
-        return {"session_id": msg.session_id, "route_rest": _encode_route(msg.route_rest)}
+        return {
+            "session_id": msg.session_id,
+            "route_rest": _encode_route(msg.route_rest),
+        } | _absent_when_unset(origin=msg.origin)
     if isinstance(msg, ProbeRequest | ProbeReply):
         body = {k: getattr(msg, k) for k in msg.__dataclass_fields__}
         if isinstance(msg, ProbeRequest):
@@ -446,6 +457,11 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         return body
     # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
+
+
+def _absent_when_unset(**fields: object) -> dict[str, object]:
+    """Optional fields, left out when unset so a message without them keeps its old bytes."""
+    return {k: v for k, v in fields.items() if v}
 
 
 def _encode_timings(timings: tuple[HopTiming, ...]) -> list[list[Any]]:
@@ -494,6 +510,7 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
         route_rest=_route(body),
         timeout_s=_timeout(body, w),
         wait_result=_flag(body, "wait_result", w),
+        origin=_origin(body, w),
     )
 
 
@@ -510,7 +527,7 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
             _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
         )
     if kind == "close":
-        return CloseRequest(_str(body, "session_id", w, 128), _route(body))
+        return CloseRequest(_str(body, "session_id", w, 128), _route(body), _origin(body, w))
     if kind == "close_reply":
         closed = body.get("closed")
         if not isinstance(closed, bool):

@@ -10,8 +10,9 @@ soon as the next hop has, so the acks travel back while the last hop computes an
 the output. A failure after the last hop accepted the step reaches the client through its wait.
 
 Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
-(the reaper), or when the peer leaves (``Peer.drain``). A session belongs to the remote peer that opened it
-here (``session_key``): only that peer can step or close it, and it counts against that peer's share.
+(the reaper), or when the peer leaves (``Peer.drain``). A session is known by its id and its client (``origin``,
+authenticated by the route's first hop and passed down the route; ``session_key``), so it survives a change of
+the hop before us (a failover, a hand-over), and it counts against the share of the remote peer that opened it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class PeerHandlers:
         self.peer.check_request(request.model_hash, layers, int(request.hidden.shape[-1]))
         self.peer.check_route(layers, request.route_rest)
         await self.peer.check_live(request.route_rest)
-        key = session_key(remote_id, request.session_id)
+        origin = request.origin or remote_id  # empty from the client itself, the first hop
+        key = session_key(origin, request.session_id)
         served = await self.peer.session_for(
             key, remote_id, layers, request.position, request.max_length_tokens
         )
@@ -133,6 +135,7 @@ class PeerHandlers:
             end=hop.end,
             route_rest=rest,
             timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
+            origin=origin,
         )
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
         if request.wait_result:
@@ -171,16 +174,17 @@ class PeerHandlers:
         return StepReply(result.hidden, (_finish(timing, parked.received),))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
-        closed = await self.peer.close(session_key(remote_id, request.session_id))
-        # Passed on only when it was ours to close: the next hop knows this peer as the session's owner, so
-        # forwarding a stranger's close would let anyone close sessions they never opened.
+        origin = request.origin or remote_id
+        closed = await self.peer.close(session_key(origin, request.session_id))
+        # Passed on only when it closed something here: forwarding a close for a session we never saw would
+        # let anyone send closes down a route in our name.
         if closed and request.route_rest:
             hop = request.route_rest[0]
             try:
                 await call_close(
                     self.p2p,
                     hop.peer_id,
-                    CloseRequest(request.session_id, request.route_rest[1:]),
+                    CloseRequest(request.session_id, request.route_rest[1:], origin),
                     maddrs=hop.maddrs,
                     timeout_s=self.config.close_timeout_s,
                 )

@@ -72,15 +72,16 @@ class Session:
     last_used_s: float
 
 
-def session_key(remote_id: str, session_id: str) -> str:
-    """Where a session lives on this peer: its id as named by the remote peer that opened it.
+def session_key(origin: str, session_id: str) -> str:
+    """Where a session lives on this peer: its id as named by its client, ``origin``.
 
-    The transport authenticates ``remote_id``, so another peer naming the same session id reaches a different
-    (usually unknown) session: it can neither step, rewind nor close ours. A client that re-routes around a
-    failed hop reaches the hops after it through a new previous hop, so they open the session afresh (the old
-    one expires) instead of refusing the replay.
+    The route's first hop authenticates the client (its remote peer) and passes its id down the route, so a
+    stranger that names the same session id as its own client reaches a different session: to step, rewind
+    or close ours it must know our id, a random secret that only our route's hops see (and they can already
+    spoil our outputs; the spot-checks are for that). Keyed by the client rather than by the hop before us, a
+    session survives a change of that hop: after a failover or a hand-over upstream, we keep our cache.
     """
-    return f"{session_id}@{remote_id}"
+    return f"{session_id}@{origin}"
 
 
 @dataclass(eq=False)

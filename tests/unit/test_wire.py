@@ -84,6 +84,11 @@ def test_step_request_round_trip() -> None:
 
 def test_other_requests_round_trip() -> None:
     assert decode_request(encode_request(CloseRequest("s1", ROUTE))) == CloseRequest("s1", ROUTE)
+    close = CloseRequest("s1", ROUTE, origin="QmClient")
+    assert decode_request(encode_request(close)) == close
+    step = _step(origin="QmClient")
+    assert decode_request(encode_request(step)).origin == "QmClient"  # type: ignore[union-attr]
+    assert "origin" not in str(encode_request(_step()))  # absent on the wire when unset: the old bytes
     assert decode_request(encode_request(InfoRequest())) == InfoRequest()
     probe = ProbeRequest(b"x" * 1000, 10, "QmBack", ("/ip4/127.0.0.1/tcp/5",))
     assert decode_request(encode_request(probe)) == probe

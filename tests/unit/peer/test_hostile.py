@@ -190,6 +190,26 @@ def test_only_the_remote_that_opened_a_session_can_step_rewind_or_close_it(
     _run(h, body)
 
 
+def test_a_session_is_its_clients_so_it_survives_a_new_hop_before_us_but_not_a_wrong_origin() -> None:
+    """After a failover upstream, a new previous hop continues the session (our cache is kept); a step or close
+    naming another origin, or none, reaches another session."""
+    h = _handlers(Clock())
+
+    async def body() -> None:
+        await h.rpc_step(replace(_step(h, "s", 0, 4), origin="QmAlice"), "QmHopA")
+        await h.rpc_step(replace(_step(h, "s", 4, 1), origin="QmAlice"), "QmHopB")  # HopA was replaced
+        assert _length(h, "QmAlice", "s") == 5
+        with pytest.raises(SessionError, match="unknown session"):
+            await h.rpc_step(_step(h, "s", 5, 1), "QmHopB")  # no origin: HopB's own session "s"
+        with pytest.raises(SessionError, match="unknown session"):
+            await h.rpc_step(replace(_step(h, "s", 5, 1), origin="QmBob"), "QmHopB")
+        assert (await h.rpc_close(CloseRequest("s", (), origin="QmBob"), "QmHopB")).closed is False
+        assert (await h.rpc_close(CloseRequest("s", (), origin="QmAlice"), "QmHopB")).closed is True
+        assert h.peer.session_count == 0
+
+    _run(h, body)
+
+
 def test_one_remote_cannot_squat_the_cache_or_the_session_table() -> None:
     h = _peer(Clock(), SessionConfig(max_sessions_per_remote=2, max_remote_cache_fraction=0.5))
 
