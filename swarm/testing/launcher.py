@@ -122,6 +122,10 @@ def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
 class LocalSwarm:
     """Peers of one test, all on 127.0.0.1; use as a context manager so they are always reaped."""
 
+    # A test's peers may leave with sessions still open (the test is over): 10 s of drain each is wasted CI time.
+    # Options given to one peer come after these and win (argparse keeps the last value).
+    DEFAULT_PEER_ARGS = ("--shutdown-grace-s", "2")
+
     def __init__(self, tmp_path: Path, model: str = "tiny", env: dict[str, str] | None = None) -> None:
         self.dir = tmp_path
         self.model = model
@@ -160,7 +164,7 @@ class LocalSwarm:
         args += ["--maddr-file", str(maddr_file), "--host", "127.0.0.1"]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
-        args += list(extra_args)
+        args += [*self.DEFAULT_PEER_ARGS, *extra_args]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True

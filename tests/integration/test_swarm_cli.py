@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from swarm.peer import cli
 from swarm.testing import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -40,10 +41,23 @@ def _run(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
         (["status"], "--initial-peers"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_message(args: list[str], message: str) -> None:
-    result = _run(*args, timeout_s=30)
+def test_bad_arguments_exit_2_with_a_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rejected before anything runs (by argparse, or by the settings' checks): in-process, each case costs no
+    # interpreter start
+    try:
+        code = cli.main(args)
+    except SystemExit as exit_:
+        code = exit_.code  # type: ignore[assignment]
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_installed_command_exits_2_with_the_message_too() -> None:
+    result = _run("join", "--layers", "5:2", timeout_s=30)
     assert result.returncode == 2, result
-    assert message in result.stderr, result.stderr
+    assert "bad layer range" in result.stderr, result.stderr
 
 
 def test_bad_values_found_at_start_exit_2_with_a_message() -> None:

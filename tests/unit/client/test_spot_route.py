@@ -67,7 +67,9 @@ def make_client(
 ) -> tuple[AsyncSwarmClient, RouteLiars, Reports]:
     blocks = {NodeID(p): source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
     chain = RouteLiars(blocks)  # type: ignore[arg-type]
-    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=1.0, spot_check_seed=0, spot_check_tokens=4)
+    config = ClientConfig(
+        retry_delay_s=0.0, spot_check_rate=1.0, spot_check_seed=0, spot_check_tokens=4, route_wait_s=0.0
+    )
     reports = Reports()
     routes = LocalRoutes(chain, source.spec.num_layers)
     client = AsyncSwarmClient(
