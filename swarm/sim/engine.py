@@ -16,9 +16,12 @@ What is modelled, and how:
   then slow down by processor sharing while more processes than cores are busy. The client on a host is one
   process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
   without a host, client_step_s is a plain delay (many independent clients).
-* Churn (swarm/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
-  is rebuilt with Router.route_from and the client replays the prefix (prompt + generated tokens) into the
-  new stages, as the live client does.
+* Churn (swarm/sim/churn.py) removes, adds and moves nodes; sessions on a lost node fail over. With
+  SimConfig.partial_replay (swarm/sim/moves.py) only the lost stage is re-routed and replayed, and a session
+  with no route waits; without it the rest of the route is rebuilt with Router.route_from and the prefix
+  (prompt + generated tokens) replayed into all new stages, as the client did before issue 13. KV hand-over
+  and make before break are in swarm/sim/moves.py and churn.py. Replays are prefilled in chunks of
+  replay_chunk_tokens per iteration next to the decode batch (0: whole, like any prefill).
 
 Per event the work is O(log n) for the heap plus O(1) per token carried. Hot loops use plain lists and ints.
 Tokens in flight are tagged with the request's failover epoch (key = request << 8 | epoch), so tokens of a
