@@ -12,7 +12,9 @@ On each event the planner re-plans on the nodes present (experiment.churn_planne
   simply grows and keeps its sessions. Otherwise, where both ranges fit its memory (max_layers), it announces
   the new range (new sessions only there) and keeps serving its old sessions until they end, then drops the
   old range. Where they do not fit, it hands its sessions over (KV streamed to a successor, or a partial
-  replay; swarm/sim/moves.py) and is out while it loads.
+  replay; swarm/sim/moves.py) and is out while it loads. Simplifications: "fits" counts layers against
+  max_layers only (not the KV cache the old sessions still use), and while it drains, every iteration of
+  the node is timed as if it held the new range alone.
 * without it (before issue 13): it keeps serving its old layers while loading all of the new range, then
   switches and all its sessions fail over.
 A graceful leave hands sessions over (SimConfig.kv_handover), else they fail over.
