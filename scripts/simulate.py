@@ -4,6 +4,7 @@
     scripts/simulate.py CLUSTER.json [--mode online|offline] [--requests N]
         [--placements milp,greedy,swarm,separate] [--scheduling iwrr,random,swarm] [--seed S]
         [--json OUT] [--png PLOT] [--churn SCHEDULE.json | --churn churn_helix24] [--replan local|scratch]
+        [--churn-mode new|old|both] [--churn-features mbb,partial,handover,chunked] [--no-reference]
 
 CLUSTER.json is the planner's format (swarm/planner/cluster.py), optionally with measured timing tables per
 node (swarm/sim/timing.py) and "cache_tokens"; "helix24", "helix42" or "randomN" name synthetic clusters.
@@ -19,8 +20,15 @@ import sys
 from pathlib import Path
 
 from swarm.sim.engine import SimConfig
-from swarm.sim.experiment import PLACEMENTS, SCHEDULINGS, Experiment, run_experiment
-from swarm.sim.report import plot
+from swarm.sim.experiment import (
+    CHURN_FEATURES,
+    CHURN_MODES,
+    PLACEMENTS,
+    SCHEDULINGS,
+    Experiment,
+    run_experiment,
+)
+from swarm.sim.report import plot, plot_churn
 
 
 def split(text: str) -> tuple[str, ...]:
@@ -71,6 +79,24 @@ def parser() -> argparse.ArgumentParser:
         default="local",
         help="churn: repair then a capped improvement (the live planner), or a full re-solve (before)",
     )
+    p.add_argument(
+        "--churn-mode",
+        choices=CHURN_MODES,
+        default="new",
+        help="churn: issue 13's behaviour (new: --churn-features on), the swarm before it (old), or a row of each "
+        "(both; the --png then plots both over time)",
+    )
+    p.add_argument(
+        "--churn-features",
+        default=",".join(CHURN_FEATURES),
+        help="churn: which behaviours 'new' turns on: mbb (make before break), partial (partial replay), "
+        "handover (KV hand-over), chunked (chunked replay prefill)",
+    )
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="churn: skip the churn-free runs on the nodes that remain (no window ratios)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -95,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             decode_quantum_tokens=args.decode_quantum,
             churn=args.churn,
             replan=args.replan,
+            churn_mode=args.churn_mode,
+            churn_features=split(args.churn_features),
+            reference=not args.no_reference,
         )
     except ValueError as e:  # bad placement / scheduling names, --requests < 1, no such churn schedule
         raise SystemExit(str(e)) from None
@@ -103,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(text)
     if args.png:
-        plot(result["rows"], args.png)
+        if "churn_targets" in result or result.get("replan"):
+            plot_churn(result, args.png)
+        else:
+            plot(result["rows"], args.png)
     print(text)
     return 0
 

@@ -3,10 +3,21 @@
 SCHEDULE.json: {"events": [{"time_s": 60, "leave": "a100-1"}, {"time_s": 120, "join": "t4-3"}, ...]}
 Every node named must be in CLUSTER.json; a node whose first event is a join starts outside the swarm.
 
-On each event the planner re-solves on the nodes present, warm-started from the live placement
-(swarm.planner.solve(..., current=...)). Nodes whose layers change reload for `reload_s_per_layer` per
-layer; they keep serving their old layers meanwhile (make before break), and their sessions fail over
-when they switch. A leaving node's sessions fail over at once.
+SCHEDULE.json events may carry "kill": true: the node dies at once (no hand-over); otherwise it leaves
+gracefully (SIGTERM).
+
+On each event the planner re-plans on the nodes present (experiment.churn_planner). A node told to move:
+* with SimConfig.make_before_break (the swarm of issue 13): loads only the layers it lacks, for
+  `reload_s_per_layer` each, while it keeps serving. A node whose new range contains its old one then
+  simply grows and keeps its sessions. Otherwise, where both ranges fit its memory (max_layers), it announces
+  the new range (new sessions only there) and keeps serving its old sessions until they end, then drops the
+  old range. Where they do not fit, it hands its sessions over (KV streamed to a successor, or a partial
+  replay; swarm/sim/moves.py) and is out while it loads. Simplifications: "fits" counts layers against
+  max_layers only (not the KV cache the old sessions still use), and while it drains, every iteration of
+  the node is timed as if it held the new range alone.
+* without it (before issue 13): it keeps serving its old layers while loading all of the new range, then
+  switches and all its sessions fail over.
+A graceful leave hands sessions over (SimConfig.kv_handover), else they fail over.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from swarm.planner.cluster import Cluster
+from swarm.sim import moves
 from swarm.sim.engine import Simulation
 from swarm.types import LayerRange, NodeID, Plan
 
@@ -31,6 +44,7 @@ class ChurnEvent:
     time_s: float
     node: NodeID
     joins: bool  # True: the node joins; False: it leaves
+    kill: bool = False  # a leave without warning: no KV hand-over
 
 
 def load_schedule(path: str | Path, cluster: Cluster) -> list[ChurnEvent]:
@@ -43,7 +57,7 @@ def load_schedule(path: str | Path, cluster: Cluster) -> list[ChurnEvent]:
         node = NodeID(str(item.get("join", item.get("leave"))))
         if node not in cluster.node_by_id:
             raise ValueError(f"{path}: event {i} names node {node!r}, which is not in the cluster")
-        events.append(ChurnEvent(float(item["time_s"]), node, "join" in item))
+        events.append(ChurnEvent(float(item["time_s"]), node, "join" in item, bool(item.get("kill", False))))
     return sorted(events, key=lambda e: e.time_s)
 
 
@@ -78,18 +92,52 @@ class Churn:
         self.present = set(present)
         self.reload_s_per_layer = reload_s_per_layer
         self.replans = 0
+        self.log: list[dict[str, Any]] = []  # per event: what it did (see counters())
         for e in events:
             sim.at(e.time_s, lambda e=e: self.apply(e))  # type: ignore[misc]
+
+    def counters(self) -> dict[str, int]:
+        sim = self.sim
+        return {
+            "failovers": sim.failovers,
+            "handovers": sim.handovers,
+            "restarts": sim.restarts,
+            "replayed_tokens": sim.replayed_tokens,
+        }
+
+    def events(self) -> list[dict[str, Any]]:
+        """Per event: time, node, sessions on the leaving node, nodes moved, and the counters' growth until
+        the next event (failovers, hand-overs, restarts, replayed tokens)."""
+        out = []
+        ends = [e["counters"] for e in self.log[1:]] + [self.counters()]
+        for e, end in zip(self.log, ends, strict=True):
+            start = e["counters"]
+            row = {k: v for k, v in e.items() if k != "counters"}
+            row |= {k: end[k] - start[k] for k in end}
+            out.append(row)
+        return out
 
     def apply(self, event: ChurnEvent) -> None:
         sim = self.sim
         i = sim.index[event.node]
+        entry: dict[str, Any] = {
+            "time_s": sim.now,
+            "node": str(event.node),
+            "event": "join" if event.joins else "kill" if event.kill else "leave",
+            "counters": self.counters(),
+            "sessions_on_node": 0 if event.joins else len(sim.nodes[i].sessions),
+        }
+        self.log.append(entry)
         if event.joins:
             self.present.add(event.node)
         else:
             self.present.discard(event.node)
-            for r in sim.remove(i):
-                sim.fail_over(r, i)
+            lost = sim.remove(i)
+            if event.kill:
+                for r in lost:
+                    sim.fail_over(r, i)
+            else:
+                moves.hand_over_or_fail(sim, i, lost)
         current = {n: r for n, r in sim.plan.placement.items() if n in self.present}
         try:
             plan = self.replan(present_cluster(sim.cluster, self.present), current)
@@ -99,30 +147,68 @@ class Churn:
         self.replans += 1
         sim.set_plan(plan)
         sim.try_admit()
+        moved = 0
         for node_id, layers in plan.placement.items():
             j = sim.index[node_id]
             if sim.nodes[j].alive and sim.nodes[j].layers == layers:
                 continue
-            # Make before break: the node keeps serving its old layers while it loads the new ones.
-            ready_s = sim.now + self.reload_s_per_layer * len(layers)
-            sim.at(ready_s, lambda j=j, node_id=node_id, layers=layers: self._ready(j, node_id, layers))  # type: ignore[misc]
+            moved += sim.nodes[j].alive
+            self._order(j, node_id, layers)
+        entry["nodes_moved"] = moved
         logger.info(
-            "t=%.0f s: %s %s; plan %.0f tokens/s",
+            "t=%.0f s: %s %s; plan %.0f tokens/s, %d nodes moved",
             sim.now,
             event.node,
             "joined" if event.joins else "left",
             plan.max_flow_tokens_s,
+            moved,
         )
+
+    def _order(self, j: int, node_id: NodeID, layers: LayerRange) -> None:
+        """Node j is told to hold `layers`: schedule its move (see the module's docstring)."""
+        sim, node = self.sim, self.sim.nodes[j]
+        old = node.layers
+        if not sim.config.make_before_break or not node.alive or old is None:
+            ready_s = sim.now + self.reload_s_per_layer * len(layers)
+            sim.at(ready_s, lambda: self._ready(j, node_id, layers))
+            return
+        held = set(range(old.start, old.end))
+        if node.old_layers is not None:
+            held |= set(range(node.old_layers.start, node.old_layers.end))
+        new = set(range(layers.start, layers.end))
+        load_s = self.reload_s_per_layer * len(new - held)
+        if layers.covers(old) or len(held | new) <= sim.cluster.layer_cap(sim.cluster.node_by_id[node_id]):
+            sim.at(sim.now + load_s, lambda: self._switch(j, node_id, layers))
+            return
+        # Both ranges do not fit: its sessions move now, then it loads the layers it lacks.
+        moves.hand_over_or_fail(sim, j, sim.remove(j))
+        sim.at(sim.now + load_s, lambda: self._ready(j, node_id, layers))
+
+    def _wanted(self, node_id: NodeID, layers: LayerRange) -> bool:
+        # A later re-plan or a departure may have changed our mind while the layers loaded.
+        return node_id in self.present and self.sim.plan.placement.get(node_id) == layers
+
+    def _switch(self, j: int, node_id: NodeID, layers: LayerRange) -> None:
+        """Make before break: the new range is loaded; new sessions go there, old ones drain."""
+        sim, node = self.sim, self.sim.nodes[j]
+        if not self._wanted(node_id, layers) or not node.alive or node.layers == layers:
+            return
+        assert node.layers is not None
+        if not layers.covers(node.layers):
+            if node.old_layers is not None:  # a third range: the oldest sessions move on now
+                moves.hand_over_or_fail(sim, j, sorted(node.draining))
+            node.old_layers, node.draining = node.layers, set(node.sessions)
+        sim.relayer(j, layers)
+        sim.try_admit()
 
     def _ready(self, j: int, node_id: NodeID, layers: LayerRange) -> None:
         sim = self.sim
-        # A later re-plan or a departure may have changed our mind while the layers loaded.
-        if node_id not in self.present or sim.plan.placement.get(node_id) != layers:
+        if not self._wanted(node_id, layers):
             return
         if sim.nodes[j].alive and sim.nodes[j].layers == layers:
             return
         lost = sim.remove(j) if sim.nodes[j].alive else []
         sim.set_layers(j, layers)
-        for r in lost:  # sessions on the old layers move on, possibly to this node's new ones
-            sim.fail_over(r, j)
+        # Sessions on the old layers move on (possibly to this node's new ones).
+        moves.hand_over_or_fail(sim, j, lost)
         sim.try_admit()

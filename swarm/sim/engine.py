@@ -16,9 +16,12 @@ What is modelled, and how:
   then slow down by processor sharing while more processes than cores are busy. The client on a host is one
   process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
   without a host, client_step_s is a plain delay (many independent clients).
-* Churn (swarm/sim/churn.py) removes and adds nodes; sessions on a lost node fail over: the rest of the route
-  is rebuilt with Router.route_from and the client replays the prefix (prompt + generated tokens) into the
-  new stages, as the live client does.
+* Churn (swarm/sim/churn.py) removes, adds and moves nodes; sessions on a lost node fail over. With
+  SimConfig.partial_replay (swarm/sim/moves.py) only the lost stage is re-routed and replayed, and a session
+  with no route waits; without it the rest of the route is rebuilt with Router.route_from and the prefix
+  (prompt + generated tokens) replayed into all new stages, as the client did before issue 13. KV hand-over
+  and make before break are in swarm/sim/moves.py and churn.py. Replays are prefilled in chunks of
+  replay_chunk_tokens per iteration next to the decode batch (0: whole, like any prefill).
 
 Per event the work is O(log n) for the heap plus O(1) per token carried. Hot loops use plain lists and ints.
 Tokens in flight are tagged with the request's failover epoch (key = request << 8 | epoch), so tokens of a
@@ -36,6 +39,7 @@ from heapq import heappop, heappush
 from swarm.errors import NoRouteError
 from swarm.planner.cluster import Cluster
 from swarm.routing import PeerState, Router, RoutingView
+from swarm.sim import moves
 from swarm.sim.hosts import CLIENT, Host, hosts_of
 from swarm.sim.timing import NodeTiming, TimingDefaults
 from swarm.sim.trace import Request
@@ -67,12 +71,21 @@ class SimConfig:
     # cuts events K-fold for large runs at the price of coarser interleaving.
     decode_quantum_tokens: int = 1
     timing: TimingDefaults = field(default_factory=TimingDefaults)
+    # Churn behaviour (swarm/sim/moves.py); False / 0 everywhere is the swarm before issue 13.
+    make_before_break: bool = True  # a moved node serves its old sessions while it loads, and drains them
+    partial_replay: bool = True  # a failover replays only through the replaced stage(s), from their inputs
+    kv_handover: bool = True  # a leaving or moving node streams its sessions' KV caches to a successor
+    replay_chunk_tokens: int = 256  # replay tokens one iteration may take in (0: a replay is one prefill)
+    # KV bytes per token per layer = 2 (K and V) * kv_heads * head_dim * dtype bytes = 2 * activation bytes
+    # * kv_heads / heads: LLaMA-2-70B has 8 KV heads of 64 (the synthetic clusters' 70B class).
+    kv_heads_fraction: float = 0.125
 
 
 class Node:
     __slots__ = (
         "id", "alive", "incarnation", "layers", "timing", "cache_total", "cache_used", "decode_q", "prefill_q",
         "busy", "cur_decode", "cur_prefill", "busy_s", "sessions", "host", "decode_iter_s",
+        "replay_q", "cur_replay", "cur_replay_tokens", "old_layers", "draining",
     )  # fmt: skip
 
     def __init__(self, node_id: NodeID) -> None:
@@ -92,6 +105,11 @@ class Node:
         self.sessions: set[int] = set()
         self.host: Host | None = None
         self.decode_iter_s: list[float] = []  # seconds of a decode-only iteration of b tokens, b <= batch cap
+        self.replay_q: deque[list[int]] = deque()  # [key, tokens left, tokens]: replays, chunked
+        self.cur_replay: list[tuple[int, int]] = []  # replays whose last chunk runs in this iteration
+        self.cur_replay_tokens = 0
+        self.old_layers: LayerRange | None = None  # layers still served to `draining` after a move
+        self.draining: set[int] = set()
 
 
 class Link:
@@ -159,6 +177,13 @@ class Simulation:
         self.done_s = [-1.0] * n
         self.failovers = 0
         self.restarts = 0
+        self.handovers = 0
+        self.replayed_tokens = 0  # token x stage: tokens re-prefilled by replacement stages
+        self.handover_bytes = 0
+        self.replay_end = [0] * n  # a replay's prefill returns to the client before this stage
+        self.resume_stage = [0] * n  # after a replay, the pending decode step re-enters here
+        self.replaying = [False] * n
+        self.stalled: list[tuple[int, int]] = []  # (request, stage) failed over with no route yet
         self.waiting: deque[int] = deque()
         self.admission_blocked = False
         self.buckets: list[int] = []
@@ -202,7 +227,7 @@ class Simulation:
             elif kind == DELIVER_PREFILL:
                 node = self.nodes[a]
                 if node.alive and node.incarnation == b[0]:  # type: ignore[index]
-                    node.prefill_q.extend(b[1])  # type: ignore[index]
+                    self._queue_prefill(node, b[1])  # type: ignore[index]
                     if not node.busy:
                         self._start(node, a)
             elif kind == CLIENT_PREFILL:
@@ -227,17 +252,25 @@ class Simulation:
 
     def set_layers(self, i: int, layers: LayerRange) -> None:
         """Node i comes up holding `layers` (joined, or reloaded for a new plan)."""
+        node = self.nodes[i]
+        node.alive, node.incarnation = True, node.incarnation + 1
+        node.cache_used, node.busy = 0, False
+        node.decode_q, node.prefill_q, node.sessions = [], deque(), set()
+        node.replay_q, node.cur_replay, node.cur_replay_tokens = deque(), [], 0
+        self.relayer(i, layers)
+
+    def relayer(self, i: int, layers: LayerRange) -> None:
+        """Node i now serves `layers` to new sessions; its sessions and work in flight stay."""
         node, spec = self.nodes[i], self.cluster.node_by_id[self.ids[i]]
-        node.alive, node.incarnation, node.layers = True, node.incarnation + 1, layers
+        node.layers = layers
         node.timing = timing = NodeTiming(
             node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing, self._cap
         )
         node.decode_iter_s = [timing.decode_s(b) * self.quantum for b in range(self._cap + 1)]
         node.cache_total = int(spec.extra.get("cache_tokens", self.config.cache_layer_tokens // len(layers)))
-        node.cache_used, node.busy = 0, False
-        node.decode_q, node.prefill_q, node.sessions = [], deque(), set()
         self._announce(node)
         self.admission_blocked = False
+        self.retry_stalled()
 
     def remove(self, i: int) -> list[int]:
         """Node i leaves (or starts reloading). Returns the sessions that were using it."""
@@ -246,6 +279,8 @@ class Simulation:
             node.host.cancel(self.now, i, self._schedule_host)
         node.alive, node.incarnation, node.busy = False, node.incarnation + 1, False
         node.decode_q, node.prefill_q, node.cur_decode, node.cur_prefill = [], deque(), [], []
+        node.replay_q, node.cur_replay, node.cur_replay_tokens = deque(), [], 0
+        node.old_layers, node.draining = None, set()
         self.peers.pop(node.id, None)
         lost, node.sessions = sorted(node.sessions), set()
         return lost
@@ -257,6 +292,30 @@ class Simulation:
             node.id, node.layers, node.cache_total - node.cache_used, 0.0, 0.0, reserve
         )
 
+    def _queue_prefill(self, node: Node, jobs: list[tuple[int, int]]) -> None:
+        if self.config.replay_chunk_tokens <= 0:
+            node.prefill_q.extend(jobs)
+            return
+        for key, tokens in jobs:
+            if self.replaying[key >> 8]:
+                node.replay_q.append([key, tokens, tokens])
+            else:
+                node.prefill_q.append((key, tokens))
+
+    def _take_replays(self, node: Node) -> None:
+        """Up to replay_chunk_tokens of replays join this iteration (chunked prefill): decode keeps going."""
+        left, taken, finished = self.config.replay_chunk_tokens, 0, []
+        while node.replay_q and left > 0:
+            job = node.replay_q[0]
+            take = min(job[1], left)
+            job[1] -= take
+            left -= take
+            taken += take
+            if job[1] == 0:
+                node.replay_q.popleft()
+                finished.append((job[0], job[2]))
+        node.cur_replay, node.cur_replay_tokens = finished, taken
+
     def _start(self, node: Node, i: int) -> None:
         if node.prefill_q:
             budget, tokens = self.config.prefill_budget_tokens, 0
@@ -266,7 +325,9 @@ class Simulation:
                 jobs.append(job)
                 tokens += job[1]
             node.cur_prefill = jobs
-        elif not node.decode_q:
+        if node.replay_q:
+            self._take_replays(node)
+        if not node.cur_prefill and not node.cur_replay_tokens and not node.decode_q:
             return
         cap, queued = self._cap, node.decode_q
         if len(queued) > cap:
@@ -276,8 +337,8 @@ class Simulation:
         timing = node.timing
         assert timing is not None
         iter_s = node.decode_iter_s
-        if node.cur_prefill:
-            dt = timing.prefill_s(sum(t for _, t in node.cur_prefill))
+        if node.cur_prefill or node.cur_replay_tokens:
+            dt = timing.prefill_s(sum(t for _, t in node.cur_prefill) + node.cur_replay_tokens)
             if node.cur_decode:  # decode tokens ride along; the fixed per-iteration cost is paid once
                 dt += max(iter_s[len(node.cur_decode)] - iter_s[0], 0.0)
         else:
@@ -340,16 +401,20 @@ class Simulation:
             for nxt, keys in groups.items():
                 self._send(i, nxt, len(keys) * self.act_bytes * self.quantum, keys, False)
             node.cur_decode = []
-        if node.cur_prefill:
-            for key, tokens in node.cur_prefill:
+        if node.cur_prefill or node.cur_replay:
+            for key, tokens in node.cur_prefill + node.cur_replay:
                 r = key >> 8
                 if key & 255 != epoch[r] & 255:
                     continue
                 s = stage[r] + 1
                 stage[r] = s
-                nxt = routes[r][s] if s < len(routes[r]) else SNK
-                self._send(i, nxt, tokens * self.act_bytes, [(key, tokens)], True)
-            node.cur_prefill = []
+                if s >= len(routes[r]):
+                    self._send(i, SNK, tokens * self.act_bytes, [(key, tokens)], True)
+                elif s >= self.replay_end[r]:  # a partial replay: the next stage kept its cache
+                    self._send(i, SNK, self.token_bytes, [(key, tokens)], True)
+                else:
+                    self._send(i, routes[r][s], tokens * self.act_bytes, [(key, tokens)], True)
+            node.cur_prefill, node.cur_replay, node.cur_replay_tokens = [], [], 0
         self._start(node, i)
 
     # -- links -----------------------------------------------------------------------------------------
@@ -367,6 +432,15 @@ class Simulation:
             bandwidth, latency = spec.bandwidth_bytes_s, spec.latency_s
         link = self.links[(src + 2) * self._link_stride + dst + 2] = Link(src, dst, bandwidth, latency)
         return link
+
+    def transfer(self, src: int, dst: int, nbytes: int) -> float:
+        """Queue a bulk transfer (a KV cache) on the link src -> dst; returns when it has arrived."""
+        link = self.links.get((src + 2) * self._link_stride + dst + 2) or self._new_link(src, dst)
+        start = max(link.free_at, self.now)
+        link.wait_s += start - self.now
+        link.messages += 1
+        link.free_at = start + nbytes / link.bandwidth_bytes_s
+        return link.free_at + link.latency_s
 
     def _send(
         self, src: int, dst: int, nbytes: int, payload: list, prefill: bool, delay_s: float = 0.0
@@ -458,8 +532,11 @@ class Simulation:
                 if self.generated[r] >= self.out_len[r]:
                     self._finish(r)
                     continue
-            self.stage[r] = 0
-            self._send(SRC, self.routes[r][0], self.token_bytes * self.quantum, [key], False, delay_s)
+            # The pending decode step re-enters where the replay began (0 unless a partial replay).
+            rs = self.resume_stage[r]
+            self.stage[r], self.resume_stage[r], self.replaying[r] = rs, 0, False
+            per_token = self.token_bytes if rs == 0 else self.act_bytes
+            self._send(SRC, self.routes[r][rs], per_token * self.quantum, [key], False, delay_s)
 
     def _count(self, tokens: int) -> None:
         b = int(self.now / self.config.bucket_s)
@@ -494,6 +571,12 @@ class Simulation:
             self._announce(node)
         self.routes[r], self.stage_starts[r] = tuple(nodes), tuple(starts)
         self.stage[r] = from_stage
+        self.replay_end[r] = len(nodes)
+        self.replaying[r] = self.generated[r] > 0
+        if self.generated[r] > 0:
+            self.replayed_tokens += (self.trace[r].prompt_tokens + self.generated[r]) * (
+                len(nodes) - from_stage
+            )
         self.epoch[r] += 1
         key = r << 8 | (self.epoch[r] & 255)
         tokens = self.trace[r].prompt_tokens + self.generated[r]
@@ -507,6 +590,10 @@ class Simulation:
             if r in node.sessions:
                 node.sessions.discard(r)
                 node.cache_used -= need
+                if node.draining:
+                    node.draining.discard(r)
+                    if not node.draining:
+                        node.old_layers = None  # make before break: the old range is dropped now
                 if node.alive:
                     self._announce(node)
         self.admission_blocked = False
@@ -517,8 +604,11 @@ class Simulation:
         self.try_admit()
 
     def fail_over(self, r: int, lost: int) -> None:
-        """Node `lost` no longer serves session r: re-route the rest and replay the prefix into it."""
+        """Node `lost` no longer serves session r: re-route and replay (swarm/sim/moves.py when partial)."""
         if self.done_s[r] >= 0:
+            return
+        if self.config.partial_replay:
+            moves.fail_over_partial(self, r, lost)
             return
         self.failovers += 1
         nodes = list(self.routes[r])
@@ -550,3 +640,11 @@ class Simulation:
         self.plan = plan
         self.router = self.make_router(plan)
         self.admission_blocked = False
+        self.retry_stalled()
+
+    def retry_stalled(self) -> None:
+        """Sessions that failed over with no route try again (the swarm changed)."""
+        if self.stalled:
+            stalled, self.stalled = self.stalled, []
+            for r, k in stalled:
+                moves.resume_stalled(self, r, k)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from swarm.planner.replan import ReplanConfig, replan
 from swarm.planner.solve import HEURISTICS, solve
 from swarm.sim.churn import Churn, ChurnEvent, Planner, initially_absent, load_schedule, present_cluster
 from swarm.sim.engine import SimConfig, Simulation
-from swarm.sim.report import summarize
+from swarm.sim.report import churn_targets, summarize
 from swarm.sim.scheduling import router_factory
 from swarm.sim.trace import Request, TraceConfig, make_trace
 from swarm.types import LayerRange, NodeID, Plan
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 PLACEMENTS = ("milp", "search", "greedy", "swarm", "separate")
 SCHEDULINGS = ("iwrr", "random", "swarm")
 REPLANS = ("local", "scratch")
+CHURN_MODES = ("new", "old", "both")
+# The churn behaviour of issue 13, each a switch (SimConfig): "new" turns all on, "old" all off.
+CHURN_FEATURES = ("mbb", "partial", "handover", "chunked")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Experiment:
     decode_quantum_tokens: int = 1
     churn: str | None = None  # SCHEDULE.json, or the name of a bundled one (churn_helix24)
     replan: str = "local"  # churn: "local" (repair, then capped improvement) or "scratch" (full re-solve)
+    churn_mode: str = "new"  # churn: "new" (churn_features on), "old" (all off) or "both" (a row of each)
+    churn_features: tuple[str, ...] = CHURN_FEATURES  # which of issue 13's behaviours "new" turns on
+    reference: bool = True  # churn: also run the trace churn-free on the nodes that remain (window ratios)
 
     def __post_init__(self) -> None:
         if self.mode not in ("online", "offline"):
@@ -69,6 +75,11 @@ class Experiment:
                 raise ValueError(f"bad {what} {bad or list(items)}: choose from {', '.join(allowed)}")
         if self.replan not in REPLANS:
             raise ValueError(f"replan must be one of {', '.join(REPLANS)}, got {self.replan!r}")
+        if self.churn_mode not in CHURN_MODES:
+            raise ValueError(f"churn mode must be one of {', '.join(CHURN_MODES)}, got {self.churn_mode!r}")
+        bad_features = [f for f in self.churn_features if f not in CHURN_FEATURES]
+        if bad_features:
+            raise ValueError(f"bad churn feature {bad_features}: choose from {', '.join(CHURN_FEATURES)}")
         if self.churn is not None:
             schedule_path(self.churn)  # a missing schedule fails here, before any planning
 
@@ -124,6 +135,7 @@ class _Setup:
     events: list[ChurnEvent]
     present: set[NodeID]
     rate: float | None
+    replans: dict[tuple[object, ...], Plan] = field(default_factory=dict)  # re-plans are the same every row
 
 
 def _setup(exp: Experiment) -> _Setup:
@@ -148,22 +160,43 @@ def _setup(exp: Experiment) -> _Setup:
     return _Setup(cluster, plans, trace, config, events, present, rate)
 
 
-def run_row(exp: Experiment, setup: _Setup, method: str, scheduling: str) -> dict[str, Any]:
-    """One placement x scheduling: the row of report.summarize, plus its wall_s."""
+def churn_config(base: SimConfig, mode: str, features: tuple[str, ...]) -> SimConfig:
+    """The SimConfig of one churn mode: "new" turns `features` on, "old" turns all of them off."""
+    on = set(features) if mode == "new" else set()
+    return replace(
+        base,
+        make_before_break="mbb" in on,
+        partial_replay="partial" in on,
+        kv_handover="handover" in on,
+        replay_chunk_tokens=base.replay_chunk_tokens if "chunked" in on else 0,
+    )
+
+
+def run_row(
+    exp: Experiment, setup: _Setup, method: str, scheduling: str, mode: str = "new"
+) -> dict[str, Any]:
+    """One placement x scheduling (x churn mode): the row of report.summarize, plus its wall_s."""
     t0 = time.perf_counter()
     cluster = setup.cluster
+    config = churn_config(setup.config, mode, exp.churn_features)
     sim = Simulation(
-        cluster, setup.plans[method], router_factory(cluster, scheduling, exp.seed), setup.trace, setup.config
+        cluster, setup.plans[method], router_factory(cluster, scheduling, exp.seed), setup.trace, config
     )
+    churn = None
     if setup.events:
-        Churn(sim, setup.events, churn_planner(exp, method), setup.present, exp.reload_s_per_layer)
+        planner = churn_planner(exp, method, setup.replans)
+        churn = Churn(sim, setup.events, planner, setup.present, exp.reload_s_per_layer)
     sim.run()
     row = summarize(sim, method, scheduling)
+    if churn is not None:
+        row["churn_mode"] = mode
+        row["churn_events"] = churn.events()
     row["wall_s"] = time.perf_counter() - t0
     logger.info(
-        "%s/%s: %.1f tokens/s, lost %d, %.1f s wall",
+        "%s/%s %s: %.1f tokens/s, lost %d, %.1f s wall",
         method,
         scheduling,
+        mode if churn else "",
         row["decode_tokens_s"],
         row["lost_requests"],
         row["wall_s"],
@@ -171,9 +204,14 @@ def run_row(exp: Experiment, setup: _Setup, method: str, scheduling: str) -> dic
     return row
 
 
-def churn_planner(exp: Experiment, method: str) -> Planner:
-    """The re-plan on each churn event: the live planner's decision, or today's full re-solve."""
+def churn_planner(
+    exp: Experiment, method: str, cache: dict[tuple[object, ...], Plan] | None = None
+) -> Planner:
+    """The re-plan on each churn event: the live planner's decision, or today's full re-solve. Plans are
+    memoised on (nodes present, current placement), so every row of an experiment sees the same re-plans
+    (the solver's time limit would otherwise make them differ) and solves each once."""
     config = ReplanConfig(method=method, time_limit_s=exp.plan_time_limit_s, seed=exp.seed)
+    memo = cache if cache is not None else {}
 
     def local(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
         plan, why = replan(c, current, config)
@@ -187,15 +225,53 @@ def churn_planner(exp: Experiment, method: str) -> Planner:
     def scratch(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
         return make_plan(c, method, exp.plan_time_limit_s, current)
 
-    return local if exp.replan == "local" else scratch
+    def planner(c: Cluster, current: dict[NodeID, LayerRange] | None) -> Plan:
+        key = (method, exp.replan, tuple(sorted(c.node_by_id)), tuple(sorted((current or {}).items())))
+        if key not in memo:
+            memo[key] = (local if exp.replan == "local" else scratch)(c, current)
+        return memo[key]
+
+    return planner
+
+
+def reference_rows(exp: Experiment, setup: _Setup, method: str, scheduling: str) -> dict[str, Any]:
+    """Per distinct set of nodes left after a leave: the trace served churn-free by those nodes alone, on a
+    from-scratch plan (the steady state the churn run's windows are held against). Keyed by the leave's
+    time."""
+    out: dict[str, Any] = {}
+    present, by_set = set(setup.present), {}  # type: ignore[var-annotated]
+    for e in setup.events:
+        if e.joins:
+            present.add(e.node)
+            continue
+        present.discard(e.node)
+        key = frozenset(present)
+        if key not in by_set:
+            cluster = present_cluster(setup.cluster, set(present))
+            plan_key = ("reference", method, tuple(sorted(key)))
+            if plan_key not in setup.replans:
+                setup.replans[plan_key] = make_plan(cluster, method, exp.plan_time_limit_s)
+            plan = setup.replans[plan_key]
+            config = churn_config(setup.config, "new", exp.churn_features)
+            sim = Simulation(
+                cluster, plan, router_factory(cluster, scheduling, exp.seed), setup.trace, config
+            )
+            row = summarize(sim.run(), method, scheduling)
+            by_set[key] = {"nodes": len(present), "max_flow_tokens_s": plan.max_flow_tokens_s}
+            by_set[key] |= {k: row[k] for k in ("decode_tokens_s", "throughput_timeline")}
+        out[f"{e.time_s:g}"] = by_set[key]
+    return out
 
 
 def run_experiment(exp: Experiment) -> dict[str, Any]:
-    """The experiment's result: its settings, wall time and one row per placement x scheduling."""
+    """The experiment's result: its settings, wall time and one row per placement x scheduling (x mode)."""
     started = time.perf_counter()
     setup = _setup(exp)
-    rows = [run_row(exp, setup, m, s) for m in exp.placements for s in exp.schedulings]
-    return {
+    modes = (("new", "old") if exp.churn_mode == "both" else (exp.churn_mode,)) if setup.events else ("new",)
+    rows = [
+        run_row(exp, setup, m, s, mode) for m in exp.placements for s in exp.schedulings for mode in modes
+    ]
+    result: dict[str, Any] = {
         "cluster": exp.cluster,
         "nodes": len(setup.cluster.nodes),
         "mode": exp.mode,
@@ -203,6 +279,14 @@ def run_experiment(exp: Experiment) -> dict[str, Any]:
         "arrival_rate_per_s": setup.rate,
         "seed": exp.seed,
         "replan": exp.replan if exp.churn else None,
-        "wall_s": time.perf_counter() - started,
+        "churn_features": list(exp.churn_features) if exp.churn else None,
         "rows": rows,
     }
+    if setup.events and exp.reference:
+        refs = {(m, s): reference_rows(exp, setup, m, s) for m in exp.placements for s in exp.schedulings}
+        result["churn_targets"] = [
+            churn_targets(row, refs[(row["placement"], row["scheduling"])]) for row in rows
+        ]
+        result["references"] = {f"{m}/{s}": v for (m, s), v in refs.items()}
+    result["wall_s"] = time.perf_counter() - started
+    return result

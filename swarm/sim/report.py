@@ -63,6 +63,10 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         "lost_requests": len(trace) - len(done),
         "failovers": sim.failovers,
         "restarts": sim.restarts,
+        "handovers": sim.handovers,
+        "handover_bytes": sim.handover_bytes,
+        "replayed_tokens": sim.replayed_tokens,
+        "stalled_at_end": len(sim.stalled),
         "simulated_s": span_s,
         "node_utilisation": {
             "mean": sum(util.values()) / len(sim.nodes) if sim.nodes else 0.0,
@@ -79,6 +83,120 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
             "tokens_s": [round(b / sim.config.bucket_s, 2) for b in sim.buckets],
         },
     }
+
+
+WINDOW_S = 30.0  # the issue's window for the lowest throughput after a leave
+HORIZON_S = 60.0  # windows starting this long after a leave still count as "after" it
+
+
+def window_tokens_s(timeline: dict[str, Any], start_s: float, window_s: float = WINDOW_S) -> float:
+    """Mean tokens/s over [start_s, start_s + window_s) from whole buckets of a throughput timeline."""
+    bucket, rates = timeline["bucket_s"], timeline["tokens_s"]
+    first, count = int(round(start_s / bucket)), max(int(round(window_s / bucket)), 1)
+    part = rates[first : first + count]
+    return sum(part) / count if part else 0.0
+
+
+def churn_targets(row: dict[str, Any], references: dict[str, Any]) -> dict[str, Any]:
+    """Issue 13's figures for one churn row: per leave, the lowest 30 s window (starting 0-60 s after it)
+    against the same window of the churn-free run on the nodes that remain, and failovers against the
+    sessions that were on the leaving node (failovers: sessions that had to replay; hand-overs apart)."""
+    leaves = []
+    for e in row["churn_events"]:
+        if e["event"] == "join":
+            continue
+        ref = references[f"{e['time_s']:g}"]
+        bucket = row["throughput_timeline"]["bucket_s"]
+        windows = []
+        for k in range(int(HORIZON_S / bucket) + 1):
+            t = e["time_s"] + k * bucket
+            got = window_tokens_s(row["throughput_timeline"], t)
+            steady = window_tokens_s(ref["throughput_timeline"], t)
+            windows.append((got / steady if steady > 0 else 1.0, t, got, steady))
+        ratio, t, got, steady = min(windows)
+        leaves.append(
+            {
+                "time_s": e["time_s"],
+                "node": e["node"],
+                "min_window_ratio": round(ratio, 3),
+                "min_window_start_s": t,
+                "min_window_tokens_s": round(got, 1),
+                "steady_tokens_s": round(steady, 1),
+                "sessions_on_leaving_node": e["sessions_on_node"],
+                "failovers": e["failovers"],
+                "handovers": e["handovers"],
+                "nodes_moved": e.get("nodes_moved"),
+            }
+        )
+    ratio = min((x["min_window_ratio"] for x in leaves), default=1.0)
+    within = all(x["failovers"] <= x["sessions_on_leaving_node"] for x in leaves)
+    return {
+        "placement": row["placement"],
+        "scheduling": row["scheduling"],
+        "churn_mode": row.get("churn_mode"),
+        "min_window_ratio": ratio,
+        "failovers_per_leave": sum(x["failovers"] for x in leaves) / max(len(leaves), 1),
+        "handovers_per_leave": sum(x["handovers"] for x in leaves) / max(len(leaves), 1),
+        "sessions_on_leaving_node": sum(x["sessions_on_leaving_node"] for x in leaves) / max(len(leaves), 1),
+        "restarts": row["restarts"],
+        "lost": row["lost_requests"],
+        "met": {
+            "min_window_ratio>=0.7": ratio >= 0.7,
+            "failovers<=sessions_on_leaving_node": within,
+            "lost==0": row["lost_requests"] == 0,
+            "restarts==0": row["restarts"] == 0,
+        },
+        "leaves": leaves,
+    }
+
+
+def plot_churn(result: dict[str, Any], path: str) -> bool:
+    """Throughput over time of every row (old and new churn behaviour) and the churn-free references, in one
+    plot, with the churn events marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written to %s", path)
+        return False
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for r in result["rows"]:
+        tl = r["throughput_timeline"]
+        xs = [(i + 0.5) * tl["bucket_s"] for i in range(len(tl["tokens_s"]))]
+        label = f"{r['placement']}/{r['scheduling']}, churn {r.get('churn_mode', '')}"
+        ax.plot(xs, tl["tokens_s"], label=label, lw=1.6 if r.get("churn_mode") == "new" else 1.0)
+    seen: set[int] = set()
+    for name, refs in result.get("references", {}).items():
+        for ref in refs.values():
+            if ref["nodes"] in seen:
+                continue
+            seen.add(ref["nodes"])
+            tl = ref["throughput_timeline"]
+            xs = [(i + 0.5) * tl["bucket_s"] for i in range(len(tl["tokens_s"]))]
+            ax.plot(xs, tl["tokens_s"], ls=":", lw=0.9, label=f"{name}, no churn, {ref['nodes']} nodes")
+    events = result["rows"][0].get("churn_events", []) if result["rows"] else []
+    for e in events:
+        ax.axvline(e["time_s"], color="grey", lw=0.6, ls="--")
+        ax.text(
+            e["time_s"],
+            ax.get_ylim()[1] * 0.97,
+            f" {e['event']} {e['node']}",
+            fontsize=6,
+            rotation=90,
+            va="top",
+        )
+    ax.set_xlabel("simulated s")
+    ax.set_ylabel("decode tokens/s (10 s buckets)")
+    ax.set_title(
+        f"{result['cluster']}: throughput over time, churn behaviour before (old) and after (new) issue 13"
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
