@@ -313,9 +313,8 @@ class InferenceSession:
     def _distrust(self, error: Exception, failed: NodeID, action: Action, attempt: int) -> None:
         """Forget that stages hold the session's tokens where the failure says they may not (beyond the failed
         one and those the new route drops, which ``_reroute`` forgets)."""
-        if isinstance(
-            error, WrongOutput
-        ):  # the stages after a liar computed from its outputs: fill them again
+        if isinstance(error, WrongOutput):
+            # the stages after a liar computed from its outputs: fill them again
             liar = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
             self._filled.difference_update(self.stages[liar:])
         elif action is Action.REPLAY and attempt > 0:

@@ -11,6 +11,7 @@ import pytest
 
 from client.local import LocalChain
 from client.session import InferenceSession
+from swarm.models.faults import OutputFaults
 from swarm.models.head import SamplingParams
 from swarm.models.loading import ModelSource
 from swarm.routing.route import Stage
@@ -136,3 +137,28 @@ def test_two_failovers_in_one_session_each_refill_only_their_stage(
     assert [(r.tokens, r.resent_by) for r in session.replays] == [(10, "a"), (13, "c")]
     assert _recomputed(chain, {"a", "c"}) == [("a", 0, 8), ("c", 0, 8)]
     assert session.replayed_tokens == 10 + 13
+
+
+def test_a_liar_caught_mid_session_gets_every_stage_after_it_refilled(
+    tiny_source: ModelSource, reference: Any
+) -> None:
+    """The stages after a liar computed from its outputs, so the failover refills them too (not only its
+    replacement); the stage before it resends, and keeps its cache."""
+    client, chain = make_client(tiny_source, {**TINY_SPLIT, "b2": (2, 4)}, spot_check_tokens=4)
+    liar: list[NodeID] = []
+
+    def start_lying(count: int) -> None:
+        if count == 5:  # the step at position 11: the liar corrupts it, and every step is checked from now on
+            liar.append(client.last_session.stages[1].peer_id)
+            chain.faulty[liar[0]] = OutputFaults(1.0, seed=1)
+            client.checker.rate = 1.0
+
+    chain.on_step = start_lying
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, STEPS, SamplingParams()))
+    assert got == greedy_reference(reference, PROMPT_IDS, STEPS)
+    session = _session(client)
+    assert client.checker.excluded == {liar[0]}
+    honest = "b2" if liar[0] == "b" else "b"
+    refilled = (Stage(NodeID(honest), LayerRange(2, 4)), Stage(NodeID("c"), LayerRange(4, 6)))
+    assert [(r.stages, r.tokens, r.resent_by) for r in session.replays] == [(refilled, 11, "a")]
+    assert session.replayed_tokens == 22
