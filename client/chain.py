@@ -5,7 +5,8 @@ peer computes its layers and pushes the result to the next hop itself. The last 
 back to the client: with the step (sent with `wait_result`) goes a StepWait to the last hop, which answers it
 with the output, while the step's own call returns as soon as every hop has accepted it. So a decode step costs
 one message per hop plus one back, and no peer relays the output (see swarm.peer.handoff). A one-stage route
-just calls its peer.
+just calls its peer. Since the client never holds the states between hops, a failover that replaced some
+stages asks the kept hop before them to resend what it sent on (``resend``, swarm.peer.outputs).
 """
 
 from __future__ import annotations
@@ -110,6 +111,36 @@ class RemoteChain:
                 await asyncio.wait([waiter])  # the step failed first: its error is the one we raise
             if not waiter.cancelled():
                 waiter.exception()  # retrieved, so asyncio does not log it as lost
+
+    async def resend(
+        self,
+        session_id: SessionID,
+        stages: Sequence[Stage],
+        position: int,
+        tokens: int,
+        hidden_size: int,
+        max_length_tokens: int,
+    ) -> None:
+        """Have ``stages[0]`` send the outputs it logged for [position, +tokens) of the session on through
+        ``stages[1:]``, which fill their caches (it computes nothing; see swarm.peer.outputs). Their output
+        is waited for at the last of them, as any step's, and dropped. SessionError if it has no such log."""
+        first, *rest = self._hops(stages)
+        if not rest:
+            raise ValueError("a resend needs stages to send to")
+        request = StepRequest(
+            session_id=session_id,
+            position=position,
+            hidden=torch.empty(0, hidden_size, dtype=self.wire_dtype),  # only H goes on the wire
+            start=first.start,
+            end=first.end,
+            max_length_tokens=max_length_tokens,
+            model_hash=self.model_hash,
+            route_rest=tuple(rest),
+            timeout_s=self.step_timeout_s,
+            wait_result=True,
+            resend_tokens=tokens,
+        )
+        await self._step_and_wait(request, first, rest[-1])
 
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """`stage` alone on `hidden` as a fresh session at position 0, closed after; the output in the dtype the

@@ -20,7 +20,7 @@ from client.client import AsyncSwarmClient
 from client.config import ClientConfig
 from client.routes import route_deprioritising_bans
 from client.spot import ReportSink
-from swarm.errors import SwarmError, TransportError
+from swarm.errors import SessionError, SwarmError, TransportError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.faults import OutputFaults
 from swarm.models.head import ClientHead
@@ -40,6 +40,9 @@ class LocalChain:
         self.faulty: dict[NodeID, OutputFaults] = {}  # peers that corrupt (some of) their outputs
         self.calls: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every stage run
         self.on_step: Callable[[int], None] | None = None  # called with the step count before each step
+        # what each stage sent on, per (peer, session), as a peer logs it (swarm/peer/outputs.py): resends read it
+        self.sent: dict[tuple[NodeID, SessionID], torch.Tensor] = {}
+        self.resends: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every resend
         self._steps = 0
 
     async def step(
@@ -71,9 +74,46 @@ class LocalChain:
             if session_id not in block.active_sessions:
                 block.open_session(session_id, max_length_tokens)
             inputs = hidden.to(block.device, block.dtype)
-            hidden = self._forward(stage, session_id, inputs, position)
+            try:
+                hidden = self._forward(stage, session_id, inputs, position)
+            except SwarmError as error:  # as a peer's reply does, the error names the hop it happened at
+                error.failed_peer_id = error.failed_peer_id or stage.peer_id
+                raise
             self.calls.append((stage.peer_id, position, inputs.shape[0]))
+            self._log(stage.peer_id, session_id, position, hidden)
         return hidden
+
+    def _log(self, peer_id: NodeID, session_id: SessionID, position: int, hidden: torch.Tensor) -> None:
+        logged = self.sent.get((peer_id, session_id))
+        if position == 0 or (logged is not None and position <= logged.shape[0]):
+            kept = logged[:position] if logged is not None else hidden[:0]
+            self.sent[(peer_id, session_id)] = torch.cat([kept, hidden.detach()])
+        else:  # a gap: the log cannot vouch for what is missing
+            self.sent.pop((peer_id, session_id), None)
+
+    async def resend(
+        self,
+        session_id: SessionID,
+        stages: Sequence[Stage],
+        position: int,
+        tokens: int,
+        hidden_size: int,
+        max_length_tokens: int,
+    ) -> None:
+        kept = stages[0].peer_id
+        if kept in self.dead:
+            error = TransportError(f"peer {kept} is unreachable")
+            error.failed_peer_id = kept
+            raise error
+        logged = self.sent.get((kept, session_id))
+        if logged is None or logged.shape[0] < position + tokens or logged.shape[-1] != hidden_size:
+            missing = SessionError(f"peer {kept} has no log of session {session_id[:8]} to resend")
+            missing.failed_peer_id = kept
+            raise missing
+        self.resends.append((kept, position, tokens))
+        await self.step(
+            session_id, stages[1:], position, logged[position : position + tokens], max_length_tokens
+        )
 
     def _forward(
         self, stage: Stage, session_id: SessionID, inputs: torch.Tensor, position: int
@@ -100,6 +140,7 @@ class LocalChain:
             block = self.blocks.get(stage.peer_id)
             if stage.peer_id not in self.dead and block is not None and session_id in block.active_sessions:
                 block.close_session(session_id)
+            self.sent.pop((stage.peer_id, session_id), None)
 
     async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None:
         return next((s.peer_id for s in stages if s.peer_id in self.dead | self.hung), None)

@@ -4,8 +4,10 @@ The client keeps the embeddings and the LM head; the peers keep one KV cache per
 the first step. The session remembers every token the peers have seen (prompt plus generated), so whatever
 goes wrong on the way it can rebuild the peers' caches: after a failed step it builds a new route for the
 layers from the failed peer's stage on (the stages before it stay: their peers are alive and hold the cache),
-and sends all the tokens again at position 0, which makes every peer on the route truncate its cache and
-recompute it. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
+and refills only the stages that are new to the session (`_replay`): the kept stage before them resends the
+outputs it logged, or the client sends the embeddings where there is none. Stages after them that the new
+route kept (same peer, same layers) keep their caches too, so nothing is computed again by a peer that still
+holds the session. Greedy decoding after a failover therefore gives the same tokens as an uninterrupted run.
 After every good step the route's peers are reported as having served, which forgets their past failures.
 A sampled fraction of good steps is spot-checked first (client/spot.py): a peer found computing wrongly is
 excluded, and the step is replayed without it, like any other failover.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Iterable, Sequence
@@ -34,48 +35,16 @@ from typing import Protocol
 
 import torch
 
+from client.chunks import chunked
 from client.liveness import StepWatch
 from client.retry import Action, Decision, RetryPolicy
 from client.spot import CheckChain, SpotChecker, WrongOutput
-from swarm.errors import NoRouteError, SwarmError
+from swarm.errors import NoRouteError, SessionError, SwarmError
 from swarm.routing.route import Route, Stage, route_text
 from swarm.types import SOURCE, LayerRange, NodeID, SessionID
 
 logger = logging.getLogger(__name__)
 ROUTE_WAIT_LOG_S = 5.0  # while waiting for a route, log progress this often
-
-
-# Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
-# chunks of a pipelined prompt are cut to cost the same, so later ones hold fewer tokens. SmolLM2-135M counts
-# 7.1 MFLOP per token per layer outside attention and 2.3 kFLOP per earlier token in it: 3,000; a straight-line
-# fit of measured chunk times (scripts/bench_prefill.py --chunk-costs, 10 layers, 1 thread) gave 2,100 on a
-# loaded machine. Equal-cost chunks keep the pipeline's stages in step; the last chunk, which no other work
-# overlaps, is the cheapest in tokens.
-ATTENTION_COST_TOKENS = 3000
-
-
-def prefill_chunks(
-    tokens: int, position: int, chunk_tokens: int, attention_tokens: int = ATTENTION_COST_TOKENS
-) -> list[int]:
-    """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
-    ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
-    1 + x / attention_tokens."""
-    count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
-    if count <= 1:
-        return [tokens]
-
-    def cost(x: float) -> float:  # of positions [position, x)
-        return (x - position) + (x * x - position * position) / (2 * attention_tokens)
-
-    step = cost(position + tokens) / count
-    base = position + position * position / (2 * attention_tokens)
-    ends: list[int] = []
-    for k in range(1, count):
-        # solve x + x^2 / 2A = base + k * step for x
-        x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
-        ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
-    bounds = [position, *ends, position + tokens]
-    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 class Head(Protocol):
@@ -90,6 +59,18 @@ class Chain(CheckChain, Protocol):
     """Carries hidden states through the stages of a route; remotely, each peer forwards to the next."""
 
     async def find_silent(self, stages: Sequence[Stage], timeout_s: float) -> NodeID | None: ...
+
+    # stages[0] sends the outputs it logged for positions [position, +tokens) on through stages[1:], computing
+    # nothing itself (a failover refilling the stages it replaced); SessionError if it has no such log
+    async def resend(
+        self,
+        session_id: SessionID,
+        stages: Sequence[Stage],
+        position: int,
+        tokens: int,
+        hidden_size: int,
+        max_length_tokens: int,
+    ) -> None: ...
 
 
 class RouteSource(Protocol):
@@ -117,6 +98,17 @@ class Failover:
     action: Action
     detected_by: str  # "probe": our probe during the step; "asked": asked each hop after the error; "error"
     at_s: float  # time.monotonic() when the session acted
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One refill of the stages a failover replaced, for logs, tests and benchmarks."""
+
+    stages: Route  # the stages that computed the session's tokens again
+    tokens: int  # how many tokens each of them computed
+    resent_by: (
+        NodeID | None
+    )  # the kept stage that sent its logged outputs on; None: the client sent embeddings
 
 
 class InferenceSession:
@@ -149,7 +141,11 @@ class InferenceSession:
         self.watch = watch or StepWatch(chain.find_silent)  # probes the route when a step runs long
         self.failover_log: list[Failover] = []
         self.route_waits = 0  # how many times building a route found layers nobody serves, and waited
-        self.replayed_tokens = 0  # tokens sent again after failovers (what a failover cost the swarm)
+        # What failovers cost the swarm: tokens computed again, summed over the stages that computed them (a
+        # replay of 100 tokens through 2 stages counts 200)
+        self.replayed_tokens = 0
+        self.replays: list[Replay] = []
+        self._filled: set[Stage] = set()  # stages of the route whose caches hold all of token_ids
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
@@ -179,62 +175,93 @@ class InferenceSession:
             )
         if not self.stages:
             await self.open()
-        ids, position = list(new_ids), self.position
         for attempt in itertools.count():
             try:
-                out = await self._step(ids, position)
+                # after a failover, first refill the caches of the stages that lack the prefix (only those)
+                await self._replay()
+                out = await self._step(list(new_ids), self.position)
                 await self._spot_check([*self.token_ids, *new_ids])
                 break
             except Exception as error:
                 await self._recover(error, attempt)
-            # after any failure, replay every token from position 0: each peer on the route then truncates
-            # (or, new to the session, fills) its cache, whatever it held before
-            ids, position = [*self.token_ids, *new_ids], 0
-            self.replayed_tokens += len(self.token_ids)
+        self._filled = set(self.stages)
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
         return self.head.logits(out[-1:])[0]
 
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
-        step = self._pipelined(hidden, position)
+        step = self._pipelined(self.stages, hidden, position)
         out = await self.watch.run(step, self.stages, len(ids), self.step_timeout_s)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
 
-    async def _pipelined(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        """Send ``hidden`` [T, H] at ``position`` through the route, a long prompt as consecutive chunks sent
+    async def _pipelined(self, stages: Route, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Send ``hidden`` [T, H] at ``position`` through ``stages``, a long prompt as consecutive chunks sent
         at once (HPipe): peer k computes chunk i while peer k+1 computes chunk i-1, so the route's peers work
         on one prompt together instead of each waiting for the whole of it. Peers run a session's steps in
-        position order whatever order they arrive in (swarm/peer/executor.py).
+        position order whatever order they arrive in (swarm/peer/executor.py)."""
 
-        A failed chunk fails the step: we wait for every chunk's answer first (the chunks queued behind a
-        failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
-        prefix, and raise the first chunk's error, the cause of the others'."""
-        sizes = prefill_chunks(hidden.shape[0], position, self.prefill_chunk_tokens)
-        if len(sizes) == 1:  # a decode step or a short prompt
+        async def send(start: int, size: int) -> torch.Tensor:
+            part = hidden[start : start + size]
             return await self.chain.step(
-                self.session_id, self.stages, position, hidden, self.max_length_tokens
+                self.session_id, stages, position + start, part, self.max_length_tokens
             )
-        starts = [0, *itertools.accumulate(sizes)]
-        answers = await asyncio.gather(
-            *(
-                self.chain.step(
-                    self.session_id,
-                    self.stages,
-                    position + start,
-                    hidden[start : start + size],
-                    self.max_length_tokens,
-                )
-                for start, size in zip(starts, sizes, strict=False)
-            ),
-            return_exceptions=True,
+
+        return torch.cat(await chunked(hidden.shape[0], position, self.prefill_chunk_tokens, send))
+
+    async def _replay(self) -> None:
+        """Refill the caches of the route's stages that lack the session's tokens, and only theirs.
+
+        The client never sees the hidden states between two stages, so it asks the kept stage before the first
+        one to fill to resend what it sent on the first time (its log, swarm/peer/outputs.py), through the
+        stages from that one to the last one to fill, and discards their output; where the first stage is to
+        fill, or the kept one has no log (it restarted, or the session moved to it), the client sends the
+        embeddings itself from stage 0. Stages after the last one to fill keep their caches: the next step
+        reaches them from a new hop, at the session's position, and they take it (their sessions are keyed by
+        the client). Greedy output stays exact: each stage computes from the very inputs of the first pass."""
+        missing = [i for i, stage in enumerate(self.stages) if stage not in self._filled]
+        tokens = len(self.token_ids)
+        if not missing or not tokens:
+            self._filled = set(self.stages)
+            return
+        first, last = missing[0], missing[-1]
+        resent_by = self.stages[first - 1].peer_id if first > 0 else None
+        if resent_by is not None:
+            try:
+                await self._resend(self.stages[first - 1 : last + 1], tokens)
+            except SessionError as error:  # no log there: replay from the tokens, as before partial replay
+                if getattr(error, "failed_peer_id", None) not in (None, "", resent_by):
+                    raise  # a stage to fill failed: the failover handles it like any other
+                logger.info("session %s: no resend from %s (%s)", self.session_id[:8], resent_by[-8:], error)
+                first, resent_by = 0, None
+        replayed = self.stages[first : last + 1]
+        if resent_by is None:
+            hidden = self.head.embed(torch.tensor(self.token_ids, dtype=torch.long))
+            step = self._pipelined(replayed, hidden, 0)
+            await self.watch.run(step, replayed, tokens, self.step_timeout_s)
+        self.replayed_tokens += tokens * len(replayed)
+        self.replays.append(Replay(replayed, tokens, resent_by))
+        self._filled.update(replayed)
+        logger.info(
+            "session %s replayed %d tokens through %s (%s)",
+            self.session_id[:8],
+            tokens,
+            route_text(replayed),
+            f"resent by {resent_by[-8:]}" if resent_by is not None else "from the client",
         )
-        error = next((a for a in answers if isinstance(a, BaseException)), None)
-        if error is not None:
-            raise error
-        return torch.cat([a for a in answers if isinstance(a, torch.Tensor)])
+
+    async def _resend(self, stages: Route, tokens: int) -> None:
+        """``stages[0]`` resends its outputs [0, tokens) through ``stages[1:]`` (chunked like a prompt)."""
+        hidden_size = int(self.head.embed(torch.tensor([], dtype=torch.long)).shape[-1])
+
+        async def send(start: int, size: int) -> None:
+            await self.chain.resend(self.session_id, stages, start, size, hidden_size, self.max_length_tokens)
+
+        await self.watch.run(
+            chunked(tokens, 0, self.prefill_chunk_tokens, send), stages, tokens, self.step_timeout_s
+        )
 
     async def _spot_check(self, token_ids: list[int]) -> None:
         """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.
@@ -277,10 +304,23 @@ class InferenceSession:
             self.routes.ban(failed)
         elif action is Action.REROUTE:
             self.avoided.add(failed)
+        self._distrust(error, failed, action, attempt)
         await self._reroute(failed)
         # the pause gives the DHT time to notice a failure; one we saw die first hand is out of routing already
         await self.sleep(0.0 if action is Action.WITHDRAW else decision.delay_s)
         self.failovers += 1
+
+    def _distrust(self, error: Exception, failed: NodeID, action: Action, attempt: int) -> None:
+        """Forget that stages hold the session's tokens where the failure says they may not (beyond the failed
+        one and those the new route drops, which ``_reroute`` forgets)."""
+        if isinstance(error, WrongOutput):
+            # the stages after a liar computed from its outputs: fill them again
+            liar = next((i for i, s in enumerate(self.stages) if s.peer_id == failed), 0)
+            self._filled.difference_update(self.stages[liar:])
+        elif action is Action.REPLAY and attempt > 0:
+            # a hop lost our session again after a partial replay: the error may name the wrong hop (a hop's
+            # claim about the next one), so refill every stage, as a full replay from the tokens does
+            self._filled.clear()
 
     async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:
         """Whom to act against, how, and how we know ("asked" or "error"). Only the first hop's failures reach
@@ -323,6 +363,8 @@ class InferenceSession:
         tail = await self._route_or_wait(start, prev)
         dropped = [s for s in self.stages[index + 1 :] if s.peer_id not in {t.peer_id for t in tail}]
         self.stages = (*kept, *tail)
+        # a stage keeps its cache if it was on the route (same peer, same layers) and did not fail
+        self._filled = {s for s in self.stages if s in self._filled and s.peer_id != failed}
         logger.info("session %s re-routed: %s", self.session_id[:8], route_text(self.stages))
         # Peers that left the route still hold our cache: ask them to drop it, one by one since the chain
         # through them is broken. Best effort: an unreachable peer frees it when the session expires.

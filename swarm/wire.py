@@ -20,7 +20,7 @@ Requests and their replies:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -127,6 +127,10 @@ class StepRequest:
     # The client whose session this is, as the first hop authenticated it ("" from the client itself): the hops
     # after it key the session by it, so a session survives a change of the hop before them (failover).
     origin: str = ""
+    # A resend (> 0, from the client only): this hop computes nothing; it sends its logged outputs for positions
+    # [position, position + resend_tokens) on to ``route_rest`` as an ordinary step (swarm.peer.outputs), so a
+    # failover refills only the stages it replaced. ``hidden`` is then [0, H]: on the wire, only H travels.
+    resend_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -422,6 +426,8 @@ def _encode_route(route: tuple[Hop, ...]) -> list[dict[str, Any]]:
 
 
 def _encode_body(msg: Request | Reply) -> dict[str, Any]:
+    if isinstance(msg, StepRequest) and msg.resend_tokens:
+        return _encode_resend(msg)
     if isinstance(msg, StepRequest):
         return {
             "session_id": msg.session_id,
@@ -489,15 +495,33 @@ def _decode_timings(value: object) -> tuple[HopTiming, ...]:
     return tuple(timings)
 
 
+def _encode_resend(msg: StepRequest) -> dict[str, Any]:
+    body = _encode_body(replace(msg, resend_tokens=0))
+    del body["hidden"]
+    return body | {"hidden_size": int(msg.hidden.shape[-1]), "resend_tokens": msg.resend_tokens}
+
+
+def _resend_hidden(body: dict[str, Any], w: str) -> tuple[int, torch.Tensor]:
+    """A resend's token count and its empty hidden [0, H]; ProtocolError if it also carries states or
+    sends nothing on."""
+    if "hidden" in body:
+        raise ProtocolError(f"{w}: a resend carries no hidden states (it sends the hop's own on)")
+    if not body.get("route_rest"):
+        raise ProtocolError(f"{w}: a resend needs hops to send to (route_rest is empty)")
+    tokens = _int(body, "resend_tokens", w, 1, MAX_TOKENS)
+    return tokens, torch.empty(0, _int(body, "hidden_size", w, 1, MAX_HIDDEN_SIZE))
+
+
 def _decode_step(body: dict[str, Any]) -> StepRequest:
     w = "step"
     start, end = _layers(body, w)
     position = _int(body, "position", w, 0, MAX_POSITION)
     max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
-    hidden = _hidden(body)
-    if position + hidden.shape[0] > max_length:
+    resend, hidden = _resend_hidden(body, w) if "resend_tokens" in body else (0, _hidden(body))
+    if position + (resend or hidden.shape[0]) > max_length:
         raise ProtocolError(
-            f"step: position {position} + {hidden.shape[0]} tokens is past max_length_tokens {max_length}"
+            f"step: position {position} + {resend or hidden.shape[0]} tokens is past max_length_tokens "
+            f"{max_length}"
         )
     return StepRequest(
         session_id=_str(body, "session_id", w, 128),
@@ -511,6 +535,7 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
         timeout_s=_timeout(body, w),
         wait_result=_flag(body, "wait_result", w),
         origin=_origin(body, w),
+        resend_tokens=resend,
     )
 
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from hivemind.p2p import P2P
 
-from swarm.errors import CapacityError, ProtocolError
+from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
@@ -108,6 +108,8 @@ class PeerHandlers:
         await self.peer.check_live(request.route_rest)
         origin = request.origin or remote_id  # empty from the client itself, the first hop
         key = session_key(origin, request.session_id)
+        if request.resend_tokens:
+            return await self._resend(request, key, origin, deadline, received)
         served = await self.peer.session_for(
             key, remote_id, layers, request.position, request.max_length_tokens
         )
@@ -153,7 +155,37 @@ class PeerHandlers:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:
             result = replace(result, hidden=self.faults.corrupt(result.hidden))
+        _log_sent(served, step, result, self.peer.spec.num_layers)
         return result
+
+    async def _resend(
+        self, request: StepRequest, key: str, origin: str, deadline: float, received: float
+    ) -> StepAck:
+        """Send session ``key``'s logged outputs [position, +resend_tokens) on to ``request.route_rest`` as a
+        step (no compute here): a failover refilling the stages it replaced (swarm.peer.outputs). Only the
+        client may ask (``key`` is its own), and only with ``wait_result``: the output goes to its wait."""
+        served = self.peer.find(key)
+        if served is None:
+            raise SessionError(f"no session {key[:16]} here to resend from: replay from the tokens")
+        if not request.wait_result:
+            raise ProtocolError("a resend must be sent with wait_result")
+        hidden = served.sessions[key].sent.read(request.position, request.resend_tokens, request.end)
+        self.peer.touch(key)
+        hop, rest = request.route_rest[0], request.route_rest[1:]
+        downstream = replace(
+            request,
+            hidden=hidden,
+            start=hop.start,
+            end=hop.end,
+            route_rest=rest,
+            timeout_s=max(1e-3, deadline - time.perf_counter()),
+            origin=origin,
+            resend_tokens=0,
+        )
+        timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
+        ack = await call_step_acked(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
+        timing = HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0)
+        return StepAck((_finish(timing, received), *ack.timings))
 
     async def rpc_wait(self, request: StepWait, remote_id: str) -> StepReply:
         """The output of a ``wait_result`` step for which we are the last hop, computed once it arrives.
@@ -250,6 +282,14 @@ async def reap_idle_sessions(peer: Peer, interval_s: float) -> None:
             await peer.reap()
         except Exception as e:  # e.g. the executor queue is full: the sessions are still idle next round
             logger.warning("reaping idle sessions failed (retrying in %.0f s): %r", interval_s, e)
+
+
+def _log_sent(served: Served, step: Step, result: StepResult, num_layers: int) -> None:
+    """Log what a step of a session sends on to the next hop (not the model's last layers: those go to the
+    client), so a failover after us can ask us to resend it (swarm.peer.outputs)."""
+    session = served.sessions.get(step.session_id or "")
+    if session is not None and step.end < num_layers:
+        session.sent.record(step.position, step.end, result.hidden)
 
 
 def _finish(timing: HopTiming, received: float) -> HopTiming:

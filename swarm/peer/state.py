@@ -28,6 +28,7 @@ from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.live import LiveView
 from swarm.peer.measure import ComputeMeasure
+from swarm.peer.outputs import OutputLog
 from swarm.types import LayerRange
 from swarm.wire import Hop
 
@@ -70,6 +71,7 @@ class Session:
     max_length_tokens: int
     opened_s: float  # the Peer's clock
     last_used_s: float
+    sent: OutputLog = field(default_factory=OutputLog)  # what it sent on, for a failover's resend
 
 
 def session_key(origin: str, session_id: str) -> str:

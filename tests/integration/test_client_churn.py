@@ -173,6 +173,10 @@ def test_a_sigkilled_mid_route_peer_fails_over_to_its_replica_and_is_withdrawn(
     assert failover.error != "TimeoutError"  # noticed by the broken connection (or a probe), not a deadline
     assert dead in client.aclient.routes.withdrawn  # type: ignore[attr-defined]
     assert dead not in {s.peer_id for s in session.stages}
+    # only the replacement refilled its cache, from what the first hop had sent on; "last" kept its cache
+    [replay] = session.replays
+    assert (replay.stages, replay.resent_by) == (session.stages[1:2], session.stages[0].peer_id)
+    assert session.replayed_tokens == replay.tokens > len(PROMPT_IDS)
 
 
 def test_with_the_only_holder_restarting_the_answer_waits_and_completes(

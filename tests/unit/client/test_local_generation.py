@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 import torch
 
+from client.chunks import prefill_chunks
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
 from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain, LocalRoutes, in_process_client
 from client.retry import Action
-from client.session import prefill_chunks
 from swarm.errors import CapacityError, NoRouteError, ProtocolError, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
-from swarm.types import NodeID
+from swarm.routing.route import Stage
+from swarm.types import LayerRange, NodeID
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,8 +159,15 @@ def test_killed_middle_peer_fails_over_to_replica_with_identical_output(
     assert session is not None and session.failovers == 1
     survivor = "b2" if state["victim"] == "b" else "b"
     assert [s.peer_id for s in session.stages] == ["a", survivor, "c"]
-    # the replay sent all 8 + 4 tokens from position 0 through the whole new route
-    assert ("a", 0, 12) in chain.calls and (survivor, 0, 12) in chain.calls
+    # Only the replaced stage replayed: "a" resent what it had sent on for the 11 tokens before the failed step,
+    # without computing them again, and "c" kept its cache (it took the failed step again from the survivor).
+    assert chain.resends == [("a", 0, 11)]
+    assert (survivor, 0, 11) in chain.calls
+    assert [c for c in chain.calls if c[0] in ("a", "c") and c[1] == 0] == [("a", 0, 8), ("c", 0, 8)]
+    assert session.replayed_tokens == 11
+    assert [(r.stages, r.tokens, r.resent_by) for r in session.replays] == [
+        ((Stage(NodeID(survivor), LayerRange(2, 4)),), 11, "a")
+    ]
     assert client.routes.bans.is_banned(state["victim"])  # type: ignore[attr-defined]
 
 
@@ -178,7 +186,9 @@ def test_a_peer_that_lost_the_session_gets_a_replay_not_a_ban(tiny: ModelSource,
     assert session is not None and session.failovers == 1
     assert [s.peer_id for s in session.stages] == ["a", "b", "c"]  # same route, nobody banned
     assert not client.routes.bans.is_banned(NodeID("b"))  # type: ignore[attr-defined]
-    assert ("b", 0, 8 + 3) in chain.calls  # replayed from position 0
+    # only "b" replayed the 10 tokens before the failed step, from what "a" had sent it; "c" kept its cache
+    assert chain.resends == [("a", 0, 10)] and ("b", 0, 10) in chain.calls
+    assert [c for c in chain.calls if c[0] in ("a", "c") and c[1] == 0] == [("a", 0, 8), ("c", 0, 8)]
 
 
 def _refuse_middle_at_step(

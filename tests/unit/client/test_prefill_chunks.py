@@ -1,4 +1,4 @@
-"""How a long prompt is cut for pipelining (client.session.prefill_chunks): pure arithmetic."""
+"""How a long prompt is cut for pipelining (client.chunks.prefill_chunks): pure arithmetic."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from client.session import prefill_chunks
+from client.chunks import prefill_chunks
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,71 @@
+"""How a session cuts a long step into chunks that the route's peers pipeline (HPipe), and sends them.
+
+A prompt sent as consecutive chunks at once lets peer k compute chunk i while peer k+1 computes chunk i-1, so
+the route's peers work on one prompt together instead of each waiting for the whole of it; a failover's replay
+is cut the same way. Peers run a session's steps in position order whatever order they arrive in
+(swarm/peer/executor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
+# chunks of a pipelined prompt are cut to cost the same, so later ones hold fewer tokens. SmolLM2-135M counts
+# 7.1 MFLOP per token per layer outside attention and 2.3 kFLOP per earlier token in it: 3,000; a straight-line
+# fit of measured chunk times (scripts/bench_prefill.py --chunk-costs, 10 layers, 1 thread) gave 2,100 on a
+# loaded machine. Equal-cost chunks keep the pipeline's stages in step; the last chunk, which no other work
+# overlaps, is the cheapest in tokens.
+ATTENTION_COST_TOKENS = 3000
+
+
+def prefill_chunks(
+    tokens: int, position: int, chunk_tokens: int, attention_tokens: int = ATTENTION_COST_TOKENS
+) -> list[int]:
+    """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
+    ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
+    1 + x / attention_tokens."""
+    count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
+    if count <= 1:
+        return [tokens]
+
+    def cost(x: float) -> float:  # of positions [position, x)
+        return (x - position) + (x * x - position * position) / (2 * attention_tokens)
+
+    step = cost(position + tokens) / count
+    base = position + position * position / (2 * attention_tokens)
+    ends: list[int] = []
+    for k in range(1, count):
+        # solve x + x^2 / 2A = base + k * step for x
+        x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
+        ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
+    bounds = [position, *ends, position + tokens]
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+async def chunked(
+    tokens: int, position: int, chunk_tokens: int, send: Callable[[int, int], Awaitable[T]]
+) -> list[T]:
+    """``send(start, size)`` for each chunk of ``tokens`` tokens after ``position`` (one for a decode step or
+    a short prompt), all at once; their answers in order.
+
+    A failed chunk fails them all: we wait for every chunk's answer first (the chunks queued behind a
+    failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
+    prefix, and raise the first chunk's error, the cause of the others'."""
+    sizes = prefill_chunks(tokens, position, chunk_tokens)
+    if len(sizes) == 1:
+        return [await send(0, tokens)]
+    starts = [0, *itertools.accumulate(sizes)]
+    answers = await asyncio.gather(
+        *(send(start, size) for start, size in zip(starts, sizes, strict=False)), return_exceptions=True
+    )
+    error = next((a for a in answers if isinstance(a, BaseException)), None)
+    if error is not None:
+        raise error
+    return [a for a in answers if not isinstance(a, BaseException)]
