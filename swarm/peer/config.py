@@ -107,7 +107,11 @@ class FollowConfig:
     handover_timeout_s: float = setting(
         60.0, "longest wait for others to take layers we drop; then drop them"
     )
-    session_grace_s: float = setting(10.0, "sessions on a range we stop serving may finish this long")
+    session_grace_s: float = setting(
+        3600.0,
+        "safety bound: a range we stop serving is dropped once its sessions end or move, at the latest "
+        "after this long (or the session lifetime, if shorter)",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "check_interval_s", "handover_timeout_s")
