@@ -107,6 +107,9 @@ class FollowConfig:
     handover_timeout_s: float = setting(
         60.0, "longest wait for others to take layers we drop; then drop them"
     )
+    max_move_layers: int = setting(
+        0, "most layers held at once while moving (0: old + new); past it, old layers go before new ones load"
+    )
     session_grace_s: float = setting(
         3600.0,
         "safety bound: a range we stop serving is dropped once its sessions end or move, at the latest "
@@ -117,6 +120,8 @@ class FollowConfig:
         positive(self, "check_interval_s", "handover_timeout_s")
         if self.session_grace_s < 0:
             raise ValueError(f"session_grace_s must be >= 0, got {self.session_grace_s}")
+        if self.max_move_layers < 0:
+            raise ValueError(f"max_move_layers must be >= 0, got {self.max_move_layers}")
 
 
 @dataclass(frozen=True)

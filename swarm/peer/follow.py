@@ -94,6 +94,22 @@ def transition_range(held: LayerRange, target: LayerRange, max_layers: int) -> L
     return hull if len(hull) <= max(max_layers, len(held) + len(target)) else target
 
 
+def resident_layers(held: LayerRange, target: LayerRange, transit: LayerRange) -> int:
+    """Layers held at once by a move through ``transit``: the hull alone (it contains the old range), or the
+    old range and the target's other layers during the direct path's handover (shared modules count once)."""
+    if transit.covers(held):
+        return len(transit)
+    shared = held.intersect(target)
+    return len(held) + len(target) - (len(shared) if shared is not None else 0)
+
+
+def move_budget(held: LayerRange, target: LayerRange, max_layers: int, max_move_layers: int) -> int:
+    """The most layers a move may hold at once: ``max_move_layers``, or by default what transition_range
+    allows (max_layers, or the old and new ranges together); never less than either range."""
+    limit = max_move_layers or max(max_layers, len(held) + len(target))
+    return max(limit, len(held), len(target))
+
+
 def dropped_layers(before: LayerRange, after: LayerRange) -> list[int]:
     return [layer for layer in range(before.start, before.end) if layer not in after]
 
@@ -227,8 +243,16 @@ class PlanFollower:
     async def move(self, target: LayerRange, epoch: int) -> bool:
         """Serve `target` instead of the held range; False if abandoned because the plan changed."""
         began = time.monotonic()
-        old = self.held
-        transit = transition_range(old, target, self.peer.identity.max_layers)
+        old, max_layers = self.held, self.peer.identity.max_layers
+        budget = move_budget(old, target, max_layers, self.config.max_move_layers)
+        transit = transition_range(old, target, max_layers)
+        if resident_layers(old, target, transit) > budget:
+            transit = target  # the hull does not fit: straight to the target
+        if resident_layers(old, target, transit) > budget:
+            logger.info(
+                "plan epoch %d: moving %s -> %s in steps (%d layers at most)", epoch, old, target, budget
+            )
+            return await self._move_in_steps(target, epoch)
         logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
         if transit != old:
             blocks = await asyncio.to_thread(assemble_blocks, self.source, self._current_blocks(), transit)
@@ -247,6 +271,41 @@ class PlanFollower:
             )  # no load: inside
         self.moves += 1
         logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
+        return True
+
+    async def _move_in_steps(self, target: LayerRange, epoch: int) -> bool:
+        """A move whose old and new layers do not fit at once: once others keep the layers we give up, narrow
+        to the layers both ranges share (no load), drop the old range when its sessions end (the safety bound
+        applies), then load only the missing layers and carry the kept range's sessions over. Never holds more
+        layers than the larger of the two ranges (plus the old range's sessions' KV until they end); this peer
+        serves only the shared layers (none, for disjoint ranges) while it loads the others."""
+        old = self.peer.current
+        if old is None:
+            raise RuntimeError("no range is being served")
+        if not await self._handover(dropped_layers(old.range, target), epoch):
+            return False
+        device, dtype = str(old.blocks.device), str(old.blocks.dtype).removeprefix("torch.")
+        cache_tokens = old.blocks.cache.cache_tokens
+        keep = old.range.intersect(target)
+        if keep is not None:
+            self.peer.serve(assemble_blocks(self.source, old.blocks, keep))  # shares old's modules
+            await self._announce(keep)
+        else:
+            old.accepting = False  # nothing to serve meanwhile: no new sessions on layers being given up
+            self.peer.changed.set()
+        await self._retire(old)  # old's other layers are freed once nothing refers to them
+        del old
+        kept = self.peer.current
+        if kept is not None:
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, kept.blocks, target)
+            await self.peer.carry_over(blocks)
+        else:
+            fresh = await asyncio.to_thread(
+                self.source.load_blocks, target.start, target.end, device, dtype, cache_tokens
+            )
+            self.peer.serve(fresh)
+        await self._announce(target)
+        self.moves += 1
         return True
 
     def _current_blocks(self) -> BlockRange:

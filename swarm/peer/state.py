@@ -457,7 +457,8 @@ class Peer:
 
     def record(self) -> PeerRecord:
         """Our DHT record as of now."""
-        held = self.held or LayerRange(0, 0)
+        held = self.held  # None while a peer moving in steps serves only its old range's sessions
+        start, end = (held.start, held.end) if held is not None else (0, 0)
         serving = self.status in (Status.SERVING, Status.MOVING)
         total, free = self.cache_tokens_total, self.free_cache_tokens
         blocks = self.ranges[-1].blocks if self.ranges else None
@@ -474,8 +475,8 @@ class Peer:
             dtype=dtype_name(blocks.dtype) if blocks is not None else "",
             memory_bytes=self.identity.memory_bytes,
             state=_RECORD_STATE[self.status],  # type: ignore[arg-type]
-            range_start=held.start,
-            range_end=held.end,
+            range_start=start,
+            range_end=end,
             decode_layer_tokens_s_b1=self.compute.decode_layer_tokens_s_b1,
             decode_layer_tokens_s_b8=self.compute.decode_layer_tokens_s_b8,
             prefill_layer_tokens_s=self.compute.prefill_layer_tokens_s,

@@ -15,7 +15,7 @@ from client.routes import peer_state
 from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.peer.config import FollowConfig
-from swarm.peer.follow import PlanFollower, assemble_blocks
+from swarm.peer.follow import PlanFollower, assemble_blocks, move_budget, resident_layers
 from swarm.peer.handlers import PeerHandlers
 from swarm.peer.state import Peer
 from swarm.types import LayerRange
@@ -39,6 +39,14 @@ def _run(peer: Peer, body: Callable[[], Awaitable[None]]) -> None:
                 await runner
 
     asyncio.run(main())
+
+
+async def _until(peer: Peer, done: Callable[[], bool]) -> None:
+    """Wait for ``done()``, re-checking each time the peer's record changes (serve, drop, accepting)."""
+    async with asyncio.timeout(30):
+        while not done():
+            peer.changed.clear()
+            await peer.changed.wait()
 
 
 def _follower(
@@ -199,5 +207,80 @@ def test_the_grace_is_only_a_safety_bound(tiny_source):
         assert [s.range for s in peer.ranges] == [R(4, 6)]
         with pytest.raises(SessionError):
             await handlers.rpc_step(StepRequest("s1", 3, hidden[3:], 0, 2, 32, spec.weights_hash), "client")
+
+    _run(peer, body)
+
+
+def test_resident_layers_and_move_budget():
+    assert resident_layers(R(0, 3), R(2, 4), R(0, 4)) == 4  # the hull
+    assert resident_layers(R(0, 3), R(2, 4), R(2, 4)) == 4  # direct: old + the target's other layer
+    assert resident_layers(R(0, 2), R(4, 6), R(4, 6)) == 4
+    assert move_budget(R(0, 2), R(1, 3), max_layers=2, max_move_layers=0) == 4  # default: old + new
+    assert move_budget(R(0, 2), R(1, 3), max_layers=6, max_move_layers=0) == 6
+    assert move_budget(R(0, 3), R(1, 3), max_layers=3, max_move_layers=2) == 3  # never below either range
+
+
+def test_a_move_over_the_memory_budget_goes_in_steps(tiny_source):
+    """QmA moves 0:2 -> 1:3 with room for 2 layers during moves: it narrows to 1:2 (no load), keeps 0:2 only
+    for s1 until s1 ends, then loads layer 2 alone and carries 1:2's sessions over. At no point does it hold
+    more than 2 layers' modules."""
+    spec = tiny_source.spec
+    peer = _peer(tiny_source.load_blocks(0, 2, "cpu", "float32", 256), "QmA", max_layers=2)
+    layer1 = peer.ranges[0].blocks.layers[1]
+    handlers = PeerHandlers(peer, p2p=None)  # type: ignore[arg-type]
+    plan = plan_record(1, {"QmA": R(1, 3), "QmB": R(0, 1)})
+    announced: list[LayerRange] = []
+    directory = _Directory("QmA", snapshot(plan, ("QmA", 0, 2), ("QmB", 0, 1)))
+    follower = _follower(peer, directory, tiny_source, announced, max_move_layers=2)
+    hidden = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def step(sid: str, position: int, tokens: int, start: int, end: int) -> StepRequest:
+        return StepRequest(sid, position, hidden[:tokens], start, end, 32, spec.weights_hash)
+
+    def modules_held() -> int:
+        return len({id(m) for s in peer.ranges for m in s.blocks.layers})
+
+    async def body() -> None:
+        await handlers.rpc_step(step("s1", 0, 3, 0, 2), "client")
+        move = asyncio.create_task(follower.check())
+        await _until(peer, lambda: peer.held == R(1, 2))
+        assert peer.held == R(1, 2) and [s.range for s in peer.ranges] == [R(0, 2), R(1, 2)]
+        assert modules_held() == 2 and not move.done()
+        await handlers.rpc_step(step("s2", 0, 3, 1, 2), "client")  # opens on the narrowed range
+        await handlers.rpc_step(step("s1", 3, 1, 0, 2), "client")  # s1 still runs on 0:2
+        await handlers.rpc_close(CloseRequest("s1"), "client")
+        await asyncio.wait_for(move, 30)
+        assert announced == [R(1, 2), R(1, 3)] and [s.range for s in peer.ranges] == [R(1, 3)]
+        assert peer.ranges[0].blocks.layers[0] is layer1 and modules_held() == 2
+        assert list(peer.ranges[0].sessions) == ["s2@client"]  # carried over to 1:3
+        await handlers.rpc_step(step("s2", 3, 1, 1, 2), "client")
+
+    _run(peer, body)
+
+
+def test_a_disjoint_move_over_the_budget_loads_only_after_the_old_range_went(tiny_source):
+    """0:2 -> 4:6 with room for 2 layers: once others keep 0:2, QmA takes no new sessions, serves s1 to its
+    end (announced as an older range, no current one), then loads 4:6."""
+    spec = tiny_source.spec
+    peer = _peer(tiny_source.load_blocks(0, 2, "cpu", "float32", 256), "QmA", max_layers=2)
+    handlers = PeerHandlers(peer, p2p=None)  # type: ignore[arg-type]
+    plan = plan_record(1, {"QmA": R(4, 6), "QmB": R(0, 2)})
+    announced: list[LayerRange] = []
+    directory = _Directory("QmA", snapshot(plan, ("QmA", 0, 2), ("QmB", 0, 2)))
+    follower = _follower(peer, directory, tiny_source, announced, max_move_layers=2)
+    hidden = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    async def body() -> None:
+        await handlers.rpc_step(StepRequest("s1", 0, hidden[:3], 0, 2, 32, spec.weights_hash), "client")
+        move = asyncio.create_task(follower.check())
+        await _until(peer, lambda: peer.current is None)
+        record = peer.record()
+        assert (record.range_start, record.range_end) == (0, 0) and not move.done()
+        assert [(o.start, o.end, o.sessions) for o in record.older_ranges] == [(0, 2, 1)]
+        with pytest.raises(CapacityError):
+            await handlers.rpc_step(StepRequest("s2", 0, hidden[:3], 0, 2, 32, spec.weights_hash), "client")
+        await handlers.rpc_close(CloseRequest("s1"), "client")
+        await asyncio.wait_for(move, 30)
+        assert announced == [R(4, 6)] and [s.range for s in peer.ranges] == [R(4, 6)]
 
     _run(peer, body)
