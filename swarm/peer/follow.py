@@ -27,9 +27,14 @@ dropped as soon as they have ended or moved away (closed by their client after a
 reaped when idle or past their lifetime); session_grace_s is only a safety bound on that wait. Sessions still
 open then are dropped and their next step raises SessionError, so the client re-routes and replays.
 
-Memory: the modules of the layers both ranges hold are shared, never loaded twice; at most
-max(max_layers, |O| + |N|) layers are resident during a move (see transition_range), plus the KV cache of the
-sessions still open on the old range, which grows only with the tokens they use.
+Memory: the modules of the layers both ranges hold are shared, never loaded twice. A move holds at most
+move_budget() layers at once: max_move_layers, or by default max(max_layers, |O| + |N|) (see transition_range),
+plus the KV cache of the sessions still open on the old range, which grows only with the tokens they use. When
+neither the hull nor the direct path fits (resident_layers > budget), the move goes in steps (_move_in_steps):
+wait for others to keep O - N, narrow to O & N (no load), drop O once its sessions end, then load N - O and
+carry the narrowed range's sessions over. The peer then serves only O & N (nothing, if disjoint) while it loads,
+and a wait for O's sessions holds up the next plan epoch. A strict max_move_layers can also bring back the
+swap wait above (both peers take this path), which handover_timeout_s bounds.
 """
 
 from __future__ import annotations

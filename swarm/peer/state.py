@@ -3,7 +3,9 @@
     status:   joining -> serving <-> moving -> draining -> leaving
     ranges:   usually one ``Served`` (a BlockRange with its own KV cache and its sessions); two while the peer
               moves (make before break): the newest range takes new sessions, an older one keeps serving the
-              sessions it opened until they end, then it is dropped. A session stays on the range it opened on.
+              sessions it opened until they end, then it is dropped (both are in the record meanwhile). A
+              session stays on the range it opened on, unless that range grows (carry_over): a new range that
+              contains the old one takes its sessions, caches and all, in its place.
 
 Handlers, the plan follower, the announcer and the reaper get the Peer and act through its methods; nobody else
 writes its fields. Everything here runs on the event loop; the torch work (opening a KV cache, a forward) goes

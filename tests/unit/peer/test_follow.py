@@ -111,6 +111,8 @@ def test_config_checks():
         FollowConfig(check_interval_s=0)
     with pytest.raises(ValueError, match="session_grace_s"):
         FollowConfig(session_grace_s=-1)
+    with pytest.raises(ValueError, match="max_move_layers"):
+        FollowConfig(max_move_layers=-1)
 
 
 @pytest.mark.parametrize(
