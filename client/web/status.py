@@ -36,6 +36,7 @@ def _peer_json(record: PeerRecord, live: LiveInfo | None) -> dict[str, Any]:
         "name": record.name,
         "state": live.state if live else record.state,
         "range": [record.range_start, record.range_end],
+        "older_ranges": [[o.start, o.end, o.sessions] for o in record.older_ranges],  # [start, end, sessions]
         "device": record.device,
         "decode_tokens_s": record.decode_layer_tokens_s_b1,
         "decode_tokens_s_b8": record.decode_layer_tokens_s_b8,

@@ -19,7 +19,15 @@ finally:
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage
 from swarm.dht.election import Election, ElectionConfig, decide, lease_holder
 from swarm.dht.node import DHTConfig, ReachabilityConfig, SwarmDHT
-from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, PlanRecord, ReportRecord
+from swarm.dht.schemas import (
+    MAX_OLDER_RANGES,
+    LeaseRecord,
+    LinkMeasure,
+    OlderRange,
+    PeerRecord,
+    PlanRecord,
+    ReportRecord,
+)
 from swarm.dht.trust import ModelShape, excluded_peers
 
 __all__ = [
@@ -31,6 +39,8 @@ __all__ = [
     "ElectionConfig",
     "LeaseRecord",
     "LinkMeasure",
+    "MAX_OLDER_RANGES",
+    "OlderRange",
     "ModelShape",
     "PeerRecord",
     "PlanRecord",

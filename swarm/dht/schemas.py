@@ -47,6 +47,7 @@ MAX_EPOCH = (1 << 53) - 1  # exact in a float, so no reader (JSON, JS) rounds tw
 MAX_PLAN_PEERS = 1024  # peers one plan may place
 MAX_PLAN_FLOWS = 16_384  # edges of one plan's flow (at most one per pair of consecutive peers)
 MAX_REASON_CHARS = 512
+MAX_OLDER_RANGES = 4  # ranges a moving peer still serves for their open sessions (usually 0 or 1)
 
 PeerState = Literal["loading", "serving", "leaving"]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -79,6 +80,20 @@ class LinkMeasure(_Record):
     bandwidth_bytes_s: Annotated[float, Field(gt=0.0, le=MAX_BANDWIDTH_BYTES_S)]
 
 
+class OlderRange(_Record):
+    """A range the peer no longer takes new sessions on but still serves for the sessions open on it."""
+
+    start: LayerIndex  # layers [start, end)
+    end: LayerIndex
+    sessions: Annotated[int, Field(gt=0, le=MAX_SESSIONS)]  # open on it; a range with none is dropped
+
+    @model_validator(mode="after")
+    def _check_range(self) -> OlderRange:
+        if not self.start < self.end:
+            raise ValueError(f"empty older range [{self.start}, {self.end})")
+        return self
+
+
 class PeerRecord(_Record):
     """What a peer announces about itself: identity, held layers, measured speed, free capacity, links."""
 
@@ -105,6 +120,11 @@ class PeerRecord(_Record):
     active_sessions: Count
     load: Annotated[float, Field(ge=0.0, le=1.0)]
     links: Annotated[dict[ShortStr, LinkMeasure], Field(max_length=MAX_LINKS)] = Field(default_factory=dict)
+    # Make before break: while the peer moves, the ranges it still serves for their open sessions. Routing
+    # sends new sessions only to [range_start, range_end); this is for the status page and the planner's view.
+    older_ranges: Annotated[list[OlderRange], Field(max_length=MAX_OLDER_RANGES)] = Field(
+        default_factory=list
+    )
     reachable: bool | None = None
     updated_at: Seconds = 0.0  # unix seconds
 
@@ -118,10 +138,18 @@ class PeerRecord(_Record):
             raise ValueError(f"max_layers {self.max_layers} > num_layers {self.num_layers}")
         if self.free_cache_tokens > self.cache_tokens_total:
             raise ValueError(f"free_cache_tokens {self.free_cache_tokens} > cache_tokens_total")
+        for older in self.older_ranges:
+            if older.end > self.num_layers:
+                raise ValueError(f"older range [{older.start}, {older.end}) is past layer {self.num_layers}")
+        if sum(older.sessions for older in self.older_ranges) > self.active_sessions:
+            raise ValueError("older ranges hold more sessions than the peer has open")
         return self
 
     def to_dht(self) -> dict[str, Any]:
-        return self.model_dump(mode="python")
+        value = self.model_dump(mode="python")
+        if not value["older_ranges"]:  # absent when empty: readers from before the field accept the record
+            del value["older_ranges"]
+        return value
 
 
 class FlowBody(_Record):

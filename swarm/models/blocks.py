@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.errors import ProtocolError, SessionError
+from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.kv_cache import KVCache, SessionCache
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
@@ -111,6 +111,29 @@ class BlockRange:
                 f"({self.max_context_tokens} tokens), which FlowSwarm does not implement"
             )
         self.cache.open(session_id, max_length_tokens)
+
+    def carry_sessions(self, old: BlockRange) -> list[str]:
+        """Take over every session open on ``old``, a range this one contains (on the torch thread): the same
+        session ids and cache tensors, so their next steps, which may still name ``old``'s layers only, run
+        here as they would have there. ``old`` keeps pointing at the same caches, so a step already queued on
+        it still runs correctly; drop ``old`` afterwards. Returns the ids carried over."""
+        if not self.range.covers(old.range):
+            raise ValueError(
+                f"cannot carry sessions from {old.range} into {self.range}: it does not contain it"
+            )
+        if (old.device, old.dtype) != (self.device, self.dtype):
+            raise ValueError(
+                f"cannot carry sessions from {old.device}/{old.dtype} to {self.device}/{self.dtype}"
+            )
+        carried = old.cache.session_ids
+        needed = sum(old.cache.get(s).max_length_tokens for s in carried)
+        if needed > self.cache.free_tokens:  # checked first: never carry half of them
+            raise CapacityError(
+                f"carrying {len(carried)} sessions needs {needed} cache tokens, {self.cache.free_tokens} free"
+            )
+        for session_id in carried:
+            self.cache.adopt(old.cache.get(session_id))
+        return carried
 
     def close_session(self, session_id: str) -> None:
         self.cache.close(session_id)

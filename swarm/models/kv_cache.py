@@ -63,6 +63,17 @@ class SessionCache:
         self.lengths[i] = new
         return keys[:, :new], values[:, :new]
 
+    def widen(self, layers: LayerRange) -> None:
+        """Hold ``layers`` (which cover the held ones) from now on; the new layers start empty. The cached
+        tensors are kept, not copied: a peer whose new range contains its old one carries its sessions over."""
+        if not layers.covers(self.layers):
+            raise ValueError(f"session {self.session_id}: {layers} does not cover its layers {self.layers}")
+        before, after = self.layers.start - layers.start, layers.end - self.layers.end
+        self.keys = [None] * before + self.keys + [None] * after
+        self.values = [None] * before + self.values + [None] * after
+        self.lengths = [0] * before + self.lengths + [0] * after
+        self.layers = layers
+
     def _grow(self, i: int, like: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         old_keys, old_values = self.keys[i], self.values[i]
         capacity = _MIN_CAPACITY_TOKENS if old_keys is None else old_keys.shape[1]
@@ -118,6 +129,20 @@ class KVCache:
             "opened session %s (%d tokens, %d free)", session_id, max_length_tokens, self.free_tokens
         )
         return session
+
+    def adopt(self, session: SessionCache) -> None:
+        """Take ``session`` (open in the cache of a range this one contains) as it is: same id, same tensors,
+        widened to our layers, its reservation counted against our budget."""
+        if session.session_id in self._sessions:
+            raise SessionError(f"session {session.session_id} is already open")
+        if session.max_length_tokens > self.free_tokens:
+            raise CapacityError(
+                f"KV cache full: cannot carry session {session.session_id} over "
+                f"({session.max_length_tokens} tokens, {self.free_tokens} free)"
+            )
+        session.widen(self.layers)
+        self._sessions[session.session_id] = session
+        self._reserved_tokens += session.max_length_tokens
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)

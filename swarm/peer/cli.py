@@ -67,6 +67,7 @@ def snapshot_json(snapshot: SwarmSnapshot, num_layers: int) -> dict[str, object]
             "name": r.name,
             "state": r.state,
             "range": [r.range_start, r.range_end],
+            "older_ranges": [[o.start, o.end, o.sessions] for o in r.older_ranges],  # [start, end, sessions]
             "decode_tokens_s": r.decode_layer_tokens_s_b1,
             "decode_tokens_s_b8": r.decode_layer_tokens_s_b8,
             "prefill_tokens_s": r.prefill_layer_tokens_s,

@@ -107,12 +107,21 @@ class FollowConfig:
     handover_timeout_s: float = setting(
         60.0, "longest wait for others to take layers we drop; then drop them"
     )
-    session_grace_s: float = setting(10.0, "sessions on a range we stop serving may finish this long")
+    max_move_layers: int = setting(
+        0, "most layers held at once while moving (0: old + new); past it, old layers go before new ones load"
+    )
+    session_grace_s: float = setting(
+        3600.0,
+        "safety bound: a range we stop serving is dropped once its sessions end or move, at the latest "
+        "after this long (or the session lifetime, if shorter)",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "check_interval_s", "handover_timeout_s")
         if self.session_grace_s < 0:
             raise ValueError(f"session_grace_s must be >= 0, got {self.session_grace_s}")
+        if self.max_move_layers < 0:
+            raise ValueError(f"max_move_layers must be >= 0, got {self.max_move_layers}")
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,23 @@ Every planned layer is served by its planned peer as soon as that peer finishes 
 so the waits in step 2 always end unless two peers swap ranges far apart (the hull exceeds both bounds). For that
 case a wait gives up after handover_timeout_s and drops the layers anyway (logged as a warning).
 
-Make before break: once the next range is loaded the peer serves it (new sessions open there) while the old
-range keeps serving the sessions it opened for up to session_grace_s; those still open then are dropped, and
-their next step raises SessionError (unknown session), so the client re-routes and replays its prefix.
+Make before break: once the next range is loaded the peer serves it (new sessions open there; the record
+announces it as the held range and the old one under older_ranges). When the new range contains the old one
+(step 1 always, and a plain grow), the old range's sessions carry over to it (same keys, same KV cache, their
+steps on the old layers keep working) and the old range is gone at once (Peer.carry_over). Otherwise the old
+range keeps serving the sessions it opened, in the background so the follower can take the next plan, and is
+dropped as soon as they have ended or moved away (closed by their client after a re-route, handed over, or
+reaped when idle or past their lifetime); session_grace_s is only a safety bound on that wait. Sessions still
+open then are dropped and their next step raises SessionError, so the client re-routes and replays.
+
+Memory: the modules of the layers both ranges hold are shared, never loaded twice. A move holds at most
+move_budget() layers at once: max_move_layers, or by default max(max_layers, |O| + |N|) (see transition_range),
+plus the KV cache of the sessions still open on the old range, which grows only with the tokens they use. When
+neither the hull nor the direct path fits (resident_layers > budget), the move goes in steps (_move_in_steps):
+wait for others to keep O - N, narrow to O & N (no load), drop O once its sessions end, then load N - O and
+carry the narrowed range's sessions over. The peer then serves only O & N (nothing, if disjoint) while it loads,
+and a wait for O's sessions holds up the next plan epoch. A strict max_move_layers can also bring back the
+swap wait above (both peers take this path), which handover_timeout_s bounds.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ from swarm.dht import Directory, SwarmSnapshot
 from swarm.models.blocks import BlockRange
 from swarm.models.loading import ModelSource
 from swarm.peer.config import FollowConfig
-from swarm.peer.state import Peer, Status
+from swarm.peer.state import Peer, Served, Status
 from swarm.types import LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -83,6 +97,22 @@ def transition_range(held: LayerRange, target: LayerRange, max_layers: int) -> L
     """
     hull = LayerRange(min(held.start, target.start), max(held.end, target.end))
     return hull if len(hull) <= max(max_layers, len(held) + len(target)) else target
+
+
+def resident_layers(held: LayerRange, target: LayerRange, transit: LayerRange) -> int:
+    """Layers held at once by a move through ``transit``: the hull alone (it contains the old range), or the
+    old range and the target's other layers during the direct path's handover (shared modules count once)."""
+    if transit.covers(held):
+        return len(transit)
+    shared = held.intersect(target)
+    return len(held) + len(target) - (len(shared) if shared is not None else 0)
+
+
+def move_budget(held: LayerRange, target: LayerRange, max_layers: int, max_move_layers: int) -> int:
+    """The most layers a move may hold at once: ``max_move_layers``, or by default what transition_range
+    allows (max_layers, or the old and new ranges together); never less than either range."""
+    limit = max_move_layers or max(max_layers, len(held) + len(target))
+    return max(limit, len(held), len(target))
 
 
 def dropped_layers(before: LayerRange, after: LayerRange) -> list[int]:
@@ -157,6 +187,7 @@ class PlanFollower:
         self.config = config or FollowConfig()
         self.adopted_epoch = 0
         self.moves = 0  # completed moves (for tests and status)
+        self._retiring: set[asyncio.Task[None]] = set()  # old ranges waiting for their sessions to end
 
     @property
     def held(self) -> LayerRange:
@@ -166,12 +197,26 @@ class PlanFollower:
         return held
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check()
-            except Exception as e:  # one bad round (DHT timeout, queue full, a bug) must not stop following
-                logger.warning("plan check failed (retrying in %.1f s): %r", self.config.check_interval_s, e)
-            await asyncio.sleep(self.config.check_interval_s)
+        try:
+            while True:
+                try:
+                    await self.check()
+                except (
+                    Exception
+                ) as e:  # one bad round (DHT timeout, queue full, a bug) must not stop following
+                    logger.warning(
+                        "plan check failed (retrying in %.1f s): %r", self.config.check_interval_s, e
+                    )
+                await asyncio.sleep(self.config.check_interval_s)
+        finally:
+            for task in self._retiring:  # shutting down: the peer's drain closes what is still open
+                task.cancel()
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    async def retired(self) -> None:
+        """Wait until every old range has been dropped (tests; the drop itself needs no waiter)."""
+        while self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
 
     async def check(self) -> None:
         """One look at the plan: move if it is newer than the adopted one and gives us other layers."""
@@ -203,14 +248,26 @@ class PlanFollower:
     async def move(self, target: LayerRange, epoch: int) -> bool:
         """Serve `target` instead of the held range; False if abandoned because the plan changed."""
         began = time.monotonic()
-        old = self.held
-        transit = transition_range(old, target, self.peer.identity.max_layers)
+        old, max_layers = self.held, self.peer.identity.max_layers
+        budget = move_budget(old, target, max_layers, self.config.max_move_layers)
+        transit = transition_range(old, target, max_layers)
+        if resident_layers(old, target, transit) > budget:
+            transit = target  # the hull does not fit: straight to the target
+        if resident_layers(old, target, transit) > budget:
+            logger.info(
+                "plan epoch %d: moving %s -> %s in steps (%d layers at most)", epoch, old, target, budget
+            )
+            return await self._move_in_steps(target, epoch)
         logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
         if transit != old:
             blocks = await asyncio.to_thread(assemble_blocks, self.source, self._current_blocks(), transit)
-            if not await self._handover(dropped_layers(old, transit), epoch):
-                return False
-            await self._switch(blocks)
+            if transit.covers(old):  # nothing dropped: the open sessions come along
+                await self.peer.carry_over(blocks)
+                await self._announce(transit)
+            else:
+                if not await self._handover(dropped_layers(old, transit), epoch):
+                    return False
+                await self._switch(blocks)
         if transit != target:
             if not await self._handover(dropped_layers(transit, target), epoch):
                 return False
@@ -219,6 +276,41 @@ class PlanFollower:
             )  # no load: inside
         self.moves += 1
         logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
+        return True
+
+    async def _move_in_steps(self, target: LayerRange, epoch: int) -> bool:
+        """A move whose old and new layers do not fit at once: once others keep the layers we give up, narrow
+        to the layers both ranges share (no load), drop the old range when its sessions end (the safety bound
+        applies), then load only the missing layers and carry the kept range's sessions over. Never holds more
+        layers than the larger of the two ranges (plus the old range's sessions' KV until they end); this peer
+        serves only the shared layers (none, for disjoint ranges) while it loads the others."""
+        old = self.peer.current
+        if old is None:
+            raise RuntimeError("no range is being served")
+        if not await self._handover(dropped_layers(old.range, target), epoch):
+            return False
+        device, dtype = str(old.blocks.device), str(old.blocks.dtype).removeprefix("torch.")
+        cache_tokens = old.blocks.cache.cache_tokens
+        keep = old.range.intersect(target)
+        if keep is not None:
+            self.peer.serve(assemble_blocks(self.source, old.blocks, keep))  # shares old's modules
+            await self._announce(keep)
+        else:
+            old.accepting = False  # nothing to serve meanwhile: no new sessions on layers being given up
+            self.peer.changed.set()
+        await self._retire(old)  # old's other layers are freed once nothing refers to them
+        del old
+        kept = self.peer.current
+        if kept is not None:
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, kept.blocks, target)
+            await self.peer.carry_over(blocks)
+        else:
+            fresh = await asyncio.to_thread(
+                self.source.load_blocks, target.start, target.end, device, dtype, cache_tokens
+            )
+            self.peer.serve(fresh)
+        await self._announce(target)
+        self.moves += 1
         return True
 
     def _current_blocks(self) -> BlockRange:
@@ -254,18 +346,33 @@ class PlanFollower:
         return True
 
     async def _switch(self, blocks: BlockRange) -> None:
-        """Serve `blocks` from now on and announce it (make before break): new sessions open on `blocks`, the
-        old range serves its open sessions for up to session_grace_s, then is dropped with any still open
-        (their next step raises SessionError, so the client re-routes and replays its prefix)."""
+        """Serve `blocks` from now on and announce it (make before break): new sessions open on `blocks`; the
+        old range serves its open sessions until they end (see _retire), without holding up the next move."""
         old = self.peer.current
         self.peer.serve(blocks)
+        await self._announce(blocks.range)
+        if old is not None:
+            task = asyncio.create_task(self._retire(old), name=f"retire {old.range}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _announce(self, layers: LayerRange) -> None:
         try:
             async with asyncio.timeout(10):
                 await self.announce()
         except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not announce our new range %s at once (%r); the announcer will", layers, e)
+
+    async def _retire(self, old: Served) -> None:
+        """Drop `old` once its sessions have ended or moved away (each close wakes the wait), at the latest
+        after the safety bound; the sessions still open then are closed (their clients replay elsewhere)."""
+        bound_s = min(self.config.session_grace_s, self.peer.config.max_session_lifetime_s)
+        if not await self.peer.wait_sessions_ended(old, bound_s):
             logger.warning(
-                "could not announce our new range %s at once (%r); the announcer will", blocks.range, e
+                "layers %s: %d sessions still open after %.0f s: dropping them",
+                old.range,
+                len(old.sessions),
+                bound_s,
             )
-        if old is not None:
-            await self.peer.wait_sessions_ended(old, self.config.session_grace_s)
-            await self.peer.drop(old)
+        await self.peer.drop(old)
+        logger.info("dropped layers %s: its sessions ended", old.range)

@@ -3,7 +3,9 @@
     status:   joining -> serving <-> moving -> draining -> leaving
     ranges:   usually one ``Served`` (a BlockRange with its own KV cache and its sessions); two while the peer
               moves (make before break): the newest range takes new sessions, an older one keeps serving the
-              sessions it opened until they end, then it is dropped. A session stays on the range it opened on.
+              sessions it opened until they end, then it is dropped (both are in the record meanwhile). A
+              session stays on the range it opened on, unless that range grows (carry_over): a new range that
+              contains the old one takes its sessions, caches and all, in its place.
 
 Handlers, the plan follower, the announcer and the reaper get the Peer and act through its methods; nobody else
 writes its fields. Everything here runs on the event loop; the torch work (opening a KV cache, a forward) goes
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm import PROTOCOL_VERSION
-from swarm.dht import LinkMeasure, PeerRecord
+from swarm.dht import MAX_OLDER_RANGES, LinkMeasure, OlderRange, PeerRecord
 from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError
 from swarm.models.blocks import BlockRange
 from swarm.models.spec import ModelSpec, dtype_name
@@ -156,6 +158,26 @@ class Peer:
             self.status = Status.SERVING
         self.changed.set()
         logger.info("serving layers %s", blocks.range)
+        return served
+
+    async def carry_over(self, blocks: BlockRange) -> Served:
+        """Serve ``blocks``, which contain the current range's layers, in its place: its sessions stay open with
+        the same keys and caches (blocks.carry_sessions), new sessions open on ``blocks``, and the old range is
+        gone at once (no second copy of the shared layers, no drain).
+
+        The swap runs on the torch thread, after whatever runs there now: a session whose open already ran is
+        carried over, and one opening later opens on ``blocks`` (its open reads ``served.blocks`` there)."""
+        served = self.current
+        if served is None or not blocks.range.covers(served.range):
+            raise ValueError(f"cannot carry the sessions of {self.held} over to {blocks.range}")
+
+        def swap() -> None:
+            blocks.carry_sessions(served.blocks)
+            served.blocks = blocks
+
+        await self.executor.release(swap)  # past the queue: a full queue must not fail a move half-way
+        self.changed.set()
+        logger.info("serving layers %s (%d sessions carried over)", blocks.range, len(served.sessions))
         return served
 
     def set_moving(self, moving: bool) -> None:
@@ -429,9 +451,19 @@ class Peer:
             self.changed.set()
         self.links = dict(links)
 
+    def older_ranges(self) -> list[OlderRange]:
+        """The ranges that serve only the sessions they opened (newest first, at most MAX_OLDER_RANGES)."""
+        current = self.current
+        older = [s for s in reversed(self.ranges) if s is not current and s.sessions]
+        return [
+            OlderRange(start=s.range.start, end=s.range.end, sessions=len(s.sessions))
+            for s in older[:MAX_OLDER_RANGES]
+        ]
+
     def record(self) -> PeerRecord:
         """Our DHT record as of now."""
-        held = self.held or LayerRange(0, 0)
+        held = self.held  # None while a peer moving in steps serves only its old range's sessions
+        start, end = (held.start, held.end) if held is not None else (0, 0)
         serving = self.status in (Status.SERVING, Status.MOVING)
         total, free = self.cache_tokens_total, self.free_cache_tokens
         blocks = self.ranges[-1].blocks if self.ranges else None
@@ -448,8 +480,8 @@ class Peer:
             dtype=dtype_name(blocks.dtype) if blocks is not None else "",
             memory_bytes=self.identity.memory_bytes,
             state=_RECORD_STATE[self.status],  # type: ignore[arg-type]
-            range_start=held.start,
-            range_end=held.end,
+            range_start=start,
+            range_end=end,
             decode_layer_tokens_s_b1=self.compute.decode_layer_tokens_s_b1,
             decode_layer_tokens_s_b8=self.compute.decode_layer_tokens_s_b8,
             prefill_layer_tokens_s=self.compute.prefill_layer_tokens_s,
@@ -459,6 +491,7 @@ class Peer:
             active_sessions=self.session_count,
             load=min(1.0, 1.0 - free / max(1, total)),
             links=dict(self.links),
+            older_ranges=self.older_ranges() if serving else [],
             reachable=self.reachable,
             updated_at=0.0,
         )

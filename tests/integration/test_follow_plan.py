@@ -186,4 +186,6 @@ def test_peers_move_to_the_plan_without_a_coverage_gap(tmp_path):
         assert status["plan"]["max_flow_tokens_s"] == pytest.approx(plan.max_flow_tokens_s)
         placement = status["plan"]["placement"]
         assert {p["peer_id"]: p["range"] for p in status["peers"] if p["state"] == "serving"} == placement
+        # Moves done and no session was open: no peer still serves an older range.
+        assert all(p["older_ranges"] == [] for p in status["peers"]), status["peers"]
         assert min(status["coverage"]) >= 1

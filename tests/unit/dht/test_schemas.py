@@ -177,3 +177,41 @@ def test_reachability_is_off_unless_opted_in():
     assert home.p2p_kwargs()["announce_maddrs"] == ["/ip4/1.2.3.4/tcp/31337"]
     with pytest.raises(ValueError, match="needs use_relay"):
         ReachabilityConfig(use_auto_relay=True).p2p_kwargs()
+
+
+def _older(*ranges: tuple[int, int, int]) -> list[dict[str, int]]:
+    return [{"start": a, "end": b, "sessions": n} for a, b, n in ranges]
+
+
+def test_older_ranges_round_trip_and_are_absent_when_empty(signers):
+    a, _ = signers
+    moving = peer_record(a.peer_id, 4, 8, active_sessions=3, older_ranges=_older((0, 4, 2), (2, 6, 1)))
+    assert PeerRecord.from_dht(moving.to_dht()) == moving
+    assert a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, moving.to_dht()))
+    settled = peer_record(a.peer_id).to_dht()
+    # A reader from before the field (extra="forbid") still accepts a record of a peer that is not moving.
+    assert "older_ranges" not in settled and PeerRecord.from_dht(settled).older_ranges == []
+
+
+@pytest.mark.parametrize(
+    ("older", "why"),
+    [
+        (_older((4, 4, 1)), "empty range"),
+        (_older((6, 4, 1)), "reversed range"),
+        (_older((4, 9, 1)), "past the last layer"),
+        (_older((0, 4, 0)), "a range with no sessions is dropped, never announced"),
+        (_older((0, 4, 5)), "more sessions than the peer has open"),
+        (_older(*[(0, 4, 1)] * 5), "more ranges than MAX_OLDER_RANGES"),
+        ([{"start": 0, "end": 4}], "missing field"),
+        ([{"start": 0, "end": 4, "sessions": 1, "x": 1}], "extra field"),
+        ([{"start": 0.0, "end": 4, "sessions": 1}], "a float where an int belongs"),
+        ([[0, 4, 1]], "a list where a record belongs"),
+        ({"start": 0}, "not a list"),
+    ],
+)
+def test_hostile_older_ranges_are_rejected(signers, older, why):
+    a, _ = signers
+    value = peer_record(a.peer_id, active_sessions=4).to_dht() | {"older_ranges": older}
+    with pytest.raises(pydantic.ValidationError):
+        PeerRecord.from_dht(value)
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value)), why

@@ -111,6 +111,8 @@ def test_config_checks():
         FollowConfig(check_interval_s=0)
     with pytest.raises(ValueError, match="session_grace_s"):
         FollowConfig(session_grace_s=-1)
+    with pytest.raises(ValueError, match="max_move_layers"):
+        FollowConfig(max_move_layers=-1)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +170,8 @@ def _peer(blocks: BlockRange, peer_id: str, max_layers: int) -> Peer:
 
 def test_follower_serves_the_hull_until_others_keep_what_it_drops(tiny_source):
     """QmA moves 0:3 -> 2:4 while QmB moves 4:6 -> 0:2: QmA must serve 0:4 until QmB serves 0:2. Its open
-    session keeps running on the old range (make before break) until it ends."""
+    session carries over to the hull (which contains 0:3); when the hull narrows to 2:4, the hull keeps serving
+    its sessions (make before break) until they end, without holding up the move."""
     spec = tiny_source.spec
     peer = _peer(tiny_source.load_blocks(0, 3, "cpu", "float32", 256), "QmA", max_layers=4)
     handlers = PeerHandlers(peer, p2p=None)  # type: ignore[arg-type]  # no forwarding in this test
@@ -203,23 +206,27 @@ def test_follower_serves_the_hull_until_others_keep_what_it_drops(tiny_source):
         move = asyncio.create_task(follower.check())
         await asyncio.wait_for(announcement.wait(), 30)  # the hull 0:4 comes first: nothing dropped
         assert announced == [R(0, 4)] and peer.held == R(0, 4) and peer.status is Status.MOVING
-        await handlers.rpc_step(step("s1", 3, 1), "client")  # s1 still runs on the old range
+        # 0:4 contains 0:3: s1 carried over (same key, same cache), the old range is gone at once.
+        assert [s.range for s in peer.ranges] == [R(0, 4)] and peer.current is old
+        assert old is not None and set(old.sessions) == {"s1@client"}
+        await handlers.rpc_step(step("s1", 3, 1), "client")  # s1's steps still name 0:2
         await handlers.rpc_step(step("s2", 0, 3, 0, 4), "client")  # a new session opens on the hull
-        assert old is not None and set(old.sessions) == {"s1@client"} and len(peer.ranges) == 2
-        await handlers.rpc_close(CloseRequest("s1"), "client")  # its end lets the old range go
+        await handlers.rpc_close(CloseRequest("s1"), "client")
         await directory.read_more(3)  # the follower looked three times more: 0:2 is nobody else's yet
         assert peer.held == R(0, 4) and not move.done() and peer.ranges[-1].range == R(0, 4)
         others[0] = ("QmB", 0, 2)
         announcement.clear()
         directory.current = snapshot(plan, ("QmA", 0, 4), *others)
         await asyncio.wait_for(announcement.wait(), 30)  # now 2:4 takes new sessions; s2 stays on the hull
-        await handlers.rpc_step(step("s2", 3, 1, 0, 4), "client")
-        assert not move.done()
-        await handlers.rpc_close(CloseRequest("s2"), "client")
-        await asyncio.wait_for(move, 30)
+        await asyncio.wait_for(move, 30)  # the move is done; the hull retires in the background
         assert announced == [R(0, 4), R(2, 4)] and peer.held == R(2, 4)
+        assert [s.range for s in peer.ranges] == [R(0, 4), R(2, 4)]
+        assert [(o.start, o.end, o.sessions) for o in peer.record().older_ranges] == [(0, 4, 1)]
+        await handlers.rpc_step(step("s2", 3, 1, 0, 4), "client")
+        await handlers.rpc_close(CloseRequest("s2"), "client")  # its end lets the hull go
+        await asyncio.wait_for(follower.retired(), 30)
         assert [s.range for s in peer.ranges] == [R(2, 4)] and peer.status is Status.SERVING
-        assert follower.adopted_epoch == 1 and follower.moves == 1
+        assert follower.adopted_epoch == 1 and follower.moves == 1 and peer.record().older_ranges == []
         reply = await handlers.rpc_step(step("s3", 0, 2, 2, 4), "client")
         assert reply.hidden.shape == (2, spec.hidden_size)
 
