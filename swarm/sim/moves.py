@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from swarm.errors import NoRouteError
+from swarm.sim.links import send
+from swarm.sim.records import SRC
 from swarm.types import SOURCE, LayerRange
 
 if TYPE_CHECKING:
@@ -119,7 +121,7 @@ def replace_stage(sim: Simulation, r: int, k: int) -> None:
     sim.replayed_tokens += tokens * (end - first)
     per_token = sim.token_bytes if first == 0 else sim.act_bytes
     key = r << 8 | (sim.epoch[r] & 255)
-    sim._send(-1, new_nodes[first], tokens * per_token, [(key, tokens)], True)
+    send(sim, SRC, new_nodes[first], tokens * per_token, [(key, tokens)], True)
 
 
 def successors(sim: Simulation, r: int, k: int, leaving: int) -> list[tuple[int, LayerRange]] | None:
@@ -176,7 +178,7 @@ def _resume(sim: Simulation, r: int, epoch: int, k: int) -> None:
         return  # the session moved again (or ended) while its cache streamed
     sim.stage[r] = k
     per_token = sim.token_bytes if k == 0 else sim.act_bytes
-    sim._send(-1, sim.routes[r][k], per_token * sim.quantum, [r << 8 | (epoch & 255)], False)
+    send(sim, SRC, sim.routes[r][k], per_token * sim.quantum, [r << 8 | (epoch & 255)], False)
 
 
 def hand_over_or_fail(sim: Simulation, i: int, sessions: list[int]) -> None:
