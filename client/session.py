@@ -186,6 +186,8 @@ class InferenceSession:
                 await self._spot_check([*self.token_ids, *new_ids])
                 break
             except Exception as error:
+                if await self._follow(error, attempt):
+                    continue  # our cache moved with the session: same position, nothing to replay
                 await self._recover(error, attempt)
             # after any failure, replay every token from position 0: each peer on the route then truncates
             # (or, new to the session, fills) its cache, whatever it held before
@@ -281,6 +283,38 @@ class InferenceSession:
         # the pause gives the DHT time to notice a failure; one we saw die first hand is out of routing already
         await self.sleep(0.0 if action is Action.WITHDRAW else decision.delay_s)
         self.failovers += 1
+
+    async def _follow(self, error: Exception, attempt: int) -> bool:
+        """SessionMoved: put the named successor in the failed peer's stage; False (and the error is then a plain
+        SessionError: replay) unless it is a live holder of that stage's layers and not on the route already.
+        The successor's name comes from a peer of the route, so it is only trusted as far as the DHT agrees."""
+        decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
+        if decision.action is not Action.FOLLOW or decision.successor is None:
+            return False
+        index = next((i for i, s in enumerate(self.stages) if s.peer_id == decision.failed_peer), None)
+        stage = self.stages[index] if index is not None else None
+        if (
+            index is None
+            or stage is None
+            or decision.successor in {s.peer_id for s in self.stages}
+            or decision.successor not in await self.routes.holders(stage.layers)
+        ):
+            logger.info(
+                "session %s: not following the hand-over to %s", self.session_id[:8], decision.successor
+            )
+            error.successor_id = None  # type: ignore[attr-defined]  # a plain SessionError from here: replay
+            return False
+        self.stages = (
+            *self.stages[:index],
+            Stage(decision.successor, stage.layers),
+            *self.stages[index + 1 :],
+        )
+        logger.info("session %s followed its hand-over: %s", self.session_id[:8], route_text(self.stages))
+        self.failover_log.append(
+            Failover(type(error).__name__, stage.peer_id, Action.FOLLOW, "error", time.monotonic())
+        )
+        self.failovers += 1
+        return True
 
     async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:
         """Whom to act against, how, and how we know ("asked" or "error"). Only the first hop's failures reach
