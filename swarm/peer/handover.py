@@ -212,6 +212,8 @@ class Handovers:
                 f"hand-over chunk for layer {request.layer} at token {request.token_start}: expected layer "
                 f"{incoming.layer} at token {incoming.token} of the same session"
             )
+        if request.token_start + request.keys.shape[1] > incoming.position:
+            raise ProtocolError(f"hand-over chunk runs past the session's position {incoming.position}")
         shape = (spec.num_kv_heads, request.keys.shape[1], spec.head_dim)
         if tuple(request.keys.shape) != shape:
             raise ProtocolError(f"hand-over keys shaped {list(request.keys.shape)}, expected {list(shape)}")
