@@ -149,6 +149,7 @@ class InferenceSession:
         self.watch = watch or StepWatch(chain.find_silent)  # probes the route when a step runs long
         self.failover_log: list[Failover] = []
         self.route_waits = 0  # how many times building a route found layers nobody serves, and waited
+        self._relay_once = False  # send the next step relayed (set by _follow)
         self.replayed_tokens = 0  # tokens sent again after failovers (what a failover cost the swarm)
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
@@ -216,8 +217,11 @@ class InferenceSession:
         prefix, and raise the first chunk's error, the cause of the others'."""
         sizes = prefill_chunks(hidden.shape[0], position, self.prefill_chunk_tokens)
         if len(sizes) == 1:  # a decode step or a short prompt
+            # after a hand-over, relayed: our wait for this position may still stand at the last hop, and
+            # would take the step meant for a new one (see _follow)
+            relayed, self._relay_once = self._relay_once, False
             return await self.chain.step(
-                self.session_id, self.stages, position, hidden, self.max_length_tokens
+                self.session_id, self.stages, position, hidden, self.max_length_tokens, **_relayed(relayed)
             )
         starts = [0, *itertools.accumulate(sizes)]
         answers = await asyncio.gather(
@@ -314,6 +318,7 @@ class InferenceSession:
             Failover(type(error).__name__, stage.peer_id, Action.FOLLOW, "error", time.monotonic())
         )
         self.failovers += 1
+        self._relay_once = True
         return True
 
     async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:
@@ -405,3 +410,8 @@ class InferenceSession:
             await self.chain.close(self.session_id, stages)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.info("closing session %s: %s", self.session_id[:8], error)
+
+
+def _relayed(relayed: bool) -> dict[str, bool]:
+    """The ``relayed`` argument of Chain.step, only when set (a chain that never relays need not take it)."""
+    return {"relayed": True} if relayed else {}

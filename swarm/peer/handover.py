@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -135,7 +136,9 @@ class Handovers:
                 logger.info("no successor for session %s on layers %s", key[:8], snapshot.layers)
                 return False
             session_id, origin = key.rsplit("@", 1)
+            began, sent_bytes = time.perf_counter(), 0
             for request in chunks(snapshot, session_id, origin, self.peer.spec.weights_hash):
+                sent_bytes += 2 * request.keys.numel() * request.keys.element_size()
                 installed = await call_handover(
                     self.p2p, successor.peer_id, request, maddrs=successor.maddrs, timeout_s=CHUNK_TIMEOUT_S
                 )
@@ -143,7 +146,12 @@ class Handovers:
                 raise ProtocolError(f"{successor.peer_id[-8:]} did not confirm the hand-over")
             self.moved[key] = successor.peer_id
             logger.info(
-                "handed session %s (%d tokens) over to %s", key[:8], snapshot.position, successor.peer_id[-8:]
+                "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
+                key[:8],
+                snapshot.position,
+                sent_bytes,
+                successor.peer_id[-8:],
+                time.perf_counter() - began,
             )
         finally:
             del self._frozen[key]
