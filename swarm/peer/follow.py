@@ -36,7 +36,7 @@ from swarm.dht import Directory, SwarmSnapshot
 from swarm.models.blocks import BlockRange
 from swarm.models.loading import ModelSource
 from swarm.peer.config import FollowConfig
-from swarm.peer.state import Peer, Status
+from swarm.peer.state import Peer, Served, Status
 from swarm.types import LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -149,8 +149,11 @@ class PlanFollower:
         source: ModelSource,
         announce: Callable[[], Awaitable[object]],
         config: FollowConfig | None = None,
+        hand_over: Callable[[Served], Awaitable[object]] | None = None,
     ) -> None:
+        """``hand_over`` moves the sessions still open on a range about to be dropped (swarm.peer.handover)."""
         self.peer = peer
+        self.hand_over = hand_over
         self.directory = directory
         self.source = source
         self.announce = announce
@@ -268,4 +271,9 @@ class PlanFollower:
             )
         if old is not None:
             await self.peer.wait_sessions_ended(old, self.config.session_grace_s)
+            if old.sessions and self.hand_over is not None:
+                try:
+                    await self.hand_over(old)
+                except Exception as e:  # the sessions left are closed below: their clients replay
+                    logger.info("could not hand sessions over before dropping %s: %r", old.range, e)
             await self.peer.drop(old)

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # keys + values of one chunk: well under the 4 MiB a unary message may carry
 CHUNK_TIMEOUT_S = 10.0
+MAX_MOVED = (
+    4096  # moved sessions remembered (a peer that stays, after a move, answers SessionMoved that long)
+)
 HANDOVER_LINGER_S = 5.0  # a leaving peer waits up to this for each moved session's client to step (and learn)
 
 
@@ -145,6 +148,10 @@ class Handovers:
             if not installed:
                 raise ProtocolError(f"{successor.peer_id[-8:]} did not confirm the hand-over")
             self.moved[key] = successor.peer_id
+            while len(self.moved) > MAX_MOVED:
+                oldest = next(iter(self.moved))
+                del self.moved[oldest]
+                self._told.discard(oldest)
             logger.info(
                 "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
                 key[:8],

@@ -48,7 +48,7 @@ from swarm.peer.measure import (
     memory_budget_bytes,
 )
 from swarm.peer.planner_service import PlannerService
-from swarm.peer.state import Identity, Peer
+from swarm.peer.state import Identity, Peer, Served
 from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -129,7 +129,7 @@ async def _serve(
                 )
                 tg.create_task(planner.run())
             if config.follow_plan:
-                tg.create_task(_follower(config, peer, directory, source).run())
+                tg.create_task(_follower(config, peer, directory, source, handlers.handover).run())
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
             _report_serving(config, peer, began)
@@ -255,12 +255,22 @@ async def _leave(peer: Peer, directory: Directory, grace_s: float, handover: Han
     await handover.wait_told(min(grace_s, HANDOVER_LINGER_S))
 
 
-def _follower(config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource) -> PlanFollower:
+def _follower(
+    config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource, handover: Handovers
+) -> PlanFollower:
     async def announce() -> bool:
         return await directory.announce(peer.record())
 
+    async def hand_over(served: Served) -> int:
+        return await handover.hand_over_all([served], await directory.read_peers())
+
     return PlanFollower(
-        peer=peer, directory=directory, source=source, announce=announce, config=config.follow
+        peer=peer,
+        directory=directory,
+        source=source,
+        announce=announce,
+        config=config.follow,
+        hand_over=hand_over,
     )
 
 
