@@ -193,3 +193,39 @@ def test_retry_follows_session_moved_only_with_a_successor() -> None:
     assert policy.decide(SessionMoved("moved"), 0).action is Action.REPLAY
     assert policy.decide(moved, 3).action is Action.GIVE_UP
     assert LayerRange(0, 2).covers(LayerRange(0, 2))
+
+
+def test_a_step_during_the_hand_over_waits_for_it_then_gets_session_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = _handlers("QmA"), _handlers("QmB")
+    sent: list[int] = []
+    wired = _wired(b, sent)
+    first_chunk_in, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: object, **kwargs: object) -> bool:
+        first_chunk_in.set()
+        await release.wait()  # the transfer is under way while the client's next step arrives
+        return await wired(*args, **kwargs)
+
+    monkeypatch.setattr(handover_module, "call_handover", slow)
+    prompt = torch.randn(3, a.peer.spec.hidden_size)
+
+    async def body() -> None:
+        await a.rpc_step(_step(a, 0, prompt), CLIENT)
+        served = a.peer.current
+        assert served is not None
+        moving = asyncio.create_task(a.handover.hand_over_all([served], {"QmB": b.peer.record()}))
+        await first_chunk_in.wait()
+        step = asyncio.create_task(a.rpc_step(_step(a, 3, prompt[:1]), CLIENT))
+        for _ in range(20):  # let the step reach its wait (it must not compute on the frozen cache)
+            await asyncio.sleep(0)
+        assert not step.done()
+        release.set()
+        assert await moving == 1
+        with pytest.raises(SessionMoved):
+            await step
+        # the successor got the 3 tokens, not a 4th computed during the transfer
+        assert b.peer.current.blocks.session_length(session_key(CLIENT, "s1"), 0) == 3  # type: ignore[union-attr]
+
+    _run([a, b], body)
