@@ -185,6 +185,9 @@ class Handovers:
         self.peer.check_request(request.model_hash, layers, self.peer.spec.hidden_size)
         first = request.layer == request.start and request.token_start == 0
         incoming = self._incoming.get(key)
+        if incoming is not None and self.peer.find(key) is None:  # a half-sent session expired (the reaper)
+            del self._incoming[key]
+            incoming = None
         if first:
             if incoming is not None or self.peer.find(key) is not None:
                 raise SessionError(f"session {key[:16]} is already open here")
