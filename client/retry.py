@@ -10,6 +10,10 @@ client catches swarm errors to retry them. The mapping follows the tree in swarm
     ProtocolError   peer sent something malformed        -> ban the peer, re-route, replay
     CapacityError   peer full, leaving, or moved away    -> re-route around it for this session, replay; no ban:
                                                             it told the truth, and other sessions may still fit
+    SessionMoved    peer handed our session's cache over -> FOLLOW: its successor takes the stage, same layers,
+                                                            same position, no replay, no ban (the session
+                                                            checks the successor is a live holder first,
+                                                            else it is a plain SessionError)
     SessionError    peer forgot our session              -> route afresh from its stage, replay; no ban
     VersionMismatch, ModelMismatch, NoRouteError, other  -> give up at once (retrying cannot help)
 
@@ -21,7 +25,7 @@ When no peer holds some layers at all, the session waits for one (up to `route_w
 A ban that rests on a hop's word about a later hop (``failed_peer_id``) is checked first: client/session.py
 asks the named peer directly and blames the claimant if it answers.
 
-Every retry replays the session's tokens from position 0, so greedy output is the same as without the failure.
+Every retry but FOLLOW replays the session's tokens from position 0, so greedy output is the same as without the failure.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from swarm.errors import (
     NoRouteError,
     ProtocolError,
     SessionError,
+    SessionMoved,
     TransportError,
     VersionMismatch,
 )
@@ -48,6 +53,9 @@ class Action(enum.Enum):
     BAN_AND_REROUTE = "ban and re-route"  # ban the failed peer, rebuild the route from its stage on, replay
     REROUTE = "re-route"  # rebuild the route from the failed peer's stage, never through it again; no ban
     WITHDRAW = "withdraw"  # the peer is dead to us: out of routing until it re-announces; banned; re-route
+    FOLLOW = (
+        "follow"  # the failed peer moved our session to `successor`: swap it in, retry at the same position
+    )
     REPLAY = "replay"  # rebuild the route from the failed peer's stage (it may be picked again), replay
     GIVE_UP = "give up"  # raise to the caller
 
@@ -60,6 +68,7 @@ class Decision:
     # The error cannot say which hop failed (a hop further down may have hung): ask each peer of the route
     # directly and blame the first silent one, so a healthy first hop is not banned for it.
     find_silent: bool = False
+    successor: NodeID | None = None  # FOLLOW: the peer that holds the session now
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,8 @@ class RetryPolicy:
             return Decision(Action.GIVE_UP, failed)
         if isinstance(error, VersionMismatch | ModelMismatch | NoRouteError):
             return Decision(Action.GIVE_UP, failed)
+        if isinstance(error, SessionMoved) and error.successor_id:
+            return Decision(Action.FOLLOW, failed, successor=NodeID(error.successor_id))
         if isinstance(error, SessionError):
             return Decision(Action.REPLAY, failed)
         if isinstance(error, PeerSilent):  # first hand, just now: no pause, no need to ask again

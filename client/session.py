@@ -146,6 +146,7 @@ class InferenceSession:
         self.replayed_tokens = 0
         self.replays: list[Replay] = []
         self._filled: set[Stage] = set()  # stages of the route whose caches hold all of token_ids
+        self._relay_once = False  # send the next step relayed (set by _follow)
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
@@ -183,6 +184,8 @@ class InferenceSession:
                 await self._spot_check([*self.token_ids, *new_ids])
                 break
             except Exception as error:
+                if await self._follow(error, attempt):
+                    continue  # our cache moved with the session: same position, nothing to replay
                 await self._recover(error, attempt)
         self._filled = set(self.stages)
         self.routes.succeeded(s.peer_id for s in self.stages)
@@ -203,10 +206,14 @@ class InferenceSession:
         on one prompt together instead of each waiting for the whole of it. Peers run a session's steps in
         position order whatever order they arrive in (swarm/peer/executor.py)."""
 
+        # after a hand-over, relayed: our wait for this position may still stand at the last hop, and would take
+        # the step meant for a new one (see _follow)
+        relayed, self._relay_once = self._relay_once, False
+
         async def send(start: int, size: int) -> torch.Tensor:
             part = hidden[start : start + size]
             return await self.chain.step(
-                self.session_id, stages, position + start, part, self.max_length_tokens
+                self.session_id, stages, position + start, part, self.max_length_tokens, **_relayed(relayed)
             )
 
         return torch.cat(await chunked(hidden.shape[0], position, self.prefill_chunk_tokens, send))
@@ -322,6 +329,41 @@ class InferenceSession:
             # claim about the next one), so refill every stage, as a full replay from the tokens does
             self._filled.clear()
 
+    async def _follow(self, error: Exception, attempt: int) -> bool:
+        """SessionMoved: put the named successor in the failed peer's stage; False (and the error is then a plain
+        SessionError: replay) unless it is a live holder of that stage's layers and not on the route already.
+        The successor's name comes from a peer of the route, so it is only trusted as far as the DHT agrees."""
+        decision = self.policy.decide(error, attempt, self.stages[0].peer_id)
+        if decision.action is not Action.FOLLOW or decision.successor is None:
+            return False
+        index = next((i for i, s in enumerate(self.stages) if s.peer_id == decision.failed_peer), None)
+        stage = self.stages[index] if index is not None else None
+        if (
+            index is None
+            or stage is None
+            or decision.successor in {s.peer_id for s in self.stages}
+            or decision.successor not in await self.routes.holders(stage.layers)
+        ):
+            logger.info(
+                "session %s: not following the hand-over to %s", self.session_id[:8], decision.successor
+            )
+            error.successor_id = None  # type: ignore[attr-defined]  # a plain SessionError from here: replay
+            return False
+        self.stages = (
+            *self.stages[:index],
+            Stage(decision.successor, stage.layers),
+            *self.stages[index + 1 :],
+        )
+        logger.info("session %s followed its hand-over: %s", self.session_id[:8], route_text(self.stages))
+        self.failover_log.append(
+            Failover(type(error).__name__, stage.peer_id, Action.FOLLOW, "error", time.monotonic())
+        )
+        self.failovers += 1
+        self._relay_once = True
+        if stage in self._filled:  # the successor holds the prefix: the cache moved with the session
+            self._filled.add(self.stages[index])
+        return True
+
     async def _blame(self, decision: Decision) -> tuple[NodeID, Action, str]:
         """Whom to act against, how, and how we know ("asked" or "error"). Only the first hop's failures reach
         us first hand; a later hop's failure is a claim (``failed_peer_id``) made by the hops in between, and
@@ -413,3 +455,8 @@ class InferenceSession:
             await self.chain.close(self.session_id, stages)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.info("closing session %s: %s", self.session_id[:8], error)
+
+
+def _relayed(relayed: bool) -> dict[str, bool]:
+    """The ``relayed`` argument of Chain.step, only when set (a chain that never relays need not take it)."""
+    return {"relayed": True} if relayed else {}

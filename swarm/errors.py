@@ -6,6 +6,7 @@ SwarmError
 │   └── VersionMismatch   protocol versions differ: fail fast
 ├── CapacityError         the peer is full (KV cache, sessions): route elsewhere
 ├── SessionError          unknown or expired session on the peer: reopen and replay
+│   └── SessionMoved      the peer handed the session's cache to ``successor_id``: follow it, no replay
 ├── NoRouteError          no live peer serves some layers: tell the user which
 ├── PlanningError         the solver failed or timed out: fall back to a heuristic
 └── ModelMismatch         the peer holds a different model (weight hash differs)
@@ -42,6 +43,17 @@ class SessionError(SwarmError):
     code = "session"
 
 
+class SessionMoved(SessionError):
+    """The session's KV cache now lives on ``successor_id`` (a peer holding the same layers): step there at the
+    same position. A subclass of SessionError, so a client that does not know it replays, which is still right."""
+
+    code = "session_moved"
+
+    def __init__(self, message: str, successor_id: str | None = None) -> None:
+        super().__init__(message)
+        self.successor_id = successor_id
+
+
 class NoRouteError(SwarmError):
     code = "no_route"
 
@@ -67,19 +79,24 @@ _BY_CODE: dict[str, type[SwarmError]] = {
         VersionMismatch,
         CapacityError,
         SessionError,
+        SessionMoved,
         PlanningError,
         ModelMismatch,
     )
 }
 
 
-def error_from_code(code: str, message: str, missing_layers: Sequence[int] = ()) -> SwarmError:
+def error_from_code(
+    code: str, message: str, missing_layers: Sequence[int] = (), successor_id: str | None = None
+) -> SwarmError:
     """Rebuild a remote error with its original type (unknown codes become plain SwarmError).
 
     `missing_layers` is the payload of a NoRouteError, so the user still learns which layers are missing.
     """
     if code == NoRouteError.code:
         return NoRouteError(list(missing_layers), message)
+    if code == SessionMoved.code:
+        return SessionMoved(message, successor_id)
     return _BY_CODE.get(code, SwarmError)(message)
 
 

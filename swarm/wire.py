@@ -27,7 +27,14 @@ import msgpack
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import NoRouteError, ProtocolError, SwarmError, VersionMismatch, error_from_code
+from swarm.errors import (
+    NoRouteError,
+    ProtocolError,
+    SessionMoved,
+    SwarmError,
+    VersionMismatch,
+    error_from_code,
+)
 from swarm.types import DTYPE_BYTES
 
 # Limits on what a peer accepts; anything past them is a ProtocolError, not an allocation.
@@ -176,6 +183,33 @@ class CloseReply:
 
 
 @dataclass(frozen=True)
+class HandoverRequest:
+    """One chunk of a session's KV cache, sent by a leaving peer to its successor (see swarm.peer.handover).
+
+    The session is ``session_id`` of client ``origin``, at ``position`` tokens, using layers [start, end).
+    Chunks come in order: layer by layer, and within a layer by token span ``[token_start, token_start + n)``;
+    ``keys``/``values`` are [kv_heads, n, head_dim]. The first chunk (start, 0) opens the session; the one that
+    ends at (end - 1, position) completes it."""
+
+    session_id: str
+    origin: str
+    position: int
+    max_length_tokens: int
+    start: int
+    end: int
+    model_hash: str
+    layer: int
+    token_start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HandoverReply:
+    installed: bool  # True once the last chunk is in: the session steps here from ``position`` on
+
+
+@dataclass(frozen=True)
 class InfoRequest:
     pass
 
@@ -230,9 +264,10 @@ class ErrorReply:
     message: str
     failed_peer_id: str | None = None
     missing_layers: tuple[int, ...] = ()  # a NoRouteError's layers that no live peer serves
+    successor_id: str | None = None  # a SessionMoved's new home
 
     def to_error(self) -> SwarmError:
-        error = error_from_code(self.code, self.message, self.missing_layers)
+        error = error_from_code(self.code, self.message, self.missing_layers, self.successor_id)
         error.failed_peer_id = self.failed_peer_id
         return error
 
@@ -241,12 +276,13 @@ class ErrorReply:
         if isinstance(error, SwarmError):
             failed = error.failed_peer_id or peer_id
             missing = tuple(error.missing_layers[:MAX_LAYER]) if isinstance(error, NoRouteError) else ()
-            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed, missing)
+            successor = error.successor_id if isinstance(error, SessionMoved) else None
+            return cls(error.code, str(error)[:MAX_TEXT_CHARS], failed, missing, successor)
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
-Request = StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest
-Reply = StepReply | StepAck | CloseReply | InfoReply | ProbeReply | ErrorReply
+Request = StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest | HandoverRequest
+Reply = StepReply | StepAck | CloseReply | InfoReply | ProbeReply | ErrorReply | HandoverReply
 
 _REQUEST_KINDS: dict[type, str] = {
     StepRequest: "step",
@@ -254,6 +290,7 @@ _REQUEST_KINDS: dict[type, str] = {
     CloseRequest: "close",
     InfoRequest: "info",
     ProbeRequest: "probe",
+    HandoverRequest: "handover",
 }
 _REPLY_KINDS: dict[type, str] = {
     StepReply: "step_reply",
@@ -262,6 +299,7 @@ _REPLY_KINDS: dict[type, str] = {
     InfoReply: "info_reply",
     ProbeReply: "probe_reply",
     ErrorReply: "error",
+    HandoverReply: "handover_reply",
 }
 # The reply each request verb expects (besides ErrorReply).
 REPLY_FOR: dict[type, type] = {
@@ -270,6 +308,7 @@ REPLY_FOR: dict[type, type] = {
     CloseRequest: CloseReply,
     InfoRequest: InfoReply,
     ProbeRequest: ProbeReply,
+    HandoverRequest: HandoverReply,
 }
 
 
@@ -460,7 +499,10 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         body = {"code": msg.code, "message": msg.message, "failed_peer_id": msg.failed_peer_id}
         if msg.missing_layers:  # only no_route errors carry it; the others keep their old bytes
             body["missing_layers"] = list(msg.missing_layers)
-        return body
+        return body | _absent_when_unset(successor_id=msg.successor_id)
+    if isinstance(msg, HandoverRequest):
+        fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("keys", "values")}
+        return fields | {"keys": encode_tensor(msg.keys), "values": encode_tensor(msg.values)}
     # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
 
@@ -539,6 +581,37 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
     )
 
 
+def _decode_handover(body: dict[str, Any]) -> HandoverRequest:
+    """A chunk's numbers, checked against each other; its shapes against the model are the receiver's check."""
+    w = "handover"
+    start, end = _layers(body, w)
+    max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
+    position = _int(body, "position", w, 1, max_length)
+    layer = _int(body, "layer", w, start, end - 1)
+    token_start = _int(body, "token_start", w, 0, position - 1)
+    keys, values = decode_tensor(body.get("keys"), "keys"), decode_tensor(body.get("values"), "values")
+    if keys.dim() != 3 or keys.shape != values.shape or keys.dtype != values.dtype:
+        raise ProtocolError(
+            f"{w}: keys and values must be alike [kv_heads, n, head_dim], got "
+            f"{list(keys.shape)} and {list(values.shape)}"
+        )
+    if token_start + keys.shape[1] > position:
+        raise ProtocolError(f"{w}: tokens {token_start}+{keys.shape[1]} are past position {position}")
+    return HandoverRequest(
+        session_id=_str(body, "session_id", w, 128),
+        origin=_str(body, "origin", w, 128),
+        position=position,
+        max_length_tokens=max_length,
+        start=start,
+        end=end,
+        model_hash=_str(body, "model_hash", w, 256),
+        layer=layer,
+        token_start=token_start,
+        keys=keys,
+        values=values,
+    )
+
+
 def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
     w = kind
     if kind == "step":
@@ -600,7 +673,13 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
             raise ProtocolError(f"error.missing_layers must be a list of at most {MAX_LAYER} layers")
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER for x in missing):
             raise ProtocolError(f"error.missing_layers must hold layer numbers in [0, {MAX_LAYER})")
-        return ErrorReply(_str(body, "code", w, 64), _str(body, "message", w), failed, tuple(missing))
+        successor = _str(body, "successor_id", w, 128) if "successor_id" in body else None
+        code, message = _str(body, "code", w, 64), _str(body, "message", w)
+        return ErrorReply(code, message, failed, tuple(missing), successor)
+    if kind == "handover":
+        return _decode_handover(body)
+    if kind == "handover_reply":
+        return HandoverReply(_flag(body, "installed", w))
     raise ProtocolError(f"unknown message kind {kind!r}")
 
 
@@ -712,6 +791,8 @@ __all__ = [
     "ErrorReply",
     "Hop",
     "HopTiming",
+    "HandoverReply",
+    "HandoverRequest",
     "InfoReply",
     "InfoRequest",
     "ProbeReply",

@@ -179,8 +179,11 @@ class PlanFollower:
         source: ModelSource,
         announce: Callable[[], Awaitable[object]],
         config: FollowConfig | None = None,
+        hand_over: Callable[[Served], Awaitable[object]] | None = None,
     ) -> None:
+        """``hand_over`` moves the sessions still open on a range about to be dropped (swarm.peer.handover)."""
         self.peer = peer
+        self.hand_over = hand_over
         self.directory = directory
         self.source = source
         self.announce = announce
@@ -369,10 +372,15 @@ class PlanFollower:
         bound_s = min(self.config.session_grace_s, self.peer.config.max_session_lifetime_s)
         if not await self.peer.wait_sessions_ended(old, bound_s):
             logger.warning(
-                "layers %s: %d sessions still open after %.0f s: dropping them",
+                "layers %s: %d sessions still open after %.0f s: handing them over, else closing them",
                 old.range,
                 len(old.sessions),
                 bound_s,
             )
+            if old.sessions and self.hand_over is not None:
+                try:
+                    await self.hand_over(old)  # to peers holding the same layers: their clients follow
+                except Exception as e:  # the sessions left are closed below: their clients replay
+                    logger.info("could not hand sessions over before dropping %s: %r", old.range, e)
         await self.peer.drop(old)
-        logger.info("dropped layers %s: its sessions ended", old.range)
+        logger.info("dropped layers %s", old.range)

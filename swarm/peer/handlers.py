@@ -34,12 +34,15 @@ from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
 from swarm.peer.executor import StepResult
 from swarm.peer.handoff import Handoff, Parked
+from swarm.peer.handover import Handovers
 from swarm.peer.state import Peer, Served, session_key
 from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked
 from swarm.types import LayerRange
 from swarm.wire import (
     CloseReply,
     CloseRequest,
+    HandoverReply,
+    HandoverRequest,
     HopTiming,
     InfoReply,
     InfoRequest,
@@ -71,6 +74,7 @@ class PeerHandlers:
         )
         # wait_result steps meet their clients' waits here (when we are the last hop of their route)
         self.handoff = Handoff()
+        self.handover = Handovers(peer, p2p)  # sessions moved to, or from, another peer (swarm.peer.handover)
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -108,6 +112,7 @@ class PeerHandlers:
         await self.peer.check_live(request.route_rest)
         origin = request.origin or remote_id  # empty from the client itself, the first hop
         key = session_key(origin, request.session_id)
+        self.handover.check_moved(key)
         if request.resend_tokens:
             return await self._resend(request, key, origin, deadline, received)
         served = await self.peer.session_for(
@@ -150,7 +155,8 @@ class PeerHandlers:
 
     async def _compute(self, served: Served, step: Step) -> StepResult:
         try:
-            result = await self.peer.executor.forward(served.blocks, step)
+            async with self.handover.step(step.session_id or ""):  # waits while the session is handed over
+                result = await self.peer.executor.forward(served.blocks, step)
         finally:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:
@@ -223,6 +229,11 @@ class PeerHandlers:
             except Exception as e:  # best effort: the next hop frees the session on idle timeout anyway
                 logger.info("could not close session on %s: %s", hop.peer_id[-8:], e)
         return CloseReply(closed)
+
+    async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply:
+        """A chunk of a session a leaving peer hands us (see swarm.peer.handover)."""
+        with self._admit(remote_id):
+            return await self.handover.install(request, remote_id)
 
     async def rpc_info(self, request: InfoRequest, remote_id: str) -> InfoReply:
         peer, spec = self.peer, self.peer.spec

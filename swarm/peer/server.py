@@ -39,6 +39,7 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.executor import Executor
 from swarm.peer.follow import PlanFollower
 from swarm.peer.handlers import PeerHandlers, reap_idle_sessions
+from swarm.peer.handover import HANDOVER_LINGER_S, Handovers
 from swarm.peer.measure import (
     LinkMonitor,
     choose_range,
@@ -47,7 +48,7 @@ from swarm.peer.measure import (
     memory_budget_bytes,
 )
 from swarm.peer.planner_service import PlannerService
-from swarm.peer.state import Identity, Peer
+from swarm.peer.state import Identity, Peer, Served
 from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -113,7 +114,8 @@ async def _serve(
         async with asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
             await _load_and_measure(config, source, peer, layers)
-            await serve(p2p, PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name)))
+            handlers = PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name))
+            await serve(p2p, handlers)
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
             tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
@@ -127,13 +129,13 @@ async def _serve(
                 )
                 tg.create_task(planner.run())
             if config.follow_plan:
-                tg.create_task(_follower(config, peer, directory, source).run())
+                tg.create_task(_follower(config, peer, directory, source, handlers.handover).run())
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
             _report_serving(config, peer, began)
             peer.reachable = await _check_reachable(p2p, directory, peer.peer_id, list(identity.maddrs))
             await stop.wait()
-            await _leave(peer, directory, config.shutdown_grace_s)
+            await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
             raise _Leave
     except* _Leave:
         pass
@@ -234,8 +236,9 @@ def _report_serving(config: PeerConfig, peer: Peer, began: float) -> None:
     print("\n".join(["Peer is serving. Others join with:", *[f"  --initial-peers {m}" for m in maddrs]]))
 
 
-async def _leave(peer: Peer, directory: Directory, grace_s: float) -> None:
-    """Refuse new sessions, say so in the DHT, let open sessions finish within ``grace_s``."""
+async def _leave(peer: Peer, directory: Directory, grace_s: float, handover: Handovers) -> None:
+    """Refuse new sessions, say so in the DHT, hand open sessions over to successors (swarm.peer.handover),
+    let the rest finish within ``grace_s``; stay a moment for clients to learn where their sessions went."""
     logger.info("leaving: no new sessions; %d open ones get %.0f s", peer.session_count, grace_s)
     peer.stop_accepting()
     try:
@@ -243,15 +246,31 @@ async def _leave(peer: Peer, directory: Directory, grace_s: float) -> None:
             await directory.announce(peer.record())
     except (TimeoutError, OSError, RuntimeError) as e:
         logger.warning("could not announce that we are leaving: %s", e)
+    try:
+        moved = await handover.hand_over_all(peer.ranges, await directory.read_peers())
+        logger.info("handed %d sessions over", moved)
+    except Exception as e:  # hand-over is an optimisation: the clients replay without it
+        logger.warning("hand-over failed: %r", e)
     await peer.drain(grace_s)
+    await handover.wait_told(min(grace_s, HANDOVER_LINGER_S))
 
 
-def _follower(config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource) -> PlanFollower:
+def _follower(
+    config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource, handover: Handovers
+) -> PlanFollower:
     async def announce() -> bool:
         return await directory.announce(peer.record())
 
+    async def hand_over(served: Served) -> int:
+        return await handover.hand_over_all([served], await directory.read_peers())
+
     return PlanFollower(
-        peer=peer, directory=directory, source=source, announce=announce, config=config.follow
+        peer=peer,
+        directory=directory,
+        source=source,
+        announce=announce,
+        config=config.follow,
+        hand_over=hand_over,
     )
 
 

@@ -3,6 +3,7 @@
 from swarm.transport.calls import (
     DEFAULT_TIMEOUT_S,
     call_close,
+    call_handover,
     call_info,
     call_probe,
     call_step,
@@ -16,6 +17,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RpcHandler",
     "call_close",
+    "call_handover",
     "call_info",
     "call_probe",
     "call_step",

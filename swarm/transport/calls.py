@@ -23,6 +23,8 @@ from swarm.wire import (
     CloseReply,
     CloseRequest,
     ErrorReply,
+    HandoverReply,
+    HandoverRequest,
     InfoReply,
     InfoRequest,
     ProbeReply,
@@ -156,6 +158,19 @@ async def call_close(
     """
     reply = await _call(p2p, peer_id, request, CloseReply, maddrs=maddrs, timeout_s=timeout_s)
     return reply.closed
+
+
+async def call_handover(
+    p2p: P2P,
+    peer_id: str,
+    request: HandoverRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = 10.0,
+) -> bool:
+    """Send one chunk of a session's KV cache to ``peer_id``; True once the last chunk installed the session."""
+    reply = await _call(p2p, peer_id, request, HandoverReply, maddrs=maddrs, timeout_s=timeout_s)
+    return reply.installed
 
 
 async def call_info(

@@ -18,6 +18,8 @@ from swarm.wire import (
     CloseReply,
     CloseRequest,
     ErrorReply,
+    HandoverReply,
+    HandoverRequest,
     InfoReply,
     InfoRequest,
     ProbeReply,
@@ -50,6 +52,8 @@ class RpcHandler(Protocol):
     async def rpc_info(self, request: InfoRequest, remote_id: str) -> InfoReply: ...
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply: ...
+
+    async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply: ...
 
 
 async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
