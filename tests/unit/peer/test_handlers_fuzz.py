@@ -89,6 +89,9 @@ def steps(draw: st.DrawFn, hidden_size: int, model_hash: str) -> StepRequest:
         max_length_tokens=draw(st.sampled_from([8, 16, 1, 4, 32, 33, 64, 65, 1 << 20])),
         model_hash=model_hash if sane else draw(st.sampled_from([model_hash, "other"])),
         route_rest=() if sane else draw(_hops()),
+        # a step past the session's length waits for the steps before it up to its deadline (they may still be
+        # on their way): short here, where they never come (with the default 60 s one example took a minute)
+        timeout_s=0.05,
     )
 
 
