@@ -45,6 +45,7 @@ class ChurnConfig:
     ready_timeout_s: float = 180.0  # for a peer to be serving
     exit_timeout_s: float = 60.0  # for a SIGTERMed peer to exit, a SIGKILLed peer's children to go
     progress_timeout_s: float = 180.0  # for a client to produce the tokens an event waits for
+    think_s: float = 0.0  # a client's pause between its requests (a user reading the answer)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Request:
     client: int
     prompt: int  # index into ChurnConfig.prompts
     started_s: float
+    times: list[float] = field(default_factory=list)  # time.monotonic() of its start and of each token
     answer: Answer | None = None
     error: str | None = None  # the exception, if the request failed
 
@@ -92,7 +94,6 @@ class ChurnRun:
         self.bootstrap = swarm.peers[0].name
         self.original = set(self.layers)  # the peers started before the run (restarts are added to layers)
         self.gone: set[str] = set()  # peers that were signalled
-        self.times: list[list[float]] = [[] for _ in range(config.clients)]
         self.tokens = [0] * config.clients
         self.routes: list[Sequence[str]] = [() for _ in range(config.clients)]
         self.progress = [asyncio.Event() for _ in range(config.clients)]
@@ -127,17 +128,20 @@ class ChurnRun:
                 after_stop += 1
             prompt = (c + r) % len(self.config.prompts)
             request = Request(c, prompt, time.monotonic())
+            request.times.append(request.started_s)
             self.requests.append(request)
-            self.times[c].append(request.started_s)
             try:
-                request.answer = await self.answer(c, self.config.prompts[prompt], self._on_token(c))
+                request.answer = await self.answer(c, self.config.prompts[prompt], self._on_token(request))
             except Exception as error:  # counted as a failed request; the client goes on
                 request.error = f"{type(error).__name__}: {error}"
-                await asyncio.sleep(0.1)  # a failing swarm is not hammered in a tight loop
+            # a failing swarm is not hammered in a tight loop
+            await asyncio.sleep(max(self.config.think_s, 0.0 if request.answer else 0.1))
 
-    def _on_token(self, c: int) -> OnToken:
+    def _on_token(self, request: Request) -> OnToken:
+        c = request.client
+
         def on_token(route: Sequence[str]) -> None:
-            self.times[c].append(time.monotonic())
+            request.times.append(time.monotonic())
             self.tokens[c] += 1
             self.routes[c] = route
             self.progress[c].set()
@@ -278,9 +282,13 @@ class ChurnRun:
         }
 
     def _max_gap(self, start: float, end: float) -> float:
-        """The largest gap between a client's consecutive tokens that ended in [start, end)."""
+        """The largest gap between consecutive tokens of a request (or its start and first token) that ended in
+        [start, end)."""
         gaps = [
-            b - a for times in self.times for a, b in zip(times, times[1:], strict=False) if start <= b < end
+            b - a
+            for r in self.requests
+            for a, b in zip(r.times, r.times[1:], strict=False)
+            if start <= b < end
         ]
         return max(gaps, default=0.0)
 

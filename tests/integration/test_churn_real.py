@@ -36,7 +36,9 @@ NEW_TOKENS = 10
 PEER_ARGS = ("--no-follow-plan", "--record-ttl-s", "6", "--shutdown-grace-s", "5")
 _rng = random.Random(13)
 PROMPTS = tuple(tuple(_rng.randrange(1, 256) for _ in range(6 + i)) for i in range(4))
-CONFIG = ChurnConfig(LAYOUTS, PROMPTS, clients=4, seed=0, peer_args=PEER_ARGS)
+# think_s: each client pauses between its answers, so the restarted peers' start-up is not starved of CPU on a
+# 2-core machine (every request is still generated without pause, token after token)
+CONFIG = ChurnConfig(LAYOUTS, PROMPTS, clients=4, seed=0, peer_args=PEER_ARGS, think_s=0.25)
 # A peer that never left may grow by this much over the run (sessions opened, closed, replayed into its cache)
 RSS_GROWTH_MAX = 64 * MIB
 
@@ -87,6 +89,11 @@ def test_clients_ride_out_a_graceful_leave_and_a_crash(tmp_path: Any, tiny_sourc
         run = asyncio.run(churn(swarm, CONFIG, client_config, NEW_TOKENS))
         figures = run.figures(expected)
     print("\nchurn figures:", json.dumps(figures, indent=1))
+    for e in figures["events"]:
+        print(
+            f"{e['kind']:8} {e['peer']:10} at {e['at_s']:6.2f} s ({e['trigger']}): max gap {e['max_gap_s']:.2f} s, "
+            f"{e['failovers']} failovers, {e['tokens_replayed']} tokens replayed"
+        )
 
     assert figures["failed"] == 0, figures["errors"]
     assert figures["exact"], f"{figures['mismatched']} answers differ from local transformers"
