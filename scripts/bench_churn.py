@@ -193,11 +193,13 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     config = ChurnConfig(
         layouts,
         prompts,
+        args.new_tokens,
         clients=args.clients,
         seed=args.seed,
         tokens_between_events=(args.new_tokens, 3 * args.new_tokens),
         requests_after=args.requests_after,
         peer_args=REAL_PEER_ARGS,
+        think_s=args.think_s,
         ready_timeout_s=600.0,
         progress_timeout_s=600.0,
     )
@@ -216,6 +218,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "new_tokens": args.new_tokens,
         "seed": args.seed,
+        "think_s": args.think_s,
         "requests": figures["requests"],
         "failed": figures["failed"],
         "exact": figures["exact"],
@@ -253,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         "--requests-after", type=int, default=2, help="real part: per client, after the last event"
     )
     parser.add_argument("--seed", type=int, default=0, help="real part: which client, when, and which peer")
+    parser.add_argument(
+        "--think-s", type=float, default=0.0, help="real part: a client's pause between answers"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.quick:

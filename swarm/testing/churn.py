@@ -37,6 +37,9 @@ class ChurnConfig:
 
     layouts: tuple[str, ...]
     prompts: tuple[tuple[int, ...], ...]  # client c's request r uses prompts[(c + r) % len(prompts)]
+    new_tokens: int = (
+        10  # tokens of every answer (an event fires mid-answer: never at an answer's last token)
+    )
     clients: int = 4
     seed: int = 0
     tokens_between_events: tuple[int, int] = (6, 18)  # a seeded count in [lo, hi] of one client's tokens
@@ -82,6 +85,7 @@ class Event:
     at_s: float  # time.monotonic() of the signal, or of the restart's launch
     done_s: float = 0.0  # when the peer had exited (and its children gone), or was serving again
     left_behind: list[str] = field(default_factory=list)  # a SIGKILLed peer's children still running
+    on_route: bool = False  # whether the peer that left was on the route of the client that triggered it
     children: list[psutil.Process] = field(default_factory=list, repr=False)  # the peer's, at the signal
 
 
@@ -95,6 +99,7 @@ class ChurnRun:
         self.original = set(self.layers)  # the peers started before the run (restarts are added to layers)
         self.gone: set[str] = set()  # peers that were signalled
         self.tokens = [0] * config.clients
+        self.in_answer = [0] * config.clients  # tokens so far of each client's current answer
         self.routes: list[Sequence[str]] = [() for _ in range(config.clients)]
         self.progress = [asyncio.Event() for _ in range(config.clients)]
         self.requests: list[Request] = []
@@ -143,6 +148,7 @@ class ChurnRun:
         def on_token(route: Sequence[str]) -> None:
             request.times.append(time.monotonic())
             self.tokens[c] += 1
+            self.in_answer[c] = len(request.times) - 1
             self.routes[c] = route
             self.progress[c].set()
 
@@ -161,6 +167,7 @@ class ChurnRun:
                 await self._wait_tokens(c, self.tokens[c] + n)
                 peer = self._victim(rng, self.routes[c])
                 event = self._signal(peer, kind, f"client {c} after {n} tokens")
+                event.on_route = peer.peer_id in self.routes[c]
                 returns.create_task(self._gone_then_back(peer, event, back))
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
@@ -169,7 +176,8 @@ class ChurnRun:
 
     async def _wait_tokens(self, c: int, count: int) -> None:
         async with asyncio.timeout(self.config.progress_timeout_s):
-            while self.tokens[c] < count:
+            # an answer's last token closes its session: an event fired then would hit no session
+            while self.tokens[c] < count or self.in_answer[c] >= self.config.new_tokens - 1:
                 self.progress[c].clear()
                 await self.progress[c].wait()
 
@@ -272,6 +280,7 @@ class ChurnRun:
             "kind": event.kind,
             "peer": event.peer,
             "trigger": event.trigger,
+            "on_route": event.on_route,
             "at_s": event.at_s - self.warm_s,  # from the moment every client was generating
             "took_s": event.done_s - event.at_s,  # to exit (and children gone), or to serve again
             "max_gap_s": self._max_gap(start, end),

@@ -38,7 +38,7 @@ _rng = random.Random(13)
 PROMPTS = tuple(tuple(_rng.randrange(1, 256) for _ in range(6 + i)) for i in range(4))
 # think_s: each client pauses between its answers, so the restarted peers' start-up is not starved of CPU on a
 # 2-core machine (every request is still generated without pause, token after token)
-CONFIG = ChurnConfig(LAYOUTS, PROMPTS, clients=4, seed=0, peer_args=PEER_ARGS, think_s=0.25)
+CONFIG = ChurnConfig(LAYOUTS, PROMPTS, NEW_TOKENS, clients=4, seed=0, peer_args=PEER_ARGS, think_s=0.25)
 # A peer that never left may grow by this much over the run (sessions opened, closed, replayed into its cache)
 RSS_GROWTH_MAX = 64 * MIB
 
@@ -101,6 +101,8 @@ def test_clients_ride_out_a_graceful_leave_and_a_crash(tmp_path: Any, tiny_sourc
     assert all(n >= CONFIG.requests_after + 1 for n in _requests_per_client(run))
     [killed] = [e for e in figures["events"] if e["kind"] == "sigkill"]
     assert killed["left_behind"] == [], f"still running after {killed['peer']} was SIGKILLed"
+    # killed mid-answer on the route of a live session: that session must have failed over (and still be exact)
+    assert not killed["on_route"] or killed["failovers"] >= 1, killed
     survivors = figures["rss_mib"]
     assert len(survivors) == len(LAYOUTS) - 2, survivors
     for name, rss in survivors.items():
