@@ -16,6 +16,7 @@ counts as a token, so a first token's wait counts too), failovers, and tokens re
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import signal
@@ -126,7 +127,7 @@ class ChurnRun:
 
     async def _client(self, c: int) -> None:
         after_stop = 0
-        for r in range(10**9):
+        for r in itertools.count():
             if self._stop.is_set():
                 if after_stop == self.config.requests_after:
                     return
