@@ -18,7 +18,8 @@ Seeds are fixed; time-limited solves still vary a little from run to run.
 Real part (swarm.testing.churn, the scenario of tests/integration/test_churn_real.py, run longer): 5 peers of
 --model (default: SmolLM2-135M, each held to 12 layers or fewer: 0:12 12:24 18:30 6:18 0:12, nobody following
 the plan), --clients clients each asking greedy --new-tokens answers in a loop, one peer SIGTERMed and one
-SIGKILLed (drawn from a client's live route) and each restarted, all at seeded points of the clients' progress.
+SIGKILLed (drawn from a client's live route) and each restarted, all at seeded points of the clients' progress;
+the SIGKILL comes once the SIGTERMed peer serves again.
 Prints "real": requests, failed, exact, max_gap_healthy_s, pause_s {graceful, kill} (the largest gap between a
 client's tokens from the leave to the next event), tokens_replayed {graceful, kill}, failovers, and per event
 the same figures plus the peers' RSS. With --quick: the tiny model (6 layers, 0:3 0:3 3:6 3:6 0:6), 10 tokens.
@@ -200,6 +201,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         requests_after=args.requests_after,
         peer_args=REAL_PEER_ARGS,
         think_s=args.think_s,
+        kill_after_return=True,  # as the issue's run: SIGTERM, restart, then SIGKILL
         ready_timeout_s=600.0,
         progress_timeout_s=600.0,
     )

@@ -50,6 +50,9 @@ class ChurnConfig:
     exit_timeout_s: float = 60.0  # for a SIGTERMed peer to exit, a SIGKILLed peer's children to go
     progress_timeout_s: float = 180.0  # for a client to produce the tokens an event waits for
     think_s: float = 0.0  # a client's pause between its requests (a user reading the answer)
+    # the SIGKILL only once the SIGTERMed peer is serving again (where the layout has single holders, the kill
+    # can then hit a live route); by default the two leaves and returns overlap
+    kill_after_return: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,13 +166,16 @@ class ChurnRun:
         self.warm_s = time.monotonic()
         self.rss_before = self._rss(self.swarm.peers)
         async with asyncio.TaskGroup() as returns:
+            first: asyncio.Task[None] | None = None
             for kind in ("sigterm", "sigkill"):
                 (c, n), back = self._draw(rng), self._draw(rng)
+                if first is not None and self.config.kill_after_return:
+                    await first
                 await self._wait_tokens(c, self.tokens[c] + n)
                 peer = self._victim(rng, self.routes[c])
                 event = self._signal(peer, kind, f"client {c} after {n} tokens")
                 event.on_route = peer.peer_id in self.routes[c]
-                returns.create_task(self._gone_then_back(peer, event, back))
+                first = returns.create_task(self._gone_then_back(peer, event, back))
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
         """(client, tokens): the next moment is once that client has produced that many more tokens."""
