@@ -189,8 +189,8 @@ class ChurnRun:
                 await self.progress[c].wait()
 
     def _victim(self, rng: random.Random, route: Sequence[str]) -> PeerProcess:
-        """A peer of `route` (else any) that was there from the start, is not the bootstrap, and whose leaving
-        uncovers no layer."""
+        """A peer of `route` (else any that was there from the start) that is not the bootstrap and whose
+        leaving uncovers no layer."""
         live = [
             p for p in self.swarm.peers if p.is_ready() and p.proc.poll() is None and p.name not in self.gone
         ]
@@ -199,7 +199,9 @@ class ChurnRun:
             for p in live
             if p.name in self.original and p.name != self.bootstrap and self._covered(live, without=p)
         ]
-        on_route = [p for p in can_go if p.peer_id in route]
+        # a restarted peer may go again only if it carries the live session (the survivors are the originals)
+        movable = [p for p in live if p.name != self.bootstrap and self._covered(live, without=p)]
+        on_route = [p for p in movable if p.peer_id in route]
         if not can_go:
             raise RuntimeError("no peer can leave without uncovering a layer: add replicas")
         return rng.choice(on_route or can_go)
