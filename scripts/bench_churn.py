@@ -1,7 +1,8 @@
-"""Churn benchmark, planner part: each single node of a cluster leaving in turn, before vs. after.
+"""Churn benchmark. Planner part: each single node of a cluster leaving in turn, before vs. after. Real part
+(--real): real peers on 127.0.0.1 while clients generate, one SIGTERMed and one SIGKILLed, each restarted.
 
     python scripts/bench_churn.py [--json OUT] [--cluster helix24] [--time-limit-s 5] [--epochs 3]
-        [--max-moves 2] [--leaves a100-1,l4-3] [--quick]
+        [--max-moves 2] [--leaves a100-1,l4-3] [--quick] [--real [--no-sim] [--model default] [--seed 0]]
 
 before: today's re-solve, swarm.planner.solve(method milp, current = the live placement, reload_cost 0.1),
         from the plan today's planner would have published on the whole cluster.
@@ -13,15 +14,30 @@ Per leave: nodes moved (nodes that held a range and hold another or none) and fl
 / the best from-scratch max flow on the same 23-node snapshot. Prints JSON; the issue's key
 sim.nodes_moved_per_leave {before, after} holds the means over the leaves (after = at the leave, the repair).
 Seeds are fixed; time-limited solves still vary a little from run to run.
+
+Real part (swarm.testing.churn, the scenario of tests/integration/test_churn_real.py, run longer): 5 peers of
+--model (default: SmolLM2-135M, each held to 12 layers or fewer: 0:12 12:24 18:30 6:18 0:12, nobody following
+the plan), --clients clients each asking greedy --new-tokens answers in a loop, one peer SIGTERMed and one
+SIGKILLed (drawn from a client's live route) and each restarted, all at seeded points of the clients' progress;
+the SIGKILL comes once the SIGTERMed peer serves again.
+Prints "real": requests, failed, exact, max_gap_healthy_s, pause_s {graceful, kill} (the largest gap between a
+client's tokens from the leave to the next event), tokens_replayed {graceful, kill}, failovers, and per event
+the same figures plus the peers' RSS. With --quick: the tiny model (6 layers, 0:3 0:3 3:6 3:6 0:6), 10 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import os
+import random
 import statistics
 import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from swarm.planner.cluster import Cluster
@@ -103,6 +119,122 @@ def summary(rows: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
     }
 
 
+REAL_LAYOUTS = {
+    "default": ("0:12", "12:24", "18:30", "6:18", "0:12"),
+    "tiny": ("0:3", "0:3", "3:6", "3:6", "0:6"),
+}
+REAL_PEER_ARGS = ("--no-follow-plan", "--record-ttl-s", "6", "--shutdown-grace-s", "5")
+
+
+def real_prompts(model: str, count: int) -> tuple[tuple[int, ...], ...]:
+    """`count` chat prompts of the model's own template (fixed ids for the tiny model, which has none)."""
+    from swarm.models import resolve_model
+    from swarm.testing.prompts import chat_prompt_ids
+
+    source = resolve_model(model)
+    if source.tokenizer() is None:
+        rng = random.Random(13)
+        return tuple(tuple(rng.randrange(1, 256) for _ in range(6 + i)) for i in range(count))
+    topics = ["Paris", "the Moon", "bread", "rivers", "chess", "volcanoes", "music", "bees"]
+    questions = [f"Tell me about {topics[i % len(topics)]} in a few sentences." for i in range(count)]
+    return tuple(tuple(chat_prompt_ids(source, q)) for q in questions)
+
+
+def answerer(clients: list[Any], new_tokens: int) -> Any:
+    """One greedy request (EOS ignored: the reference does not stop either) on client number c."""
+    from client.generation import GenerationRequest, generate_ids
+    from swarm.models.head import Sampler, SamplingParams
+    from swarm.testing.churn import Answer, OnToken
+
+    async def answer(c: int, prompt: Sequence[int], on_token: OnToken) -> Answer:
+        session = clients[c].new_session(len(prompt) + new_tokens)
+        request = GenerationRequest(tuple(prompt), new_tokens, frozenset())
+        tokens: list[int] = []
+        try:
+            async for token in generate_ids(session, request, Sampler(SamplingParams()).sample):
+                tokens.append(token)
+                on_token([str(s.peer_id) for s in session.stages])
+        finally:
+            await session.close()
+        log = [(f.at_s, f"{f.error}/{f.detected_by}/{f.action.name}") for f in session.failover_log]
+        return Answer(tokens, session.replayed_tokens, log)
+
+    return answer
+
+
+async def real_churn(swarm: Any, model: str, config: Any, new_tokens: int) -> Any:
+    from client import AsyncSwarmClient
+    from client.config import ClientConfig
+    from swarm.testing.churn import ChurnRun
+
+    clients: list[Any] = []
+    client_config = ClientConfig(spot_check_rate=0.0, route_wait_s=300.0)
+    try:
+        for _ in range(config.clients):
+            clients.append(await AsyncSwarmClient.create(swarm.initial_peers, model, client_config))
+        run = ChurnRun(swarm, config, answerer(clients, new_tokens))
+        await run.run()
+        return run
+    finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+def run_real(args: argparse.Namespace) -> dict[str, Any]:
+    """The real part: start the peers, run the scenario, and sum it up as the issue's "real" figures."""
+    from swarm.models import resolve_model
+    from swarm.testing import LocalSwarm, greedy_tokens
+    from swarm.testing.churn import ChurnConfig
+
+    os.environ["FLOWSWARM_THREADS"] = "1"
+    layouts = REAL_LAYOUTS["tiny" if args.model.startswith("tiny") else "default"]
+    prompts = real_prompts(args.model, args.clients)
+    reference = resolve_model(args.model).load_reference_model()
+    expected = [greedy_tokens(reference, p, args.new_tokens) for p in prompts]
+    del reference
+    config = ChurnConfig(
+        layouts,
+        prompts,
+        args.new_tokens,
+        clients=args.clients,
+        seed=args.seed,
+        tokens_between_events=(args.new_tokens, 3 * args.new_tokens),
+        requests_after=args.requests_after,
+        peer_args=REAL_PEER_ARGS,
+        think_s=args.think_s,
+        kill_after_return=True,  # as the issue's run: SIGTERM, restart, then SIGKILL
+        ready_timeout_s=600.0,
+        progress_timeout_s=600.0,
+    )
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), model=args.model) as swarm:
+        swarm.start_peer(layouts[0], name="p0", extra_args=REAL_PEER_ARGS, timeout_s=600)
+        for i, layout in enumerate(layouts[1:], 1):
+            swarm.start_peer(layout, name=f"p{i}", extra_args=REAL_PEER_ARGS, wait=False)
+        swarm.wait_all_ready(timeout_s=600)
+        run = asyncio.run(real_churn(swarm, args.model, config, args.new_tokens))
+        figures = run.figures(expected)
+    for event in figures["events"]:
+        print(json.dumps(event), file=sys.stderr)
+    by_kind = {e["kind"]: e for e in figures["events"]}
+    return {
+        "model": args.model,
+        "clients": args.clients,
+        "new_tokens": args.new_tokens,
+        "seed": args.seed,
+        "think_s": args.think_s,
+        "requests": figures["requests"],
+        "failed": figures["failed"],
+        "exact": figures["exact"],
+        "max_gap_healthy_s": figures["max_gap_healthy_s"],
+        "pause_s": {"graceful": by_kind["sigterm"]["max_gap_s"], "kill": by_kind["sigkill"]["max_gap_s"]},
+        "tokens_replayed": {
+            "graceful": by_kind["sigterm"]["tokens_replayed"],
+            "kill": by_kind["sigkill"]["tokens_replayed"],
+        },
+        "failovers": {"graceful": by_kind["sigterm"]["failovers"], "kill": by_kind["sigkill"]["failovers"]},
+        "details": figures,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,10 +247,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gain-fraction", type=float, default=ReplanConfig.gain_fraction)
     parser.add_argument("--leaves", default="", help="comma-separated node ids (default: every node)")
     parser.add_argument("--quick", action="store_true", help="smoke run: two leaves, 1 s solves, 1 epoch")
+    parser.add_argument("--real", action="store_true", help="also run the real part (peers on 127.0.0.1)")
+    parser.add_argument("--no-sim", action="store_true", help="skip the planner part")
+    parser.add_argument(
+        "--model", default="default", help="real part: default | tiny[:SEED] (--quick: tiny:0)"
+    )
+    parser.add_argument("--clients", type=int, default=4, help="real part: concurrent clients")
+    parser.add_argument("--new-tokens", type=int, default=64, help="real part: tokens per answer")
+    parser.add_argument(
+        "--requests-after", type=int, default=2, help="real part: per client, after the last event"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="real part: which client, when, and which peer")
+    parser.add_argument(
+        "--think-s", type=float, default=0.0, help="real part: a client's pause between answers"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.quick:
         args.time_limit_s, args.epochs, args.leaves = 1.0, 1, args.leaves or "a100-1,t4-5"
+        args.model, args.new_tokens, args.requests_after = "tiny:0", 10, 1
+    result: dict[str, Any] = {} if args.no_sim else run_sim(args)
+    if args.real:
+        result["real"] = run_real(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     whole = cluster_from_arg(args.cluster)
     before0 = solve(whole, "milp", time_limit_s=args.time_limit_s, seed=0).placement
     after0 = from_scratch(whole, None, ReplanConfig(time_limit_s=args.time_limit_s, seed=0)).placement
@@ -127,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     for leaver in leavers:
         rows.append(one_leave(whole, leaver, before0, after0, args))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    result = {
+    return {
         "cluster": args.cluster,
         "time_limit_s": args.time_limit_s,
         "max_moves": args.max_moves,
@@ -138,12 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         "sim": summary(rows, args.epochs),
         "per_leave": rows,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from client.session import InferenceSession
 from swarm.errors import SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
-from swarm.testing import LocalSwarm
+from swarm.testing import LocalSwarm, greedy_reference
 from swarm.testing.launcher import PeerProcess
 from swarm.types import NodeID
 
@@ -49,11 +49,7 @@ HOUR_S = 3600.0
 
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from client import AsyncSwarmClient, SwarmClient
 from client.generation import GenerationRequest, generate_ids
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
 from swarm.routing.route import Stage
-from swarm.testing import LocalSwarm, swarm_client
+from swarm.testing import LocalSwarm, greedy_reference, swarm_client
 from swarm.types import LayerRange, NodeID
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -37,11 +36,7 @@ class Reports:
 
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
