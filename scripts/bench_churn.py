@@ -1,8 +1,15 @@
-"""Churn benchmark. Planner part: each single node of a cluster leaving in turn, before vs. after. Real part
-(--real): real peers on 127.0.0.1 while clients generate, one SIGTERMed and one SIGKILLed, each restarted.
+"""Churn benchmark, in three parts: the planner (each single node of a cluster leaving in turn, before vs. after),
+the simulator (the helix24 churn trace, the swarm before issue 13 and now), and real peers on 127.0.0.1 while
+clients generate, one SIGTERMed and one SIGKILLed, each restarted.
 
-    python scripts/bench_churn.py [--json OUT] [--cluster helix24] [--time-limit-s 5] [--epochs 3]
-        [--max-moves 2] [--leaves a100-1,l4-3] [--quick] [--real [--no-sim] [--model default] [--seed 0]]
+    python scripts/bench_churn.py [--json OUT] [--png PLOT] [--quick] [--cluster helix24] [--time-limit-s 5]
+        [--epochs 3] [--max-moves 2] [--leaves a100-1,l4-3] [--requests 3000] [--no-sim] [--no-real]
+        [--model default] [--seed 0]
+
+Prints {"sim": {"nodes_moved_per_leave": {before, after}, "min_window_ratio", "failovers_per_leave",
+"sessions_on_leaving_node", "restarts", "lost", ...}, "real": {"requests", "failed", "exact", "max_gap_healthy_s",
+"pause_s": {graceful, kill}, "tokens_replayed": {graceful, kill}, ...}}. --quick: 2 leaves with 1 s solves, 300
+simulated requests, the tiny model on the real part (the CI smoke run adds --no-real: the churn test covers it).
 
 before: today's re-solve, swarm.planner.solve(method milp, current = the live placement, reload_cost 0.1),
         from the plan today's planner would have published on the whole cluster.
@@ -10,7 +17,12 @@ after:  swarm.planner.replan: the leave is repaired locally (spares, else neighb
         periodic improvements (MILP with a cap of max_moves moved nodes and a price per move), each published
         only above the publish margin, from the plan the new planner publishes on the whole cluster.
 
-Per leave: nodes moved (nodes that held a range and hold another or none) and flow kept = the plan's max flow
+Simulator part (swarm.sim, --requests on helix24 with the bundled churn_helix24 trace, churn modes old and
+new on the same plans; --png plots both over time): min_window_ratio = the lowest 30 s window after a leave over
+the same window of a churn-free run on the nodes that remain; failovers (replays) and KV hand-overs per leave;
+restarts; lost. See swarm/sim/report.py.
+
+Planner part, per leave: nodes moved (nodes that held a range and hold another or none) and flow kept = the plan's max flow
 / the best from-scratch max flow on the same 23-node snapshot. Prints JSON; the issue's key
 sim.nodes_moved_per_leave {before, after} holds the means over the leaves (after = at the leave, the repair).
 Seeds are fixed; time-limited solves still vary a little from run to run.
@@ -45,7 +57,8 @@ from swarm.planner.graph import max_flow
 from swarm.planner.replan import ReplanConfig, from_scratch, moved_nodes, replan
 from swarm.planner.solve import solve
 from swarm.sim.churn import present_cluster
-from swarm.sim.experiment import cluster_from_arg
+from swarm.sim.experiment import Experiment, cluster_from_arg, run_experiment
+from swarm.sim.report import plot_churn
 from swarm.types import LayerRange, NodeID
 
 Placement = dict[NodeID, LayerRange]
@@ -247,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gain-fraction", type=float, default=ReplanConfig.gain_fraction)
     parser.add_argument("--leaves", default="", help="comma-separated node ids (default: every node)")
     parser.add_argument("--quick", action="store_true", help="smoke run: two leaves, 1 s solves, 1 epoch")
-    parser.add_argument("--real", action="store_true", help="also run the real part (peers on 127.0.0.1)")
-    parser.add_argument("--no-sim", action="store_true", help="skip the planner part")
+    parser.add_argument("--png", help="plot the simulated churn run's throughput over time, old vs new, here")
+    parser.add_argument(
+        "--requests", type=int, default=3000, help="simulated churn run: requests (--quick 300)"
+    )
+    parser.add_argument("--no-real", action="store_true", help="skip the real part (peers on 127.0.0.1)")
+    parser.add_argument("--no-sim", action="store_true", help="skip the planner and simulator parts")
     parser.add_argument(
         "--model", default="default", help="real part: default | tiny[:SEED] (--quick: tiny:0)"
     )
@@ -266,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.time_limit_s, args.epochs, args.leaves = 1.0, 1, args.leaves or "a100-1,t4-5"
         args.model, args.new_tokens, args.requests_after = "tiny:0", 10, 1
+        args.requests = min(args.requests, 300)
     result: dict[str, Any] = {} if args.no_sim else run_sim(args)
-    if args.real:
+    if not args.no_sim:
+        result["sim"] |= run_sim_churn(args)
+    if not args.no_real:
         result["real"] = run_real(args)
     text = json.dumps(result, indent=2)
     print(text)
@@ -296,6 +316,33 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         },
         "sim": summary(rows, args.epochs),
         "per_leave": rows,
+    }
+
+
+def run_sim_churn(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator's helix24 churn trace, the swarm before issue 13 ("old") and now ("new"), same plans: the
+    issue's sim figures (new), the same figures of old, and the throughput-over-time plot (--png)."""
+    experiment = Experiment(
+        cluster="helix24",
+        mode="online",
+        requests=args.requests,
+        placements=("milp",),
+        schedulings=("iwrr",),
+        plan_time_limit_s=args.time_limit_s,
+        churn="churn_helix24",
+        churn_mode="both",
+    )
+    result = run_experiment(experiment)
+    if args.png:
+        plot_churn(result, args.png)
+    targets = {t["churn_mode"]: t for t in result["churn_targets"]}
+    keys = ("min_window_ratio", "failovers_per_leave", "sessions_on_leaving_node", "restarts", "lost")
+    return {
+        **{k: targets["new"][k] for k in keys},
+        "handovers_per_leave": targets["new"]["handovers_per_leave"],
+        "met": targets["new"]["met"],
+        "old": {k: targets["old"][k] for k in keys},
+        "sim_requests": args.requests,
     }
 
 

@@ -112,10 +112,17 @@ def test_bench_planner_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_bench_churn_quick(tmp_path: Path) -> None:
     out_file = tmp_path / "churn.json"
-    _run_json(["scripts/bench_churn.py", "--quick", "--json", str(out_file)], 200)
+    plot = tmp_path / "churn.png"
+    args = ["--quick", "--no-real", "--json", str(out_file), "--png", str(plot)]
+    _run_json(["scripts/bench_churn.py", *args], 200)
     data = json.loads(out_file.read_text())
     moved = data["sim"]["nodes_moved_per_leave"]
     assert set(moved) == {"before", "after"} and moved["after"] <= moved["before"]
+    sim = data["sim"]
+    assert {"min_window_ratio", "failovers_per_leave", "sessions_on_leaving_node", "restarts", "lost"} <= set(
+        sim
+    )
+    assert sim["lost"] == 0 and sim["old"]["lost"] == 0 and plot.stat().st_size > 0
     for row in data["per_leave"]:
         assert 0 < row["before"]["flow_kept"] <= 1 + 1e-9
         assert all(0 < step["flow_kept"] <= 1 + 1e-9 for step in row["after"])
