@@ -403,8 +403,12 @@ class InferenceSession:
         kept = self.stages[:index]
         start, prev = (kept[-1].layers.end, kept[-1].peer_id) if kept else (0, SOURCE)
         tail = await self._route_or_wait(start, prev)
-        dropped = [s for s in self.stages[index + 1 :] if s.peer_id not in {t.peer_id for t in tail}]
-        self.stages = (*kept, *tail)
+        joined = join_route(kept, tail)
+        if joined is None:  # the tail runs through a kept peer again: route afresh from layer 0
+            joined = await self._route_or_wait(0, SOURCE)
+        on_route = {s.peer_id for s in joined}
+        dropped = [s for s in self.stages if s.peer_id != failed and s.peer_id not in on_route]
+        self.stages = joined
         # a stage keeps its cache if it was on the route (same peer, same layers) and did not fail
         self._filled = {s for s in self.stages if s in self._filled and s.peer_id != failed}
         logger.info("session %s re-routed: %s", self.session_id[:8], route_text(self.stages))
@@ -455,6 +459,21 @@ class InferenceSession:
             await self.chain.close(self.session_id, stages)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.info("closing session %s: %s", self.session_id[:8], error)
+
+
+def join_route(kept: Route, tail: Route) -> Route | None:
+    """``kept`` then ``tail`` as one route, or None if that cannot be a route.
+
+    The router builds the tail without knowing the kept stages, so it may start on the last kept peer, which
+    holds layers past its stage: that is one stage of both (its new layers hold nothing of the session yet, so
+    the replay refills the whole stage). A tail naming an earlier kept peer again is no route at all: a peer
+    refuses a route that names it twice."""
+    if kept and tail and tail[0].peer_id == kept[-1].peer_id:
+        merged = Stage(tail[0].peer_id, LayerRange(kept[-1].layers.start, tail[0].layers.end))
+        kept, tail = kept[:-1], (merged, *tail[1:])
+    if {s.peer_id for s in kept} & {s.peer_id for s in tail}:
+        return None
+    return (*kept, *tail)
 
 
 def _relayed(relayed: bool) -> dict[str, bool]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from client.local import LocalChain
-from client.session import InferenceSession
+from client.session import InferenceSession, join_route
 from swarm.models.faults import OutputFaults
 from swarm.models.head import SamplingParams
 from swarm.models.loading import ModelSource
@@ -162,3 +162,21 @@ def test_a_liar_caught_mid_session_gets_every_stage_after_it_refilled(
     refilled = (Stage(NodeID(honest), LayerRange(2, 4)), Stage(NodeID("c"), LayerRange(4, 6)))
     assert [(r.stages, r.tokens, r.resent_by) for r in session.replays] == [(refilled, 11, "a")]
     assert session.replayed_tokens == 22
+
+
+def _stage(peer: str, start: int, end: int) -> Stage:
+    return Stage(NodeID(peer), LayerRange(start, end))
+
+
+def test_a_tail_that_starts_on_the_last_kept_peer_becomes_one_stage_and_a_repeat_is_no_route() -> None:
+    """Seen on real peers: kept a(0:2), the tail from layer 2 began on a again (it holds 0:4), and a refused the
+    route a, a, ... as naming it twice, then got banned for it."""
+    kept = (_stage("a", 0, 2),)
+    assert join_route(kept, (_stage("a", 2, 4), _stage("c", 4, 6))) == (_stage("a", 0, 4), _stage("c", 4, 6))
+    assert join_route(kept, (_stage("b", 2, 4), _stage("c", 4, 6))) == (
+        *kept,
+        _stage("b", 2, 4),
+        _stage("c", 4, 6),
+    )
+    assert join_route((_stage("a", 0, 1), _stage("b", 1, 2)), (_stage("a", 2, 6),)) is None
+    assert join_route((), (_stage("a", 0, 6),)) == (_stage("a", 0, 6),)
