@@ -267,6 +267,7 @@ class ChurnRun:
             "mismatched": sum(1 for r in done if r.answer and r.answer.tokens != list(expected[r.prompt])),
             "tokens": sum(self.tokens),
             "max_gap_healthy_s": self._max_gap(self.warm_s, bounds[0]),
+            "max_ttft_healthy_s": self._max_ttft(self.warm_s, bounds[0]),
             "events": [
                 self._event_figures(e, e.at_s, end) for e, end in zip(self.events, bounds[1:], strict=True)
             ],
@@ -293,6 +294,7 @@ class ChurnRun:
             "at_s": event.at_s - self.warm_s,  # from the moment every client was generating
             "took_s": event.done_s - event.at_s,  # to exit (and children gone), or to serve again
             "max_gap_s": self._max_gap(start, end),
+            "max_ttft_s": self._max_ttft(start, end),
             "failovers": len(failovers),
             "tokens_replayed": sum(replayed.values()),
             "failover_log": [f"{at - self.warm_s:.2f}s {what}" for at, what, _ in sorted(failovers)],
@@ -300,15 +302,22 @@ class ChurnRun:
         }
 
     def _max_gap(self, start: float, end: float) -> float:
-        """The largest gap between consecutive tokens of a request (or its start and first token) that ended in
-        [start, end)."""
+        """The largest gap between consecutive tokens of a request that ended in [start, end): the pause a
+        reader of a streamed answer sees (the wait for a first token is ``_max_ttft``)."""
         gaps = [
             b - a
             for r in self.requests
-            for a, b in zip(r.times, r.times[1:], strict=False)
+            for a, b in zip(r.times[1:], r.times[2:], strict=False)
             if start <= b < end
         ]
         return max(gaps, default=0.0)
+
+    def _max_ttft(self, start: float, end: float) -> float:
+        """The longest wait from a request's start to its first token, for first tokens in [start, end)."""
+        waits = [
+            r.times[1] - r.times[0] for r in self.requests if len(r.times) > 1 and start <= r.times[1] < end
+        ]
+        return max(waits, default=0.0)
 
 
 def _span(layout: str) -> tuple[int, int]:
