@@ -146,7 +146,9 @@ class InferenceSession:
         self.replayed_tokens = 0
         self.replays: list[Replay] = []
         self._filled: set[Stage] = set()  # stages of the route whose caches hold all of token_ids
-        self._relay_once = False  # send the next step relayed (set by _follow)
+        # Send the next step relayed (set after a failover or a follow): our wait for its position may still
+        # stand at the last hop, and would take the retried step meant for a new wait.
+        self._relay_once = False
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
@@ -194,21 +196,21 @@ class InferenceSession:
 
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
-        step = self._pipelined(self.stages, hidden, position)
+        relayed, self._relay_once = self._relay_once, False
+        step = self._pipelined(self.stages, hidden, position, relayed)
         out = await self.watch.run(step, self.stages, len(ids), self.step_timeout_s)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
         return out
 
-    async def _pipelined(self, stages: Route, hidden: torch.Tensor, position: int) -> torch.Tensor:
+    async def _pipelined(
+        self, stages: Route, hidden: torch.Tensor, position: int, relayed: bool = False
+    ) -> torch.Tensor:
         """Send ``hidden`` [T, H] at ``position`` through ``stages``, a long prompt as consecutive chunks sent
         at once (HPipe): peer k computes chunk i while peer k+1 computes chunk i-1, so the route's peers work
         on one prompt together instead of each waiting for the whole of it. Peers run a session's steps in
-        position order whatever order they arrive in (swarm/peer/executor.py)."""
-
-        # after a hand-over, relayed: our wait for this position may still stand at the last hop, and would take
-        # the step meant for a new one (see _follow)
-        relayed, self._relay_once = self._relay_once, False
+        position order whatever order they arrive in (swarm/peer/executor.py). ``relayed``: the output comes
+        back along the route instead of to a wait at the last hop."""
 
         async def send(start: int, size: int) -> torch.Tensor:
             part = hidden[start : start + size]
@@ -312,6 +314,7 @@ class InferenceSession:
         elif action is Action.REROUTE:
             self.avoided.add(failed)
         self._distrust(error, failed, action, attempt)
+        self._relay_once = True
         await self._reroute(failed)
         # the pause gives the DHT time to notice a failure; one we saw die first hand is out of routing already
         await self.sleep(0.0 if action is Action.WITHDRAW else decision.delay_s)

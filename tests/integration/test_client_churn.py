@@ -98,10 +98,12 @@ def test_the_only_holder_refusing_one_step_is_deprioritised_not_fatal(
     chain = client.aclient.chain
     real_step, steps = chain.step, itertools.count()
 
-    async def step(session_id: Any, stages: Any, position: int, hidden: torch.Tensor, max_length: int) -> Any:
+    async def step(
+        session_id: Any, stages: Any, position: int, hidden: torch.Tensor, max_length: int, **how: Any
+    ) -> Any:
         if next(steps) == 3:  # one column too many: `first` must refuse it (ProtocolError, first hand)
             hidden = torch.cat([hidden, hidden[:, :1]], dim=1)
-        return await real_step(session_id, stages, position, hidden, max_length)
+        return await real_step(session_id, stages, position, hidden, max_length, **how)
 
     chain.step = step  # type: ignore[method-assign]
     try:
