@@ -4,7 +4,7 @@ route never call another peer). Time is an injected clock; waits are on events, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 import torch
@@ -45,13 +45,20 @@ def _step(
 
 
 def _run(h: PeerHandlers, body: Callable[[], Awaitable[None]]) -> None:
+    run_peers([h.peer], body)
+
+
+def run_peers(peers: Sequence[Peer], body: Callable[[], Awaitable[None]]) -> None:
+    """Run ``body`` on a fresh event loop while the executors of ``peers`` serve."""
+
     async def main() -> None:
-        task = asyncio.create_task(h.peer.executor.run())
+        tasks = [asyncio.create_task(peer.executor.run()) for peer in peers]
         try:
             await body()
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
 

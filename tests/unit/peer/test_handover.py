@@ -29,6 +29,7 @@ from swarm.wire import (
     encode_reply,
     encode_request,
 )
+from tests.unit.peer.test_handlers import run_peers
 
 pytestmark = pytest.mark.timeout(60)
 CLIENT = "QmClient"
@@ -44,16 +45,7 @@ def _handlers(name: str, cache_tokens: int = 64) -> PeerHandlers:
 
 
 def _run(peers: list[PeerHandlers], body: Callable[[], Awaitable[None]]) -> None:
-    async def main() -> None:
-        tasks = [asyncio.create_task(h.peer.executor.run()) for h in peers]
-        try:
-            await body()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run(main())
+    run_peers([h.peer for h in peers], body)
 
 
 def _step(h: PeerHandlers, position: int, hidden: torch.Tensor, sid: str = "s1") -> StepRequest:

@@ -5,7 +5,6 @@ sessions end (the grace is only a safety bound), and routing still sends new ses
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -21,6 +20,7 @@ from swarm.peer.state import Peer
 from swarm.types import LayerRange
 from swarm.wire import CloseRequest, StepRequest
 from tests.unit.peer.test_follow import _Directory, _peer, plan_record, snapshot
+from tests.unit.peer.test_handlers import run_peers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,16 +29,7 @@ PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300]
 
 
 def _run(peer: Peer, body: Callable[[], Awaitable[None]]) -> None:
-    async def main() -> None:
-        runner = asyncio.create_task(peer.executor.run())
-        try:
-            await body()
-        finally:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
-
-    asyncio.run(main())
+    run_peers([peer], body)
 
 
 async def _until(peer: Peer, done: Callable[[], bool]) -> None:

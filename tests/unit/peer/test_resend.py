@@ -20,6 +20,7 @@ from swarm.peer.executor import Executor, StepResult
 from swarm.peer.handlers import PeerHandlers
 from swarm.peer.state import Identity, Peer
 from swarm.wire import Hop, StepAck, StepReply, StepRequest, StepWait
+from tests.unit.peer.test_handlers import run_peers
 
 pytestmark = pytest.mark.timeout(60)
 CLIENT = "QmClient"
@@ -71,16 +72,7 @@ class Swarm:
         return reply.hidden
 
     def run(self, body: Callable[[], Awaitable[None]]) -> None:
-        async def main() -> None:
-            tasks = [asyncio.create_task(h.peer.executor.run()) for h in (self.a, self.b)]
-            try:
-                await body()
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run(main())
+        run_peers([self.a.peer, self.b.peer], body)
 
 
 def test_a_replacement_hop_filled_by_a_resend_continues_like_the_hop_it_replaced(
