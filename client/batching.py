@@ -6,6 +6,8 @@ on the event loop: for SmolLM2-135M that is 28M multiply-adds, as much as a fift
 loop can read no reply while it runs. HeadBatcher collects the last hidden states sessions hand in, and runs
 them as one [N, H] x [H, V] call on its own thread: the requests of one event-loop tick go together, and while
 a call runs the next round gathers (continuous batching, like the peers' executor does for decode steps).
+A round also waits a moment for the sessions whose decode step is still in the swarm, and tells them its id
+and size: they send their next steps together under it, and the peers batch them (see HeadBatcher).
 
 Greedy outputs stay those of the unbatched head: each row of a batched product is the same dot products.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,48 +30,129 @@ import torch
 
 from client.liveness import StepWatch
 from client.retry import RetryPolicy
-from client.session import Chain, Head, InferenceSession, RouteSource
+from client.session import NO_BATCH, Chain, Head, InferenceSession, RouteSource
 from client.spot import SpotChecker
 
 logger = logging.getLogger(__name__)
+Rounded = tuple[torch.Tensor, tuple[str, int]]  # logits [V], and (id, size) of the round that computed them
+
+
+class _Lane:
+    """One group of sessions with rounds of its own (see HeadBatcher)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, asyncio.Future[Rounded]]] = []
+        self.running = False  # a round of this lane is waiting or computing
+        self.stepping: set[object] = (
+            set()
+        )  # sessions with a decode step in the swarm: the round waits for them
+        self.late: set[object] = set()  # made a round wait in vain: not waited for until they ask
+        self.timer: asyncio.TimerHandle | None = None  # a round waiting for the sessions stepping
+
+    def missing(self) -> set[object]:
+        return self.stepping - self.late
 
 
 class HeadBatcher:
-    """Runs `head.logits` for every session that asks in the same round as one call, on one thread."""
+    """Runs `head.logits` for the sessions of a lane that ask in the same round as one call, on one thread.
 
-    def __init__(self, head: Head, max_batch: int = 64) -> None:
+    A round waits (at most ``round_wait_s``) for its lane's sessions whose decode step is in the swarm now (see
+    `sent`): their replies are on the way. The sessions of one round then send their next steps together, the
+    peers run them as one forward call per hop (StepRequest.batch_id), and the replies come back together for
+    the next round. Without the wait, a round would begin with the first reply and split the group, and the
+    peers' batches with it: fewer tokens per forward call, which is what makes a decode step cheaper per token.
+    Sessions not stepping (prefilling, sampling, waiting on their reader) are not waited for, and one that made
+    a round wait in vain is not waited for again until its reply arrives.
+
+    Sessions are dealt round-robin into ``lanes`` groups with rounds of their own: while one group's steps are
+    on one peer, another's can be on the next one or here, so peers on machines of their own work at the same
+    time instead of taking turns (ClientConfig.batch_lanes)."""
+
+    def __init__(self, head: Head, max_batch: int = 64, round_wait_s: float = 0.25, lanes: int = 1) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if round_wait_s < 0:
+            raise ValueError(f"round_wait_s must be >= 0, got {round_wait_s}")
+        if lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {lanes}")
         self.head = head
         self.max_batch = max_batch
+        self.round_wait_s = round_wait_s
         self.calls = 0  # batched head calls run
         self.rows = 0  # hidden states they covered; rows / calls is the mean batch size
         self.largest = 0  # largest batch seen
-        self._pending: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]] = []
-        self._running = False
+        self.waits_in_vain = 0  # rounds that waited round_wait_s and started without someone
+        self._lanes = [_Lane() for _ in range(lanes)]
+        self._dealt = 0  # lanes handed out so far
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-head")
 
-    async def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [H] (the last layer's output for one position) -> logits [V] in float32."""
+    def lane(self) -> int:
+        """The lane of a new session (round-robin)."""
+        self._dealt += 1
+        return (self._dealt - 1) % len(self._lanes)
+
+    def sent(self, member: object, lane: int = 0) -> None:
+        """``member`` sent a decode step: the next round of its lane may wait for its reply."""
+        self._lanes[lane].stepping.add(member)
+
+    def leave(self, member: object, lane: int = 0) -> None:
+        """``member`` will not ask (its step failed, or it ended): rounds stop waiting for it."""
+        state = self._lanes[lane]
+        state.stepping.discard(member)
+        state.late.discard(member)
+        self._start_if_complete(state)
+
+    async def logits(self, hidden: torch.Tensor, member: object = None, lane: int = 0) -> torch.Tensor:
+        """hidden [H] (the last layer's output for one position) -> logits [V] in float32, for ``member``."""
+        return (await self.logits_in_round(hidden, member, lane))[0]
+
+    async def logits_in_round(self, hidden: torch.Tensor, member: object = None, lane: int = 0) -> Rounded:
+        """`logits`, and (id, size) of the round that computed them: the sessions of one round send their next
+        steps together, and tell the peers so (StepRequest.batch_id)."""
         if hidden.ndim != 1:
             raise ValueError(f"hidden must be 1-D [H], got shape {tuple(hidden.shape)}")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[torch.Tensor] = loop.create_future()
-        self._pending.append((hidden, future))
-        if not self._running:
-            self._running = True
-            loop.call_soon(self._start_round)  # after this tick, so sessions stepping alongside join in
+        state = self._lanes[lane]
+        future: asyncio.Future[Rounded] = asyncio.get_running_loop().create_future()
+        state.pending.append((hidden, future))
+        state.stepping.discard(member)
+        state.late.discard(member)
+        if not state.running:
+            state.running = True
+            self._schedule(state)
+        else:
+            self._start_if_complete(state)
         return await future
 
-    def _start_round(self) -> None:
-        batch = [(h, f) for h, f in self._pending[: self.max_batch] if not f.cancelled()]
-        self._pending = self._pending[self.max_batch :]
+    def _start_if_complete(self, state: _Lane) -> None:
+        if state.timer is not None and not state.missing():
+            state.timer.cancel()
+            state.timer = None
+            asyncio.get_running_loop().call_soon(self._start_round, state)
+
+    def _schedule(self, state: _Lane) -> None:
+        """Start the lane's next round after this tick (so sessions stepping alongside join in), or once every
+        session of it stepping has its reply here, or when ``round_wait_s`` has passed."""
+        loop = asyncio.get_running_loop()
+        if self.round_wait_s > 0 and state.missing():
+            state.timer = loop.call_later(self.round_wait_s, self._waited_in_vain, state)
+        else:
+            loop.call_soon(self._start_round, state)
+
+    def _waited_in_vain(self, state: _Lane) -> None:
+        self.waits_in_vain += 1
+        state.late |= state.missing()
+        self._start_round(state)
+
+    def _start_round(self, state: _Lane) -> None:
+        state.timer = None
+        batch = [(h, f) for h, f in state.pending[: self.max_batch] if not f.cancelled()]
+        state.pending = state.pending[self.max_batch :]
         if not batch:
-            self._next_round()
+            self._next_round(state)
             return
         loop = asyncio.get_running_loop()
         done = loop.run_in_executor(self._thread, self._run, [h for h, _ in batch])
-        done.add_done_callback(lambda outcome: self._finish(batch, outcome))
+        done.add_done_callback(lambda outcome: self._finish(state, batch, outcome))
 
     def _run(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         """One [N, H] -> [N, V] call; if it fails, each row alone, so one bad row fails only its own session."""
@@ -87,7 +171,8 @@ class HeadBatcher:
 
     def _finish(
         self,
-        batch: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]],
+        state: _Lane,
+        batch: list[tuple[torch.Tensor, asyncio.Future[Rounded]]],
         outcome: asyncio.Future[list[torch.Tensor | Exception]],
     ) -> None:
         if outcome.cancelled():  # the thread was shut down under us (client closing)
@@ -99,22 +184,26 @@ class HeadBatcher:
             self.calls += 1
             self.rows += len(batch)
             self.largest = max(self.largest, len(batch))
+        round_id = secrets.token_hex(8)
         for (_, future), result in zip(batch, results, strict=True):
             if future.done():  # its session was cancelled meanwhile
                 continue
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
-                future.set_result(result)
-        self._next_round()
+                future.set_result((result, (round_id, len(batch))))
+        self._next_round(state)
 
-    def _next_round(self) -> None:
-        if self._pending:
-            asyncio.get_running_loop().call_soon(self._start_round)
+    def _next_round(self, state: _Lane) -> None:
+        if state.pending:
+            self._schedule(state)
         else:
-            self._running = False
+            state.running = False
 
     def close(self) -> None:
+        for state in self._lanes:
+            if state.timer is not None:
+                state.timer.cancel()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
@@ -160,8 +249,17 @@ class BatchedSession(InferenceSession):
             prefill_chunk_tokens,
         )
         self.batcher = batcher
+        self.lane = batcher.lane()  # the group of sessions whose rounds we share
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
         """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
-        hidden = await super().forward(new_ids)  # [H]: the head above hands it back as is
-        return await self.batcher.logits(hidden)
+        if len(new_ids) == 1:  # a decode step: the batcher's next round may wait for it
+            self.batcher.sent(self, self.lane)
+        try:
+            hidden = await super().forward(new_ids)  # [H]: the head above hands it back as is
+        except BaseException:
+            self.batcher.leave(self, self.lane)
+            raise
+        logits, (round_id, size) = await self.batcher.logits_in_round(hidden, self, self.lane)
+        self.batch = (round_id, size) if size > 1 else NO_BATCH  # our next step goes with the round's others
+        return logits

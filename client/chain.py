@@ -64,7 +64,9 @@ class RemoteChain:
         max_length_tokens: int,
         *,
         relayed: bool = False,
+        batch: tuple[str, int] = ("", 1),
     ) -> torch.Tensor:
+        """``batch``: (id, size) of the client's decode steps sent together with this one (StepRequest)."""
         first, *rest = self._hops(stages)
         request = StepRequest(
             session_id=session_id,
@@ -77,6 +79,8 @@ class RemoteChain:
             route_rest=tuple(rest),
             timeout_s=self.step_timeout_s,  # the route stops working on it when we stop waiting
             wait_result=bool(rest) and not relayed,
+            batch_id=batch[0],
+            batch_size=batch[1],
         )
         if not request.wait_result:
             reply = await call_step(

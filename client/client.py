@@ -83,9 +83,10 @@ class AsyncSwarmClient:
             reports=reports,
             rng=random.Random(config.spot_check_seed),
             timeout_s=config.step_timeout_s,
+            blocking=config.spot_check_blocking,
         )
         # the norm + LM head of concurrent generations run as one batched call per round (client.batching)
-        self.batcher = HeadBatcher(head)
+        self.batcher = HeadBatcher(head, lanes=config.batch_lanes)
         self.last_session: InferenceSession | None = None  # the latest session, for failover counts in tests
 
     @classmethod
@@ -257,6 +258,7 @@ class AsyncSwarmClient:
     async def close(self) -> None:
         """Leave the swarm: close our P2P connection to the daemon, then stop the DHT child and its p2pd."""
         self.batcher.close()
+        await self.checker.aclose()
         if isinstance(self.chain, RemoteChain):
             await self.chain.p2p.shutdown()
         if self.dht is not None:

@@ -77,8 +77,14 @@ class ClientConfig:
     spot_check_rate: float = 0.02
     """Fraction of steps after which one stage is re-run on another peer holding its layers and compared, to
     catch peers that compute wrongly (0 turns spot-checks off). See client/spot.py for the cost: a check of a
-    2-hop route costs ~5 decode steps, so 0.02 costs ~12% of one session's decode tokens/s (0.05: ~20%), and a
-    peer corrupting every output serves ~50 steps of a client (median 33) before that client drops it."""
+    2-hop route costs ~5 decode steps of the peers' time, and a peer corrupting every output serves ~50 steps
+    of a client (median 33) before that client drops it."""
+
+    spot_check_blocking: bool = False
+    """Whether a sampled step waits for its check. False: the check runs beside the session's next steps (one
+    at a time per session), which then cost the user nothing but the peers' time, and a liar it finds is
+    dropped from the step after the check ends. True: a liar is caught before the checked step's output is
+    used (tests of exact outputs with a lying peer, at rate 1.0); each check then stalls the stream."""
 
     spot_check_tokens: int = 16
     """How many of the session's newest tokens one spot-check re-runs (its cost does not grow with the session)."""
@@ -89,6 +95,12 @@ class ClientConfig:
     prefill_chunk_tokens: int = 256
     """A longer prompt is sent as chunks of about this many tokens, all at once, so the route's peers compute
     different chunks at the same time (pipelined along the tokens); 0 sends it whole."""
+
+    batch_lanes: int = 1
+    """Groups a client's concurrent generations are dealt into, each sending its decode steps together as one
+    batch per round (client.batching). One group gives the peers the largest batches; more keep more peers busy
+    at once when each peer has a machine of its own. On 2 shared cores (scripts/bench_e2e.py), 2 lanes measured
+    no gain over 1: the cores are the limit there, and smaller batches cost more per token."""
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
@@ -111,6 +123,8 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}"
             )
+        if self.batch_lanes < 1:
+            raise ValueError(f"ClientConfig.batch_lanes must be >= 1, got {self.batch_lanes}")
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 < self.cache_high_water <= 1.0:

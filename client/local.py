@@ -54,6 +54,7 @@ class LocalChain:
         max_length_tokens: int,
         *,
         relayed: bool = False,
+        batch: tuple[str, int] = ("", 1),
     ) -> torch.Tensor:
         self._steps += 1
         if self.on_step is not None:

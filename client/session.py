@@ -31,7 +31,7 @@ import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -100,6 +100,9 @@ class Failover:
     at_s: float  # time.monotonic() when the session acted
 
 
+NO_BATCH = ("", 1)  # a step sent alone
+
+
 @dataclass(frozen=True)
 class Replay:
     """One refill of the stages a failover replaced, for logs, tests and benchmarks."""
@@ -152,6 +155,9 @@ class InferenceSession:
         self.sleep = asyncio.sleep  # every pause of the failover (tests replace it to act while it waits)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # pipeline longer steps in chunks (0: never)
         self._closed = False
+        self._check: asyncio.Task[NodeID | None] | None = None  # the spot-check running beside our steps
+        # (id, size) of the decode steps of other sessions our next one is sent with (see client.batching)
+        self.batch = NO_BATCH
 
     def _avoid(self) -> frozenset[NodeID]:
         excluded = self.checker.excluded if self.checker is not None else set()
@@ -197,7 +203,13 @@ class InferenceSession:
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
         relayed, self._relay_once = self._relay_once, False
-        step = self._pipelined(self.stages, hidden, position, relayed)
+        batch, self.batch = self.batch, NO_BATCH
+        if len(ids) == 1 and not relayed and batch != NO_BATCH:
+            step = self.chain.step(
+                self.session_id, self.stages, position, hidden, self.max_length_tokens, batch=batch
+            )
+        else:
+            step = self._pipelined(self.stages, hidden, position, relayed)
         out = await self.watch.run(step, self.stages, len(ids), self.step_timeout_s)
         if out.dim() != 2 or out.shape[0] != len(ids):
             raise SwarmError(f"the route returned hidden of shape {list(out.shape)} for {len(ids)} tokens")
@@ -273,16 +285,22 @@ class InferenceSession:
         )
 
     async def _spot_check(self, token_ids: list[int]) -> None:
-        """On a sampled step, check one stage; WrongOutput if a peer of the route was found lying.
+        """WrongOutput if a peer of the route was found lying (by any check of this client); on a sampled step,
+        start a check (or, with ``checker.blocking``, run it now).
 
-        The step's output is then not used: the failover replays it on a route without that peer."""
+        The step's output is then not used: the failover replays it on a route without that peer. A check that
+        runs beside the next steps costs the user's stream nothing but the peers' time; a liar it finds is
+        caught at the step after it ends, so the tokens in between came through it, as the tokens of every
+        step that was not checked did."""
         if self.checker is None:
             return
         self.checker.steps_served.update(s.peer_id for s in self.stages)
         # a check of another session may have caught a peer of our route since it was built
         liar = next((s.peer_id for s in self.stages if s.peer_id in self.checker.excluded), None)
-        if liar is None and self.checker.due():
+        if liar is None and self.checker.blocking and self.checker.due():
             liar = await self.checker.check(self.stages, token_ids)
+        elif liar is None and (self._check is None or self._check.done()) and self.checker.due():
+            self._check = self.checker.start(self.stages, token_ids)  # one at a time per session
         if liar is not None and liar in {s.peer_id for s in self.stages}:
             error = WrongOutput(f"peer {liar} computed wrong outputs (spot-check)")
             error.failed_peer_id = liar
@@ -479,6 +497,6 @@ def join_route(kept: Route, tail: Route) -> Route | None:
     return (*kept, *tail)
 
 
-def _relayed(relayed: bool) -> dict[str, bool]:
+def _relayed(relayed: bool) -> dict[str, Any]:
     """The ``relayed`` argument of Chain.step, only when set (a chain that never relays need not take it)."""
     return {"relayed": True} if relayed else {}

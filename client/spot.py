@@ -119,7 +119,10 @@ class CheckChain(Protocol):
         max_length_tokens: int,
         *,
         relayed: bool = False,
-    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage (relayed: each hop answers its caller)
+        batch: tuple[str, int] = ("", 1),
+    ) -> torch.Tensor: ...  # hidden[T, H] after the last stage (relayed: each hop answers its caller; batch:
+
+    # (id, size) of the client's decode steps of other sessions sent with this one, StepRequest.batch_id)
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None: ...
 
@@ -166,6 +169,7 @@ class SpotChecker:
         reports: ReportSink | None = None,
         rng: random.Random | None = None,
         timeout_s: float = 30.0,
+        blocking: bool = False,
     ) -> None:
         self.chain = chain
         self.routes = routes
@@ -175,6 +179,8 @@ class SpotChecker:
         self.reports = reports or NoReports()
         self.rng = rng or random.Random()
         self.timeout_s = timeout_s
+        self.blocking = blocking  # see ClientConfig.spot_check_blocking
+        self._running: set[asyncio.Task[NodeID | None]] = set()  # checks started with `start`
         # found lying, or half of a pair avoided: no route of this client goes through them
         self.excluded: set[NodeID] = set()
         # forwarding pairs whose route answer was wrong when no substitute could tell which of the two lied
@@ -185,6 +191,30 @@ class SpotChecker:
     def due(self) -> bool:
         """Whether to check the step just taken (a fresh draw each step)."""
         return self.rate > 0 and self.rng.random() < self.rate
+
+    def start(self, stages: Sequence[Stage], token_ids: Sequence[int]) -> asyncio.Task[NodeID | None]:
+        """Run `check` beside the session's next steps. A liar it finds joins `excluded`, which every session
+        looks at after each step (InferenceSession._spot_check), so the failover starts at the next step."""
+        task = asyncio.create_task(self.check(tuple(stages), tuple(token_ids)))
+        self._running.add(task)  # a strong reference: the loop keeps only weak ones
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[NodeID | None]) -> None:
+        self._running.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # check() returns None for swarm failures
+            logger.error("spot-check failed", exc_info=task.exception())
+
+    @property
+    def running(self) -> int:
+        """Checks started with `start` and not finished."""
+        return len(self._running)
+
+    async def aclose(self) -> None:
+        """Cancel the checks still running (the client is closing)."""
+        for task in list(self._running):
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
 
     async def check(self, stages: Sequence[Stage], token_ids: Sequence[int]) -> NodeID | None:
         """Check the route on the newest tokens: one stage against another holder, then the route as forwarded

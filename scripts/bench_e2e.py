@@ -328,7 +328,10 @@ def start_swarm(swarm: LocalSwarm, args: argparse.Namespace, num_layers: int) ->
     """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
     cuts = [round(i * num_layers / args.peers) for i in range(args.peers + 1)]
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
-    fixed = ["--no-follow-plan", "--cache-tokens", "16384", *args.peer_args.split()]
+    # --no-plan: the peers hold fixed layers, so a plan changes nothing here, but the elected planner's solver
+    # process (its first solves, and a re-solve whenever load moves the measured speeds) would share this
+    # machine's two cores with the phases being measured.
+    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", *args.peer_args.split()]
     for i, layers in enumerate(ranges):
         swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
     return ranges
@@ -458,26 +461,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         contextlib.ExitStack() as stack,
     ):
         ranges = start_swarm(swarm, args, source.spec.num_layers)
-        workers = None
-        if "processes" not in args.skip:
-            # The client processes start now, alongside the peers' loading: their start (imports, head, DHT)
-            # is the longest phase on a busy machine. Until their phase they idle (DHT upkeep only).
-            count = max(args.sessions)
-            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, spot))
         swarm.wait_all_ready(timeout_s=300)
         phases["start_peers"] = time.perf_counter() - began
         log(f"peers serving {ranges} after {phases['start_peers']:.0f} s")
-        if workers is not None:
-            workers.wait_ready()
-            phases["start_clients"] = time.perf_counter() - began
-            log(f"{max(args.sessions)} client processes ready after {phases['start_clients']:.0f} s")
+        phases["settle"] = wait_quiet()
         with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
             single, one_client, during, head_stats = measure_in_client(
                 client, reference, source, ids, args, windows, phases
             )
-        mark = time.perf_counter()
-        processes = measure_processes(workers, ids, args, windows) if workers is not None else {}
-        phases["processes"] = time.perf_counter() - mark
+        processes: dict[str, float] = {}
+        if "processes" not in args.skip:
+            # Started only now: idle client processes still keep up their DHT nodes, which would slow the
+            # single-session figures above (local and swarm alike) on a 2-core machine.
+            mark = time.perf_counter()
+            count = max(args.sessions)
+            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, spot))
+            workers.wait_ready()
+            phases["start_clients"] = time.perf_counter() - mark
+            log(f"{count} client processes ready after {phases['start_clients']:.0f} s")
+            mark = time.perf_counter()
+            processes = measure_processes(workers, ids, args, windows)
+            phases["processes"] = time.perf_counter() - mark
         peer_batches = peer_batch_sizes(swarm, windows)
     return {
         "local_decode_tok_s": round(single["local"], 2),
@@ -504,6 +508,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "threads_per_process": torch.get_num_threads(),
     }
+
+
+def busy_cores(interval_s: float = 2.0) -> float | None:
+    """How many cores the whole machine kept busy over ``interval_s`` (/proc/stat; None where there is none)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait (jiffies of all cores)
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+
+
+def wait_quiet(max_s: float = 90.0, busy: float = 0.3) -> float:
+    """Wait (at most ``max_s``) until the machine is nearly idle: a just-started swarm's planner solves its
+    first plans in a process of its own, which would otherwise share the cores with the first phases. Returns
+    the seconds waited."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < max_s:
+        cores = busy_cores()
+        if cores is None or cores < busy:
+            break
+    waited = time.perf_counter() - began
+    log(f"machine quiet after {waited:.0f} s")
+    return waited
 
 
 def _targets(

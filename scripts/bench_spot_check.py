@@ -5,8 +5,10 @@ Cost: starts two `swarm-peer join` processes on 127.0.0.1 that both hold every l
 checked, and a check re-runs the whole model on both: the most a check can cost relative to a step), or with
 --hops N two holders of each of N equal stages (routes of N hops, so the route check runs too), connects
 one SwarmClient and greedily decodes --new-tokens tokens (EOS ignored) at each spot-check rate of --rates,
-interleaved, --repeats times. Decode tok/s = (new tokens - 1) / time after the first token; the median and best
-run per rate are reported, with the overhead against rate 0 and whether the tokens equal those of rate 0.
+interleaved, --repeats times, with each check blocking its step (what a check costs) and then running beside the
+next steps (the default, what the user sees). Decode tok/s = (new tokens - 1) / time after the first token; the
+median and best run per rate are reported, with the overhead against rate 0 and whether the tokens equal those
+of rate 0.
 
 Benefit: in-process (client.local, tiny model), a peer that corrupts every output sits on the route next to an
 honest holder of the same layers; over --liar-trials seeded trials at --liar-rate, how many steps it serves
@@ -59,7 +61,8 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
     ids = chat_prompt_ids(source)
     n, hops = source.spec.num_layers, args.hops
     stages = [f"{n * i // hops}:{n * (i + 1) // hops}" for i in range(hops)]
-    speeds: dict[float, list[float]] = {r: [] for r in rates}
+    speeds: dict[float, list[float]] = {r: [] for r in rates}  # checks blocking their step: a check's cost
+    background: dict[float, list[float]] = {r: [] for r in rates}  # the default: checks beside the steps
     checks: dict[float, int] = dict.fromkeys(rates, 0)
     same_tokens = True
     with (
@@ -77,12 +80,15 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
             for _ in range(args.repeats):
                 baseline: list[int] | None = None
                 for rate in rates:  # interleaved, so every rate sees the same (shared, noisy) machine
-                    checker.rate, before = rate, checker.checks_run
+                    checker.rate, checker.blocking, before = rate, True, checker.checks_run
                     speed, tokens = client.run(decode_run(client, ids, args.new_tokens))
                     speeds[rate].append(speed)
                     checks[rate] += checker.checks_run - before
+                    checker.blocking = False
+                    speed, beside = client.run(decode_run(client, ids, args.new_tokens))
+                    background[rate].append(speed)
                     baseline = tokens if baseline is None else baseline
-                    same_tokens &= tokens == baseline
+                    same_tokens &= tokens == baseline == beside
     base = statistics.median(speeds[rates[0]])
     # What one check costs, in decode steps, from the highest rate (where checks dominate the noise); the
     # overhead at the default rate r follows as r * cost / (1 + r * cost) of decode tok/s.
@@ -100,6 +106,11 @@ def measure_cost(source: ModelSource, model: str, rates: list[float], args: argp
                 "decode_tok_s_best": round(max(speeds[rate]), 2),
                 "overhead_median": round(1 - statistics.median(speeds[rate]) / base, 3),
                 "checks_per_run": round(checks[rate] / args.repeats, 1),
+                # the default (ClientConfig.spot_check_blocking False): checks run beside the next steps
+                "background_decode_tok_s_median": round(statistics.median(background[rate]), 2),
+                "background_overhead_median": round(
+                    1 - statistics.median(background[rate]) / statistics.median(background[rates[0]]), 3
+                ),
             }
             for rate in rates
         },

@@ -48,6 +48,7 @@ MAX_ROUTE_HOPS = 256
 MAX_MADDRS = 32
 MAX_TEXT_CHARS = 4096
 MAX_PROBE_BYTES = 64 * 1024**2
+MAX_BATCH_STEPS = 1024  # a client's decode steps sent together (StepRequest.batch_size)
 MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 14 fields
 # Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
 # (MAX_ROUTE_HOPS hops of MAX_MADDRS multiaddrs of 512 characters: about 4.3 MB).
@@ -138,6 +139,11 @@ class StepRequest:
     # [position, position + resend_tokens) on to ``route_rest`` as an ordinary step (swarm.peer.outputs), so a
     # failover refills only the stages it replaced. ``hidden`` is then [0, H]: on the wire, only H travels.
     resend_tokens: int = 0
+    # The client's decode steps of other sessions sent together with this one (one round of its batched head):
+    # ``batch_size`` steps in all, under ``batch_id``. A hop's executor waits a moment for the rest of them
+    # (ExecutorConfig.batch_window_s), so they run as one forward call instead of splitting by arrival.
+    batch_id: str = ""
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -478,7 +484,12 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             "model_hash": msg.model_hash,
             "route_rest": _encode_route(msg.route_rest),
             "timeout_s": msg.timeout_s,
-        } | _absent_when_unset(wait_result=msg.wait_result, origin=msg.origin)
+        } | _absent_when_unset(
+            wait_result=msg.wait_result,
+            origin=msg.origin,
+            batch_id=msg.batch_id,
+            batch_size=msg.batch_size if msg.batch_size != 1 else 0,
+        )
     if isinstance(msg, StepReply):
         return {"hidden": encode_tensor(msg.hidden), "timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepAck):
@@ -578,6 +589,8 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
         wait_result=_flag(body, "wait_result", w),
         origin=_origin(body, w),
         resend_tokens=resend,
+        batch_id=_str(body, "batch_id", w, 64) if "batch_id" in body else "",
+        batch_size=_int(body, "batch_size", w, 1, MAX_BATCH_STEPS) if "batch_size" in body else 1,
     )
 
 

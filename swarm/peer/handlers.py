@@ -32,7 +32,7 @@ from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
-from swarm.peer.executor import StepResult
+from swarm.peer.executor import Group, StepResult
 from swarm.peer.handoff import Handoff, Parked
 from swarm.peer.handover import Handovers
 from swarm.peer.state import Peer, Served, session_key
@@ -119,12 +119,14 @@ class PeerHandlers:
             key, remote_id, layers, request.position, request.max_length_tokens
         )
         step = Step(key, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
+        group = (f"{origin}/{request.batch_id}", request.batch_size) if request.batch_size > 1 else None
         if request.wait_result and not request.route_rest:  # the last hop: the client's wait computes it
-            self.handoff.park(request.session_id, request.position, Parked(served, step, deadline, received))
+            parked = Parked(served, step, deadline, received, group)
+            self.handoff.park(request.session_id, request.position, parked)
             return StepAck(
                 (_finish(HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0), received),)
             )
-        result = await self._compute(served, step)
+        result = await self._compute(served, step, group)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -153,10 +155,10 @@ class PeerHandlers:
         reply = await call_step(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
 
-    async def _compute(self, served: Served, step: Step) -> StepResult:
+    async def _compute(self, served: Served, step: Step, group: Group | None = None) -> StepResult:
         try:
             async with self.handover.step(step.session_id or ""):  # waits while the session is handed over
-                result = await self.peer.executor.forward(served.blocks, step)
+                result = await self.peer.executor.forward(served.blocks, step, group)
         finally:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:
@@ -204,7 +206,7 @@ class PeerHandlers:
                 async with asyncio.timeout(request.timeout_s):
                     parked = await self.handoff.take(request.session_id, request.position)
                     async with asyncio.timeout(max(1e-3, parked.deadline - time.perf_counter())):
-                        result = await self._compute(parked.served, parked.step)
+                        result = await self._compute(parked.served, parked.step, parked.group)
             except TimeoutError:
                 raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
         step = parked.step

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from swarm.errors import CapacityError
 from swarm.models.blocks import Step
+from swarm.peer.executor import Group
 from swarm.peer.state import Served
 
 
@@ -30,6 +31,7 @@ class Parked:
     step: Step
     deadline: float  # time.perf_counter() past which the step's sender no longer waits
     received: float  # time.perf_counter() when the step arrived, for its HopTiming
+    group: Group | None = None  # the client's decode steps sent with this one (Executor.forward)
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ other weights is refused with ModelMismatch.
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import threading
@@ -18,8 +19,9 @@ import torch
 
 from client import SwarmClient
 from swarm.errors import ModelMismatch, NoRouteError
-from swarm.models import ModelSource
+from swarm.models import ModelSource, SamplingParams
 from swarm.testing import REPO, LocalSwarm
+from swarm.testing.reference import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +119,25 @@ def test_two_clients_generate_concurrently(
             t.join(timeout=150)
     assert not errors, errors
     assert results == {"one": expected_answer, "two": alone[1]}
+
+
+@pytest.mark.timeout(300)
+def test_one_client_generating_many_at_once_sends_their_steps_together_and_stays_exact(
+    client: SwarmClient, default_source: ModelSource
+) -> None:
+    """Five generations at once in one client: each round's decode steps go out together (the peers batch
+    them as one forward call per hop, StepRequest.batch_id); every row is still local transformers' answer."""
+    rng = random.Random(7)
+    rows = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    new_tokens = 12
+    head = client.aclient.batcher
+    calls, rows_before = head.calls, head.rows
+    got = client.generate_ids_batch(rows, new_tokens, SamplingParams())
+    model, eos = default_source.load_reference_model(), client.aclient.eos_ids
+    for prompt, tokens in zip(rows, got, strict=True):
+        want = greedy_tokens(model, prompt, new_tokens)
+        assert tokens == want[: len(tokens)] and (len(tokens) == new_tokens or want[len(tokens)] in eos)
+    assert (head.rows - rows_before) / (head.calls - calls) > 2, "rounds should batch the sessions"
 
 
 # The README's example, verbatim but for the multiaddr (the lead pastes it into README.md).

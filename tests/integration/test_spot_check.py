@@ -65,7 +65,12 @@ def test_a_lying_peer_is_caught_and_excluded_and_greedy_output_stays_exact(
     liar = NodeID(next(p.peer_id for p in swarm.peers if p.name == "liar"))
     reports = Reports()
     with SwarmClient(
-        swarm.initial_peers, model="tiny:0", reports=reports, spot_check_rate=1.0, spot_check_seed=0
+        swarm.initial_peers,
+        model="tiny:0",
+        reports=reports,
+        spot_check_rate=1.0,
+        spot_check_blocking=True,
+        spot_check_seed=0,
     ) as client:
         checker = client.aclient.checker
         # The router may pick either holder first (and a liar met as the checker is caught too, see
@@ -92,7 +97,9 @@ def test_a_lying_peer_is_caught_and_excluded_and_greedy_output_stays_exact(
 def test_a_caught_liar_is_reported_in_the_dht_under_the_clients_key(swarm: LocalSwarm) -> None:
     """With no sink given, the client publishes a signed report that every reader of the swarm sees."""
     liar = NodeID(next(p.peer_id for p in swarm.peers if p.name == "liar"))
-    with SwarmClient(swarm.initial_peers, model="tiny:0", spot_check_rate=1.0, spot_check_seed=1) as client:
+    with SwarmClient(
+        swarm.initial_peers, model="tiny:0", spot_check_rate=1.0, spot_check_blocking=True, spot_check_seed=1
+    ) as client:
         client.run(_through(client.aclient, liar))
         assert client.aclient.checker.excluded == {liar}
         reporter = client.aclient.dht.peer_id if client.aclient.dht is not None else None

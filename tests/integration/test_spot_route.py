@@ -64,7 +64,12 @@ def test_a_hop_that_skips_the_rest_of_its_route_is_caught_and_excluded_and_outpu
     route = (Stage(skipper, LayerRange(0, 3)), Stage(tail, LayerRange(3, 6)))
     reports = Reports()
     with SwarmClient(
-        swarm.initial_peers, model="tiny:0", reports=reports, spot_check_rate=1.0, spot_check_seed=0
+        swarm.initial_peers,
+        model="tiny:0",
+        reports=reports,
+        spot_check_rate=1.0,
+        spot_check_blocking=True,
+        spot_check_seed=0,
     ) as client:
         checker = client.aclient.checker
         assert client.run(_through(client.aclient, route)) == expected

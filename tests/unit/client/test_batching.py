@@ -119,3 +119,74 @@ def test_hidden_must_be_one_position(tiny_source: ModelSource) -> None:
     with pytest.raises(ValueError, match="1-D"):
         asyncio.run(batcher.logits(torch.randn(2, tiny_source.spec.hidden_size)))
     batcher.close()
+
+
+def test_a_round_waits_for_the_sessions_stepping_and_gives_them_one_round_id(
+    tiny_source: ModelSource,
+) -> None:
+    """Two sessions stepping: the first reply waits (the wait is long, so not by timing) for the second, they
+    share one head call and one round id; a session that is not stepping is not waited for."""
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head, round_wait_s=600.0)
+    size = tiny_source.spec.hidden_size
+    a, b, lone = object(), object(), object()
+
+    async def scenario() -> None:
+        batcher.sent(a)
+        batcher.sent(b)
+        first = asyncio.ensure_future(batcher.logits_in_round(torch.randn(size), a))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not first.done() and head.batch_rows == []
+        (_, round_b), (_, round_a) = await batcher.logits_in_round(torch.randn(size), b), await first
+        assert round_a == round_b and round_a[1] == 2
+        async with asyncio.timeout(30):  # nobody is stepping now: no wait (the wait is 600 s)
+            _, alone = await batcher.logits_in_round(torch.randn(size), lone)
+        assert alone[1] == 1 and alone[0] != round_a[0]
+
+    asyncio.run(scenario())
+    assert head.batch_rows == [2, 1]
+    batcher.close()
+
+
+def test_a_round_stops_waiting_for_a_session_that_left_or_waited_in_vain(tiny_source: ModelSource) -> None:
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head, round_wait_s=0.01)
+    size = tiny_source.spec.hidden_size
+    a, failed, slow = object(), object(), object()
+
+    async def scenario() -> None:
+        for member in (a, failed, slow):
+            batcher.sent(member)
+        first = asyncio.ensure_future(batcher.logits(torch.randn(size), a))
+        await asyncio.sleep(0)
+        batcher.leave(failed)  # its step failed: no reply will come
+        await first  # `slow` never answers: the round starts when the wait runs out
+        assert batcher.waits_in_vain == 1
+        batcher.sent(a)
+        await batcher.logits(torch.randn(size), a)  # `slow` is still stepping, but is no longer waited for
+        assert batcher.waits_in_vain == 1
+
+    asyncio.run(scenario())
+    assert head.batch_rows == [1, 1]
+    batcher.close()
+
+
+def test_sessions_of_another_lane_are_not_waited_for(tiny_source: ModelSource) -> None:
+    head = CountingHead(tiny_source.load_head())
+    batcher = HeadBatcher(head, round_wait_s=600.0, lanes=2)
+    size = tiny_source.spec.hidden_size
+    a, b = object(), object()
+    lane_a, lane_b = batcher.lane(), batcher.lane()
+    assert lane_a != lane_b
+
+    async def scenario() -> None:
+        batcher.sent(a, lane_a)
+        batcher.sent(b, lane_b)
+        async with asyncio.timeout(30):  # b steps in the other lane: a's round does not wait for it
+            await batcher.logits(torch.randn(size), a, lane_a)
+        await batcher.logits(torch.randn(size), b, lane_b)
+
+    asyncio.run(scenario())
+    assert head.batch_rows == [1, 1]
+    batcher.close()

@@ -144,7 +144,9 @@ def test_a_liar_caught_mid_session_gets_every_stage_after_it_refilled(
 ) -> None:
     """The stages after a liar computed from its outputs, so the failover refills them too (not only its
     replacement); the stage before it resends, and keeps its cache."""
-    client, chain = make_client(tiny_source, {**TINY_SPLIT, "b2": (2, 4)}, spot_check_tokens=4)
+    client, chain = make_client(
+        tiny_source, {**TINY_SPLIT, "b2": (2, 4)}, spot_check_tokens=4, spot_check_blocking=True
+    )
     liar: list[NodeID] = []
 
     def start_lying(count: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -66,10 +66,17 @@ def expected(tiny_source: ModelSource) -> list[int]:
 
 
 def make_client(
-    source: ModelSource, ranges: dict[str, tuple[int, int]], rate: float, seed: int = 0
+    source: ModelSource, ranges: dict[str, tuple[int, int]], rate: float, seed: int = 0, blocking: bool = True
 ) -> tuple[AsyncSwarmClient, LocalChain, Reports]:
+    """Checks block their step unless ``blocking`` is False (the default of real clients)."""
     blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
-    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=rate, spot_check_seed=seed, spot_check_tokens=4)
+    config = ClientConfig(
+        retry_delay_s=0.0,
+        spot_check_rate=rate,
+        spot_check_seed=seed,
+        spot_check_tokens=4,
+        spot_check_blocking=blocking,
+    )
     reports = Reports()
     client = in_process_client(source.load_head(), blocks, None, config, reports=reports)
     assert isinstance(client.chain, LocalChain)
@@ -106,6 +113,58 @@ def test_a_lying_peer_is_caught_excluded_and_reported_and_greedy_output_stays_ex
     client.routes.bans.succeeded(NodeID("b"))
     assert generate(client, 3) == expected[:3]
     assert client.checker.steps_served["b"] == 1
+
+
+def test_background_checks_pass_honest_peers_one_at_a_time_and_outputs_stay_exact(
+    tiny_source: ModelSource, expected: list[int]
+) -> None:
+    client, _, reports = make_client(tiny_source, SPLIT, rate=1.0, blocking=False)
+    assert generate(client) == expected
+    assert 1 <= client.checker.checks_run <= 10
+    assert not client.checker.excluded and not reports.sent and client.checker.running == 0
+    session = client.last_session
+    assert session is not None and session.failovers == 0
+
+
+def test_a_session_goes_on_stepping_while_its_one_check_runs(
+    tiny_source: ModelSource, expected: list[int]
+) -> None:
+    client, _, _ = make_client(tiny_source, SPLIT, rate=1.0, blocking=False)
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def held_check(stages: object, token_ids: Sequence[int]) -> None:
+        started.append(len(token_ids))
+        await release.wait()
+
+    client.checker.check = held_check  # type: ignore[method-assign,assignment]
+
+    async def run() -> list[int]:
+        async with asyncio.timeout(60):  # a check that blocked its step would never end
+            out = await client.generate_ids(PROMPT_IDS, 10, SamplingParams())
+        assert client.checker.running == 1  # every step was due; only the first started one
+        release.set()
+        await client.checker.aclose()
+        return out
+
+    assert asyncio.run(run()) == expected
+    assert started == [len(PROMPT_IDS)]
+
+
+def test_a_background_check_drops_a_liar_from_the_next_step_and_later_sessions_are_exact(
+    tiny_source: ModelSource, expected: list[int]
+) -> None:
+    client, chain, reports = make_client(tiny_source, SPLIT, rate=1.0, blocking=False)
+    chain.faulty[NodeID("b")] = OutputFaults(1.0, seed=1)
+    generate(client)  # its first tokens came through the liar while the check ran
+    assert client.checker.excluded == {"b"}
+    assert [(p, layers) for p, layers, _ in reports.sent] == [("b", LayerRange(2, 4))]
+    session = client.last_session
+    assert session is not None and session.failovers >= 1
+    assert [s.peer_id for s in session.stages] == ["a", "b2", "c"]
+    served = client.checker.steps_served["b"]
+    assert generate(client) == expected
+    assert client.checker.steps_served["b"] == served
 
 
 def test_at_a_low_rate_a_lying_peer_is_caught_within_a_few_steps(tiny_source: ModelSource) -> None:

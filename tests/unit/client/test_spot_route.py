@@ -51,6 +51,7 @@ class RouteLiars(LocalChain):
         max_length_tokens: int,
         *,
         relayed: bool = False,
+        batch: tuple[str, int] = ("", 1),
     ) -> torch.Tensor:
         for i, stage in enumerate(stages):
             hidden = await super().step(session_id, [stage], position, hidden, max_length_tokens)
@@ -68,7 +69,12 @@ def make_client(
     blocks = {NodeID(p): source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
     chain = RouteLiars(blocks)  # type: ignore[arg-type]
     config = ClientConfig(
-        retry_delay_s=0.0, spot_check_rate=1.0, spot_check_seed=0, spot_check_tokens=4, route_wait_s=0.0
+        retry_delay_s=0.0,
+        spot_check_rate=1.0,
+        spot_check_blocking=True,
+        spot_check_seed=0,
+        spot_check_tokens=4,
+        route_wait_s=0.0,
     )
     reports = Reports()
     routes = LocalRoutes(chain, source.spec.num_layers)

@@ -257,3 +257,59 @@ def test_a_prefill_runs_in_small_chunks_only_while_other_sessions_decode(blocks:
         return jobs
 
     assert asyncio.run(_with_executor(executor, body)) == [2, 5, 2]
+
+
+def test_a_decode_step_waits_for_the_sessions_of_its_last_batch_and_runs_with_them(
+    blocks: BlockRange,
+) -> None:
+    """Two sessions batched once; the next step of one arrives alone at an idle executor. It waits (the window
+    is long here, so this cannot pass by timing) until its mate's step is queued, and they run as one batch; a
+    session never batched with anyone does not wait at all."""
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0))
+
+    async def body() -> None:
+        for sid in ("a", "b", "lone"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        await asyncio.gather(
+            *(executor.forward(blocks, Step(s, _hidden(blocks, 1, i), 0, 2, 0)) for i, s in enumerate("ab"))
+        )
+        before = executor.batches_run
+        first = asyncio.create_task(executor.forward(blocks, Step("a", _hidden(blocks, 1, 5), 0, 2, 1)))
+        for _ in range(20):  # let the executor take "a" and start waiting for "b"
+            await asyncio.sleep(0)
+        assert not first.done() and executor.batches_run == before
+        await executor.forward(blocks, Step("b", _hidden(blocks, 1, 6), 0, 2, 1))
+        await first
+        assert executor.batches_run - before == 1, "a and b should have run as one batch"
+        async with asyncio.timeout(30):  # nobody to wait for: it runs at once (the window is 600 s)
+            await executor.forward(blocks, Step("lone", _hidden(blocks, 1, 7), 0, 2, 0))
+
+    asyncio.run(_with_executor(executor, body))
+
+
+def test_decode_steps_a_client_sent_together_wait_for_each_other_and_run_as_one_batch(
+    blocks: BlockRange,
+) -> None:
+    """Three steps of one group (never batched here before): the first two wait (long window, so not by
+    timing) until the third is queued; a step of another group of one does not wait."""
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0))
+    group = ("client/round1", 3)
+
+    async def body() -> None:
+        for sid in ("ga", "gb", "gc", "gd"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        before = executor.batches_run
+        early = [
+            asyncio.create_task(executor.forward(blocks, Step(s, _hidden(blocks, 1, i), 0, 2, 0), group))
+            for i, s in enumerate(("ga", "gb"))
+        ]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in early) and executor.batches_run == before
+        await executor.forward(blocks, Step("gc", _hidden(blocks, 1, 3), 0, 2, 0), group)
+        await asyncio.gather(*early)
+        assert executor.batches_run - before == 1, "the group should have run as one batch"
+        async with asyncio.timeout(30):  # a group of one expects nobody (the window is 600 s)
+            await executor.forward(blocks, Step("gd", _hidden(blocks, 1, 4), 0, 2, 0), ("client/round2", 1))
+
+    asyncio.run(_with_executor(executor, body))
