@@ -82,15 +82,20 @@ class ExecutorConfig:
     # rest would wait a whole forward call for it. Waiting a little for them keeps the batch whole, and fewer,
     # bigger forward calls cost less per token (batch of 8 decode steps ~1.6x one step).
     batch_window_s: float = setting(
-        0.01,
-        "a decode step waits at most this long for the steps it expects (its group, its last batch mates)",
+        0.01, "a decode step waits at most this long for the sessions of its last batch here (0: never)"
+    )
+    # A client sends its sessions' steps of one round one after another, ~1 ms apart: 16 of them take longer
+    # than batch_window_s to arrive, and they are known to come (StepRequest.batch_size).
+    group_window_s: float = setting(
+        0.05,
+        "a decode step waits at most this long for the rest of the steps its client sent with it (0: never)",
     )
 
     def __post_init__(self) -> None:
         positive(self, "queue_jobs", "max_batch", "max_batch_tokens", "prefill_chunk_tokens")
         positive(self, "busy_chunk_tokens", "decode_recent_s")
-        if self.batch_window_s < 0:
-            raise ValueError(f"batch_window_s must be >= 0, got {self.batch_window_s}")
+        if self.batch_window_s < 0 or self.group_window_s < 0:
+            raise ValueError("batch_window_s and group_window_s must be >= 0")
 
 
 @dataclass(frozen=True)

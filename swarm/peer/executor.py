@@ -217,7 +217,7 @@ class Executor:
                 if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
                     continue
                 batch = self._take_batch(first)
-                if self.config.batch_window_s > 0:
+                if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
                     batch = await self._wait_for_mates(batch)
                 await self._execute(loop, batch)
                 self._stepped.set()
@@ -230,14 +230,20 @@ class Executor:
 
     async def _wait_for_mates(self, batch: list[_Job]) -> list[_Job]:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent
-        together by their client), and the sessions its sessions were last batched with here. It waits at most
-        ``batch_window_s`` for them, taking whatever else arrives meanwhile. A client naming a group bigger
-        than it sends delays only the steps batched with its own, by the window at most."""
+        together by their client, for at most ``group_window_s``), and the sessions its sessions were last
+        batched with here (at most ``batch_window_s``), taking whatever else arrives meanwhile. A client naming a
+        group bigger than it sends delays only the steps batched with its own, by the window at most."""
         if any(job.step is None or job.tokens != 1 for job in batch):
             return batch  # prefill chunks and plain calls never wait
-        deadline = time.monotonic() + self.config.batch_window_s
-        while len(batch) < self.config.max_batch and (left := deadline - time.monotonic()) > 0:
-            if not self._expects_more(batch):
+        started = time.monotonic()
+        while len(batch) < self.config.max_batch:
+            # a group's steps are known to come; a past batch's mates only may
+            expected = self._group_incomplete(batch) or self._mates_missing(batch)
+            window = (
+                self.config.group_window_s if self._group_incomplete(batch) else self.config.batch_window_s
+            )
+            left = started + window - time.monotonic()
+            if not expected or left <= 0:
                 break
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
@@ -246,10 +252,12 @@ class Executor:
             batch = self._take_batch(batch[0], batch[1:])
         return batch
 
-    def _expects_more(self, batch: list[_Job]) -> bool:
+    def _mates_missing(self, batch: list[_Job]) -> bool:
         present = {job.session_id for job in batch}
-        if set().union(*(self._mates.get(sid or "", frozenset()) for sid in present)) - present:
-            return True
+        return bool(set().union(*(self._mates.get(sid or "", frozenset()) for sid in present)) - present)
+
+    @staticmethod
+    def _group_incomplete(batch: list[_Job]) -> bool:
         groups = Counter(job.group for job in batch if job.group is not None)
         return any(count < size for (_, size), count in groups.items())
 

@@ -265,7 +265,7 @@ def test_a_decode_step_waits_for_the_sessions_of_its_last_batch_and_runs_with_th
     """Two sessions batched once; the next step of one arrives alone at an idle executor. It waits (the window
     is long here, so this cannot pass by timing) until its mate's step is queued, and they run as one batch; a
     session never batched with anyone does not wait at all."""
-    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0))
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0))
 
     async def body() -> None:
         for sid in ("a", "b", "lone"):
@@ -292,7 +292,7 @@ def test_decode_steps_a_client_sent_together_wait_for_each_other_and_run_as_one_
 ) -> None:
     """Three steps of one group (never batched here before): the first two wait (long window, so not by
     timing) until the third is queued; a step of another group of one does not wait."""
-    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0))
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=0.0, group_window_s=600.0))
     group = ("client/round1", 3)
 
     async def body() -> None:
