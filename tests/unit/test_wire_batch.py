@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 import torch
 
-from swarm import PROTOCOL_VERSION
 from swarm.errors import ProtocolError
 from swarm.wire import MAX_BATCH_STEPS, StepRequest, decode_request, encode_request
+from tests.unit.test_wire_resend import _body, _decode
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,16 +24,6 @@ def _step(**overrides: object) -> StepRequest:
     )
     fields.update(overrides)
     return StepRequest(**fields)  # type: ignore[arg-type]
-
-
-def _body(request: StepRequest) -> dict[str, object]:
-    version, kind, body = msgpack.unpackb(encode_request(request), raw=False)
-    assert (version, kind) == (PROTOCOL_VERSION, "step")
-    return body  # type: ignore[no-any-return]
-
-
-def _decode(body: dict[str, object]) -> object:
-    return decode_request(msgpack.packb([PROTOCOL_VERSION, "step", body], use_bin_type=True))
 
 
 def test_batch_fields_round_trip() -> None:
