@@ -214,6 +214,10 @@ class _LastHidden:
     def __init__(self, head: Head) -> None:
         self.head = head
 
+    @property
+    def hidden_size(self) -> int:
+        return self.head.hidden_size
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.embed(ids)
 

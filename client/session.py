@@ -50,6 +50,9 @@ ROUTE_WAIT_LOG_S = 5.0  # while waiting for a route, log progress this often
 class Head(Protocol):
     """The client-side ends of the model: token embeddings and the final norm + LM head."""
 
+    @property
+    def hidden_size(self) -> int: ...  # H
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # ids[T] -> hidden[T, H]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # hidden[T, H] -> logits[T, V]
@@ -275,7 +278,7 @@ class InferenceSession:
 
     async def _resend(self, stages: Route, tokens: int) -> None:
         """``stages[0]`` resends its outputs [0, tokens) through ``stages[1:]`` (chunked like a prompt)."""
-        hidden_size = int(self.head.embed(torch.tensor([], dtype=torch.long)).shape[-1])
+        hidden_size = self.head.hidden_size
 
         async def send(start: int, size: int) -> None:
             await self.chain.resend(self.session_id, stages, start, size, hidden_size, self.max_length_tokens)

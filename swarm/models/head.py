@@ -29,6 +29,10 @@ class ClientHead:
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
 
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] (int64) -> hidden [T, H] in the head's dtype."""

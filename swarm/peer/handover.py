@@ -109,8 +109,9 @@ class Handovers:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
-            async with self._idle:
-                self._idle.notify_all()
+                if key in self._frozen:  # only a hand-over waits for a session's steps to end (rare)
+                    async with self._idle:
+                        self._idle.notify_all()
 
     async def hand_over_all(self, ranges: Iterable[Served], records: dict[str, PeerRecord]) -> int:
         """Hand every session of ``ranges`` to a successor; how many moved (the others stay, unchanged)."""

@@ -28,6 +28,10 @@ class CountingHead:
         self.head = head
         self.batch_rows: list[int] = []
 
+    @property
+    def hidden_size(self) -> int:
+        return self.head.hidden_size
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.embed(ids)
 
