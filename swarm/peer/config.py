@@ -62,19 +62,26 @@ class ExecutorConfig:
     queue_jobs: int = setting(256, "jobs waiting for the torch thread; past this, requests get CapacityError")
     max_batch: int = setting(16, "most steps (of different sessions) fused into one forward call")
     max_batch_tokens: int = setting(
-        288, "most tokens in one forward call: decode steps join a prefill chunk while they fit"
+        288, "most tokens in one forward call (prefill chunks of different sessions share one while they fit)"
     )
     prefill_chunk_tokens: int = setting(
         256, "a longer prefill runs in chunks of this many tokens; other sessions' steps run between them"
     )
-    # A decode step that arrives while a chunk runs waits for it, then rides along with the next one: its
-    # latency grows by about two chunks per peer of its route. Small chunks keep that low while others decode;
-    # big ones waste less per-call overhead when nobody does (scripts/bench_prefill.py measures both).
+    # Decode steps run on their own thread, but on one GPU their kernels still queue behind a running chunk's,
+    # and a chunk holds its session and the peer's session calls (open, move) until it ends. Small chunks keep
+    # that wait short while others decode; big ones waste less per-call overhead when nobody does
+    # (scripts/bench_prefill.py measures both).
     busy_chunk_tokens: int = setting(
         32, "prefill chunk size while other sessions decode here (at most prefill_chunk_tokens)"
     )
     decode_recent_s: float = setting(
         2.0, "other sessions count as decoding for this long after their last one-token step here"
+    )
+    # Prefill chunks run on a second torch thread at a lower OS priority than decode steps: on a machine with
+    # fewer cores than busy torch threads (every peer of a pipelined prompt computes at once), the scheduler
+    # then gives a decode step the core at once instead of a share of it behind the chunks.
+    prefill_nice: int = setting(
+        10, "OS niceness (0-19) of the thread that runs prefill chunks, above the decode thread's"
     )
 
     # Sessions batched together here tend to come back together (the client answers their tokens in one
@@ -96,6 +103,8 @@ class ExecutorConfig:
         positive(self, "busy_chunk_tokens", "decode_recent_s")
         if self.batch_window_s < 0 or self.group_window_s < 0:
             raise ValueError("batch_window_s and group_window_s must be >= 0")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be within 0-19, got {self.prefill_nice}")
 
 
 @dataclass(frozen=True)

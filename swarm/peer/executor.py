@@ -1,11 +1,14 @@
-"""The one thread per device that runs torch, fed by a bounded queue, batching concurrent decode steps.
+"""The two threads per device that run torch, fed by bounded queues, batching concurrent decode steps.
 
 The event loop never runs torch: the peer submits jobs and awaits their futures. A step names the BlockRange it
-runs on (a peer serves one range, or two while it moves). ``run()`` takes the oldest job and gathers the queued
-steps of *other* sessions on the *same* BlockRange into one ``BlockRange.forward`` call, within a budget of
-steps and tokens: continuous batching at step granularity, decode steps riding along with a prefill chunk
-(Sarathi's chunked prefill; prefill is compute-bound, decode latency-bound). A long prefill runs as chunks,
-small ones while other sessions decode here. A full queue is a CapacityError at once, not an unbounded backlog.
+runs on (a peer serves one range, or two while it moves). Each thread serves its own lane: one-token (decode)
+steps and plain calls on one, prefill chunks on the other, at a lower OS priority (``prefill_nice``). Prefill
+is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
+computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
+behind the chunks. A long prefill runs as chunks, small ones while other sessions decode here (on a GPU the
+decode kernels still queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of
+*other* sessions on the *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and
+tokens: continuous batching at step granularity. A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment (``batch_window_s``) for the steps it expects: the rest of a group a
 client sent together (its sessions of one round, StepRequest.batch_id), and the sessions it ran with last time
@@ -13,8 +16,9 @@ here. Steps arrive a few milliseconds apart, and an idle executor would otherwis
 split the group for every later hop: on a CPU, where a decode step's cost is reading the weights, a forward
 call of 8 decode steps costs about 1.6 of one.
 
-Opening and closing sessions also go through the queue (``call``), so a KV cache is only ever touched on the
-executor thread; the BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
+KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
+lane they run on. The BlockRange's own admission check (free cache tokens) turns into a CapacityError.
 
 Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt
 as consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the
@@ -29,9 +33,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -73,8 +79,25 @@ class _Job:
         return self.step.hidden.shape[0] if self.step is not None else 0
 
 
+@dataclass
+class _Lane:
+    """One torch thread and the queue of jobs it serves."""
+
+    queue: asyncio.Queue[_Job]
+    thread: ThreadPoolExecutor
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the calling thread ``nice`` steps nicer than it is (Linux sets niceness per thread)."""
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: prefill just competes as an equal
+        logger.info("prefill thread keeps its priority (%s)", e)
+
+
 class Executor:
-    """Runs torch work on one worker thread. Start ``run()`` in the owner's TaskGroup before submitting."""
+    """Runs torch work on two worker threads (decode, prefill). Start ``run()`` in the owner's TaskGroup first."""
 
     def __init__(
         self,
@@ -85,8 +108,21 @@ class Executor:
         self.config = config or ExecutorConfig()
         self.clock = clock  # only tells whether others decode now (_chunk_tokens); inject one in tests
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue(self.config.queue_jobs)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._decode = _Lane(
+            asyncio.Queue(self.config.queue_jobs), ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        )
+        prefill_thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"{name}-prefill",
+            initializer=_lower_priority,
+            initargs=(self.config.prefill_nice,),
+        )
+        self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)
+        # held while a prefill chunk or a plain call runs: calls (open, close, moves) change caches and ranges
+        self._calls_apart = asyncio.Lock()
+        self._turns: dict[
+            str, tuple[asyncio.Lock, int]
+        ] = {}  # session -> (its lock, steps holding or waiting)
         self.batches_run = 0
         self.steps_run = 0
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
@@ -98,11 +134,12 @@ class Executor:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return self._decode.queue.qsize() + self._prefill.queue.qsize()
 
     def _submit(self, job: _Job) -> asyncio.Future[Any]:
+        lane = self._prefill if job.tokens > 1 else self._decode
         try:
-            self._queue.put_nowait(job)
+            lane.queue.put_nowait(job)
         except asyncio.QueueFull:
             raise CapacityError(f"peer is busy: {self.config.queue_jobs} requests already queued") from None
         self._arrived.set()
@@ -124,9 +161,13 @@ class Executor:
         that failed for being busy would leak the very memory that makes the peer busy. The one worker thread
         still keeps it from racing a forward.
         """
+        await asyncio.shield(self._release(fn))
+
+    async def _release(self, fn: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.shield(loop.run_in_executor(self._thread, fn))
+            async with self._calls_apart:
+                await loop.run_in_executor(self._decode.thread, fn)
         except RuntimeError:  # shut down: the caches it would free are gone with the thread
             logger.debug("executor shut down; nothing to release")
 
@@ -205,30 +246,60 @@ class Executor:
 
     async def _forward_job(self, blocks: BlockRange, step: Step, group: Group | None = None) -> StepResult:
         loop = asyncio.get_running_loop()
-        result: StepResult = await self._submit(_Job(None, step, blocks, loop.create_future(), group))
+        async with self._turn(step.session_id):
+            result: StepResult = await self._submit(_Job(None, step, blocks, loop.create_future(), group))
         return result
 
-    async def run(self) -> None:
-        """Serve the queue until cancelled; jobs still queued then fail with CapacityError."""
-        loop = asyncio.get_running_loop()
+    @contextlib.asynccontextmanager
+    async def _turn(self, session_id: str | None) -> AsyncIterator[None]:
+        """One job of a session at a time, across both lanes: a replayed prefill must not rewrite a cache that
+        a stale decode step of the same session is appending to on the other thread."""
+        if session_id is None:
+            yield
+            return
+        lock, users = self._turns.get(session_id) or (asyncio.Lock(), 0)
+        self._turns[session_id] = (lock, users + 1)
         try:
-            while True:
-                first = await self._queue.get()
-                if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
-                    continue
-                batch = self._take_batch(first)
-                if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
-                    batch = await self._wait_for_mates(batch)
-                await self._execute(loop, batch)
-                self._stepped.set()
+            async with lock:
+                yield
         finally:
-            while not self._queue.empty():
-                job = self._queue.get_nowait()
-                if not job.future.done():
-                    job.future.set_exception(CapacityError("peer is shutting down"))
-            self._thread.shutdown(wait=False, cancel_futures=True)
+            lock, users = self._turns[session_id]
+            if users == 1:
+                del self._turns[session_id]
+            else:
+                self._turns[session_id] = (lock, users - 1)
 
-    async def _wait_for_mates(self, batch: list[_Job]) -> list[_Job]:
+    async def run(self) -> None:
+        """Serve both lanes until cancelled; jobs still queued then fail with CapacityError."""
+        try:
+            async with asyncio.TaskGroup() as lanes:
+                lanes.create_task(self._serve(self._decode))
+                lanes.create_task(self._serve(self._prefill))
+        finally:
+            for lane in (self._decode, self._prefill):
+                while not lane.queue.empty():
+                    job = lane.queue.get_nowait()
+                    if not job.future.done():
+                        job.future.set_exception(CapacityError("peer is shutting down"))
+                lane.thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _serve(self, lane: _Lane) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await lane.queue.get()
+            if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
+                continue
+            batch = self._take_batch(lane, first)
+            if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
+                batch = await self._wait_for_mates(lane, batch)
+            if lane is self._decode and batch[0].step is not None:
+                await self._execute(loop, lane, batch)
+            else:
+                async with self._calls_apart:
+                    await self._execute(loop, lane, batch)
+            self._stepped.set()
+
+    async def _wait_for_mates(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent
         together by their client, for at most ``group_window_s``), and the sessions its sessions were last
         batched with here (at most ``batch_window_s``), taking whatever else arrives meanwhile. A client naming a
@@ -249,7 +320,7 @@ class Executor:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self._arrived.wait()
-            batch = self._take_batch(batch[0], batch[1:])
+            batch = self._take_batch(lane, batch[0], batch[1:])
         return batch
 
     def _mates_missing(self, batch: list[_Job]) -> bool:
@@ -269,7 +340,7 @@ class Executor:
         while len(self._mates) > _MAX_FAILED_SESSIONS:  # forget the oldest: ended sessions never come back
             self._mates.popitem(last=False)
 
-    def _take_batch(self, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
+    def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
         blocks (decode steps and prefill chunks alike) within ``max_batch`` steps and ``max_batch_tokens``
         tokens; the rest of the queue keeps its order, and no step is taken past an earlier one of its own
@@ -280,8 +351,8 @@ class Executor:
         tokens = sum(job.tokens for job in batch)
         # in the batch, or skipped: later steps of theirs must not overtake
         sessions = {job.session_id for job in batch}
-        while not self._queue.empty():
-            job = self._queue.get_nowait()
+        while not lane.queue.empty():
+            job = lane.queue.get_nowait()
             if job.future.cancelled():
                 continue
             sid = job.session_id
@@ -294,19 +365,19 @@ class Executor:
             if sid is not None:
                 sessions.add(sid)
         for job in kept:  # put back what we skipped, in order (the queue had room for them a moment ago)
-            self._queue.put_nowait(job)
+            lane.queue.put_nowait(job)
         return batch
 
-    async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
+    async def _execute(self, loop: asyncio.AbstractEventLoop, lane: _Lane, jobs: list[_Job]) -> None:
         started = time.perf_counter()
         if jobs[0].call is not None:
-            await self._call(loop, jobs[0], jobs[0].call)
+            await self._call(loop, lane, jobs[0], jobs[0].call)
             return
         steps = [job.step for job in jobs if job.step is not None]
         blocks = jobs[0].blocks
         assert blocks is not None  # a step job always names its blocks
         try:
-            outputs = await loop.run_in_executor(self._thread, blocks.forward, steps)
+            outputs = await loop.run_in_executor(lane.thread, blocks.forward, steps)
         except Exception as e:
             if len(jobs) == 1:
                 if not isinstance(e, SwarmError):
@@ -316,7 +387,7 @@ class Executor:
             # One bad step must not fail its batch-mates: run each alone to find whose it was.
             logger.info("batched forward of %d steps failed (%s); retrying one by one", len(jobs), e)
             for job in jobs:
-                await self._execute(loop, [job])
+                await self._execute(loop, lane, [job])
             return
         compute_s = time.perf_counter() - started
         self._remember_mates(jobs)
@@ -326,9 +397,11 @@ class Executor:
             if not job.future.done():
                 job.future.set_result(StepResult(hidden, started - job.submitted, compute_s))
 
-    async def _call(self, loop: asyncio.AbstractEventLoop, job: _Job, call: Callable[[], Any]) -> None:
+    async def _call(
+        self, loop: asyncio.AbstractEventLoop, lane: _Lane, job: _Job, call: Callable[[], Any]
+    ) -> None:
         try:
-            result = await loop.run_in_executor(self._thread, call)
+            result = await loop.run_in_executor(lane.thread, call)
         except SwarmError as e:
             _fail(job, e)
             return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 import torch
@@ -193,37 +195,37 @@ def test_a_job_whose_caller_gave_up_while_queued_is_skipped(blocks: BlockRange) 
     assert ran == ["kept"]
 
 
-def test_decode_steps_ride_along_a_prefill_chunk_within_the_token_budget(blocks: BlockRange) -> None:
-    """A prefill chunk of 8 tokens and three decode steps queued together: with a budget of 10 tokens the
-    chunk and two decodes share one forward call, the third decode runs next; every output equals its step
-    run alone."""
-    executor = Executor(ExecutorConfig(max_batch_tokens=10))
-    sessions = ["p", "d1", "d2", "d3"]
-    steps = [Step("p", _hidden(blocks, 8, 1), 0, 2, 0)]
-    steps += [Step(sid, _hidden(blocks, 1, 2 + i), 0, 2, 3) for i, sid in enumerate(sessions[1:])]
+def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_lower_priority(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk's forward blocks until the decode step's result is back: with one torch thread this could
+    never finish. Each thread's niceness is read inside its forward: the chunk's is prefill_nice higher."""
+    executor = Executor(ExecutorConfig(prefill_nice=5))
+    decoded = threading.Event()
+    nice: dict[int, int] = {}
+    real_forward = blocks.forward
 
-    async def main() -> list[torch.Tensor]:
-        for sid in sessions:
-            blocks.open_session(sid, 16)
-            if sid != "p":
-                blocks.forward([Step(sid, _hidden(blocks, 3, 9), 0, 2, 0)])
-        queued = [asyncio.ensure_future(executor.forward(blocks, step)) for step in steps]
-        for _ in range(3):
-            await asyncio.sleep(0)  # each forward passes its order check and queues its job
-        assert executor.queued == 4
-        results = await _with_executor(executor, lambda: asyncio.gather(*queued))
-        assert (executor.batches_run, executor.steps_run) == (2, 4)
-        return [r.hidden for r in results]  # type: ignore[attr-defined]
+    def gated(steps: list[Step]) -> list[torch.Tensor]:
+        tokens = steps[0].hidden.shape[0]
+        nice[tokens] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if tokens > 1:
+            assert decoded.wait(30), "the decode step waited for the chunk"
+        return real_forward(steps)
 
-    mixed = asyncio.run(main())
-    for sid in sessions:
-        blocks.close_session(sid)
-    for sid, step, out in zip(sessions, steps, mixed, strict=True):
-        blocks.open_session(sid, 16)
-        if sid != "p":
-            blocks.forward([Step(sid, _hidden(blocks, 3, 9), 0, 2, 0)])
-        torch.testing.assert_close(out, blocks.forward([step])[0], atol=1e-5, rtol=1e-5)
-        blocks.close_session(sid)
+    monkeypatch.setattr(blocks, "forward", gated)
+
+    async def body() -> None:
+        for sid in ("p", "d"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        chunk = asyncio.ensure_future(executor.forward(blocks, Step("p", _hidden(blocks, 8, 1), 0, 2, 0)))
+        await executor.forward(blocks, Step("d", _hidden(blocks, 1, 2), 0, 2, 0))
+        decoded.set()
+        await chunk
+        for sid in ("p", "d"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
+    assert nice[8] == min(19, nice[1] + 5)
 
 
 class _Clock:
