@@ -83,6 +83,14 @@ class ExecutorConfig:
     prefill_nice: int = setting(
         10, "OS niceness (0-19) of the thread that runs prefill chunks, above the decode thread's"
     )
+    # Niceness gives decode the core, not the memory bus and caches: three peers prefilling one long prompt at
+    # once (pipelined) slowed every decode step on the machine by 1.5-2x through memory, the client's LM head
+    # most (113 MB read per call). Pausing between chunks while others decode leaves them that headroom; a long
+    # prompt on an idle peer runs at full speed.
+    busy_prefill_share: float = setting(
+        0.5,
+        "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
+    )
 
     # Sessions batched together here tend to come back together (the client answers their tokens in one
     # round), but a few hundred microseconds apart: an idle executor would start the first one alone and the
@@ -103,6 +111,8 @@ class ExecutorConfig:
         positive(self, "busy_chunk_tokens", "decode_recent_s")
         if self.batch_window_s < 0 or self.group_window_s < 0:
             raise ValueError("batch_window_s and group_window_s must be >= 0")
+        if not 0 < self.busy_prefill_share <= 1:
+            raise ValueError(f"busy_prefill_share must be within (0, 1], got {self.busy_prefill_share}")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be within 0-19, got {self.prefill_nice}")
 

@@ -5,8 +5,9 @@ runs on (a peer serves one range, or two while it moves). Each thread serves its
 steps and plain calls on one, prefill chunks on the other, at a lower OS priority (``prefill_nice``). Prefill
 is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
 computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
-behind the chunks. A long prefill runs as chunks, small ones while other sessions decode here (on a GPU the
-decode kernels still queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of
+behind the chunks. Niceness does not share the memory bus and caches, so while others decode here the
+prefill lane also pauses between chunks (``busy_prefill_share``). A long prefill runs as chunks, small ones
+while other sessions decode here (on a GPU the decode kernels still queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of
 *other* sessions on the *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and
 tokens: continuous batching at step granularity. A full queue is a CapacityError at once, not a backlog.
 
@@ -37,7 +38,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -104,9 +105,11 @@ class Executor:
         config: ExecutorConfig | None = None,
         name: str = "torch",
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.config = config or ExecutorConfig()
         self.clock = clock  # only tells whether others decode now (_chunk_tokens); inject one in tests
+        self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         self._decode = _Lane(
             asyncio.Queue(self.config.queue_jobs), ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -236,11 +239,15 @@ class Executor:
             queue_s, compute_s = queue_s + part.queue_s, compute_s + part.compute_s
         return StepResult(torch.cat(parts), queue_s, compute_s)
 
+    def _decoding(self) -> bool:
+        """Whether other sessions decode here now (a one-token step within ``decode_recent_s``)."""
+        return self.clock() - self._last_decode_s < self.config.decode_recent_s
+
     def _chunk_tokens(self) -> int:
         """Small chunks while other sessions decode here (their steps wait for the chunk in progress), big
         ones otherwise (less overhead per token)."""
         config = self.config
-        if self.clock() - self._last_decode_s < config.decode_recent_s:
+        if self._decoding():
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
         return config.prefill_chunk_tokens
 
@@ -294,10 +301,15 @@ class Executor:
                 batch = await self._wait_for_mates(lane, batch)
             if lane is self._decode and batch[0].step is not None:
                 await self._execute(loop, lane, batch)
-            else:
-                async with self._calls_apart:
-                    await self._execute(loop, lane, batch)
+                self._stepped.set()
+                continue
+            started = time.perf_counter()
+            async with self._calls_apart:
+                await self._execute(loop, lane, batch)
             self._stepped.set()
+            share = self.config.busy_prefill_share
+            if lane is self._prefill and share < 1 and self._decoding():
+                await self.sleep((time.perf_counter() - started) * (1 / share - 1))
 
     async def _wait_for_mates(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent

@@ -315,3 +315,36 @@ def test_decode_steps_a_client_sent_together_wait_for_each_other_and_run_as_one_
             await executor.forward(blocks, Step("gd", _hidden(blocks, 1, 4), 0, 2, 0), ("client/round2", 1))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_prefill_chunks_pause_between_them_only_while_other_sessions_decode(blocks: BlockRange) -> None:
+    """busy_prefill_share=0.25: after each chunk the prefill lane pauses (3x the chunk's time) while someone
+    decodes here, and not at all once nobody has for decode_recent_s. The pauses go through the injected sleep."""
+    clock = _Clock()
+    pauses: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        await asyncio.sleep(0)
+
+    config = ExecutorConfig(
+        prefill_chunk_tokens=8, busy_chunk_tokens=8, decode_recent_s=1.0, busy_prefill_share=0.25
+    )
+    executor = Executor(config, clock=clock, sleep=sleep)
+
+    async def body() -> list[int]:
+        for sid in ("pace-d", "pace-a", "pace-b"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 64))
+        await executor.forward(blocks, Step("pace-d", _hidden(blocks, 1, 1), 0, 2, 0))  # someone decodes
+        counts = []
+        for sid in ("pace-a", "pace-b"):
+            before = len(pauses)
+            await executor.forward(blocks, Step(sid, _hidden(blocks, 24, 2), 0, 2, 0))  # 3 chunks
+            counts.append(len(pauses) - before)
+            clock.now += 2.0  # nobody decoded for longer than decode_recent_s
+        for sid in ("pace-d", "pace-a", "pace-b"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return counts
+
+    assert asyncio.run(_with_executor(executor, body)) == [3, 0]
+    assert all(pause > 0 for pause in pauses)
