@@ -7,9 +7,10 @@ is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer 
 computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
 behind the chunks. Niceness does not share the memory bus and caches, so while others decode here the
 prefill lane also pauses between chunks (``busy_prefill_share``). A long prefill runs as chunks, small ones
-while other sessions decode here (on a GPU the decode kernels still queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of
-*other* sessions on the *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and
-tokens: continuous batching at step granularity. A full queue is a CapacityError at once, not a backlog.
+while other sessions decode here (on a GPU the decode kernels still queue behind a chunk's). Each lane takes
+its oldest job and gathers the queued steps of *other* sessions on the *same* BlockRange into one
+``BlockRange.forward`` call, within a budget of steps and tokens: continuous batching at step granularity.
+A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment (``batch_window_s``) for the steps it expects: the rest of a group a
 client sent together (its sessions of one round, StepRequest.batch_id), and the sessions it ran with last time
@@ -70,6 +71,8 @@ class _Job:
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
     submitted: float = field(default_factory=time.perf_counter)
+    started: bool = False  # its forward call began (it runs to its end even if its caller gives up)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # ... and has ended
 
     @property
     def session_id(self) -> str | None:
@@ -253,8 +256,14 @@ class Executor:
 
     async def _forward_job(self, blocks: BlockRange, step: Step, group: Group | None = None) -> StepResult:
         loop = asyncio.get_running_loop()
+        job = _Job(None, step, blocks, loop.create_future(), group)
         async with self._turn(step.session_id):
-            result: StepResult = await self._submit(_Job(None, step, blocks, loop.create_future(), group))
+            try:
+                result: StepResult = await self._submit(job)
+            except asyncio.CancelledError:
+                if job.started:  # the thread still writes the session's cache: its next job waits for that
+                    await asyncio.shield(job.finished.wait())
+                raise
         return result
 
     @contextlib.asynccontextmanager
@@ -303,8 +312,8 @@ class Executor:
                 await self._execute(loop, lane, batch)
                 self._stepped.set()
                 continue
-            started = time.perf_counter()
             async with self._calls_apart:
+                started = time.perf_counter()
                 await self._execute(loop, lane, batch)
             self._stepped.set()
             share = self.config.busy_prefill_share
@@ -381,10 +390,19 @@ class Executor:
         return batch
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, lane: _Lane, jobs: list[_Job]) -> None:
-        started = time.perf_counter()
         if jobs[0].call is not None:
             await self._call(loop, lane, jobs[0], jobs[0].call)
             return
+        for job in jobs:
+            job.started = True
+        try:
+            await self._forward(loop, lane, jobs)
+        finally:
+            for job in jobs:
+                job.finished.set()
+
+    async def _forward(self, loop: asyncio.AbstractEventLoop, lane: _Lane, jobs: list[_Job]) -> None:
+        started = time.perf_counter()
         steps = [job.step for job in jobs if job.step is not None]
         blocks = jobs[0].blocks
         assert blocks is not None  # a step job always names its blocks

@@ -348,3 +348,44 @@ def test_prefill_chunks_pause_between_them_only_while_other_sessions_decode(bloc
 
     assert asyncio.run(_with_executor(executor, body)) == [3, 0]
     assert all(pause > 0 for pause in pauses)
+
+
+def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_forward_ends(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's caller is cancelled while its forward runs on the prefill thread. A replayed step of the same
+    session (position 0) must not start on the decode thread while that forward still writes the cache."""
+    executor = Executor()
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+    real_forward = blocks.forward
+
+    def gated(steps: list[Step]) -> list[torch.Tensor]:
+        calls.append(steps[0].hidden.shape[0])
+        if steps[0].hidden.shape[0] > 1:
+            entered.set()
+            assert release.wait(30)
+        return real_forward(steps)
+
+    monkeypatch.setattr(blocks, "forward", gated)
+
+    async def body() -> None:
+        await executor.call(lambda: blocks.open_session("gave-up", 16))
+        chunk = asyncio.ensure_future(
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 8, 1), 0, 2, 0))
+        )
+        assert await asyncio.to_thread(entered.wait, 30)
+        chunk.cancel()
+        replay = asyncio.ensure_future(
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 1, 2), 0, 2, 0))
+        )
+        done, _ = await asyncio.wait({replay}, timeout=0.5)
+        assert not done and calls == [8], "the replay ran beside the forward it replaces"
+        release.set()
+        await replay
+        assert calls == [8, 1]
+        with pytest.raises(asyncio.CancelledError):
+            await chunk
+        await executor.call(lambda: blocks.close_session("gave-up"))
+
+    asyncio.run(_with_executor(executor, body))
