@@ -161,11 +161,11 @@ class Executor:
         return result
 
     async def release(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (one that frees memory, e.g. a close) on the torch thread now, past the queue.
+        """Run ``fn`` (one that frees memory, e.g. a close) on the decode thread now, past the queue.
 
         It is never refused for a full queue, and runs to its end even if the caller is cancelled: a close
-        that failed for being busy would leak the very memory that makes the peer busy. The one worker thread
-        still keeps it from racing a forward.
+        that failed for being busy would leak the very memory that makes the peer busy. The decode thread keeps
+        it from racing a decode step, and ``_calls_apart`` from racing a prefill chunk.
         """
         await asyncio.shield(self._release(fn))
 
@@ -206,8 +206,8 @@ class Executor:
 
     async def _in_order(self, blocks: BlockRange, step: Step) -> None:
         """Return once the session's cache on the step's layers reaches ``step.position``: every earlier step
-        has run, or is running its last layer (then this one queues behind it, and the one thread keeps the
-        order). SessionError when an earlier step of the session failed here; the caller's deadline bounds
+        has run, or is running its last layer (then this one waits for the session's turn, see ``_turn``).
+        SessionError when an earlier step of the session failed here; the caller's deadline bounds
         the wait for one that has not arrived yet."""
         sid = step.session_id
         assert sid is not None
@@ -261,8 +261,10 @@ class Executor:
             try:
                 result: StepResult = await self._submit(job)
             except asyncio.CancelledError:
-                if job.started:  # the thread still writes the session's cache: its next job waits for that
-                    await asyncio.shield(job.finished.wait())
+                # the thread still writes the session's cache: its next job waits for that, even if cancelled again
+                while job.started and not job.finished.is_set():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(job.finished.wait())
                 raise
         return result
 
@@ -363,7 +365,7 @@ class Executor:
 
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
-        blocks (decode steps and prefill chunks alike) within ``max_batch`` steps and ``max_batch_tokens``
+        blocks on this lane (decode steps, or prefill chunks) within ``max_batch`` steps and ``max_batch_tokens``
         tokens; the rest of the queue keeps its order, and no step is taken past an earlier one of its own
         session."""
         if first.session_id is None:
@@ -390,6 +392,12 @@ class Executor:
         return batch
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, lane: _Lane, jobs: list[_Job]) -> None:
+        # Callers may have given up while the batch waited (for mates, or for a call to end). Their jobs are
+        # dropped here, with no await before ``started`` is set: a job marked started is one its caller's turn
+        # waits for, and one not started has let its session's turn go already.
+        jobs = [job for job in jobs if not job.future.cancelled()]
+        if not jobs:
+            return
         if jobs[0].call is not None:
             await self._call(loop, lane, jobs[0], jobs[0].call)
             return

@@ -389,3 +389,29 @@ def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_for
         await executor.call(lambda: blocks.close_session("gave-up"))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_a_decode_step_whose_caller_gave_up_while_it_waited_for_its_group_never_runs(
+    blocks: BlockRange,
+) -> None:
+    """Its caller left the session's turn at once (the step had not started), so running it later could race
+    a replay of that session on the other thread: the batch drops it, and its group mate runs alone."""
+    executor = Executor(ExecutorConfig(group_window_s=600.0))
+
+    async def body() -> None:
+        for sid in ("left", "mate"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        left = asyncio.ensure_future(
+            executor.forward(blocks, Step("left", _hidden(blocks, 1, 1), 0, 2, 0), ("g", 2))
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)  # queued, taken, and waiting for the rest of its group
+        assert executor.queued == 0
+        left.cancel()
+        await executor.forward(blocks, Step("mate", _hidden(blocks, 1, 2), 0, 2, 0), ("g", 2))
+        assert (executor.batches_run, executor.steps_run) == (1, 1)
+        assert blocks.session_length("left", 0) == 0 and blocks.session_length("mate", 0) == 1
+        for sid in ("left", "mate"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
