@@ -247,8 +247,8 @@ class Executor:
         return self.clock() - self._last_decode_s < self.config.decode_recent_s
 
     def _chunk_tokens(self) -> int:
-        """Small chunks while other sessions decode here (their steps wait for the chunk in progress), big
-        ones otherwise (less overhead per token)."""
+        """Small chunks while other sessions decode here (on a GPU their kernels queue behind the chunk's, and
+        calls wait for it), big ones otherwise (less overhead per token)."""
         config = self.config
         if self._decoding():
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
@@ -310,17 +310,23 @@ class Executor:
             batch = self._take_batch(lane, first)
             if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
                 batch = await self._wait_for_mates(lane, batch)
-            if lane is self._decode and batch[0].step is not None:
+            if lane is self._decode and batch[0].step is not None:  # decode steps run beside a chunk
                 await self._execute(loop, lane, batch)
                 self._stepped.set()
                 continue
-            async with self._calls_apart:
+            async with self._calls_apart:  # a chunk and a plain call never run together
                 started = time.perf_counter()
                 await self._execute(loop, lane, batch)
             self._stepped.set()
-            share = self.config.busy_prefill_share
-            if lane is self._prefill and share < 1 and self._decoding():
-                await self.sleep((time.perf_counter() - started) * (1 / share - 1))
+            if lane is self._prefill:
+                await self._pause_prefill(time.perf_counter() - started)
+
+    async def _pause_prefill(self, chunk_s: float) -> None:
+        """After a chunk that took ``chunk_s``, leave the machine to decoding sessions for a while, if any
+        decode here (busy_prefill_share)."""
+        share = self.config.busy_prefill_share
+        if share < 1 and self._decoding():
+            await self.sleep(chunk_s * (1 / share - 1))
 
     async def _wait_for_mates(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent

@@ -10,8 +10,9 @@ swarm.wire.StepRequest): their caches fill without any stage before them computi
 
 Like the KV cache, the log is cut back to a step's position when a step arrives below its length (a retried
 or replayed step), and it never holds more than the session's max_length_tokens positions, so it costs at
-most ``max_length_tokens x hidden_size x element size`` bytes per session, on the device that computed them (SmolLM2-135M in 16 bits: 1,152
-bytes a token, about a seventh of the KV cache of a 10-layer range). It lives and dies with the session.
+most ``max_length_tokens x hidden_size x element size`` bytes per session, on the device that computed them
+(SmolLM2-135M in 16 bits: 1,152 bytes a token, about a seventh of the KV cache of a 10-layer range). It lives
+and dies with the session.
 """
 
 from __future__ import annotations
