@@ -6,8 +6,9 @@ on the event loop: for SmolLM2-135M that is 28M multiply-adds, as much as a fift
 loop can read no reply while it runs. HeadBatcher collects the last hidden states sessions hand in, and runs
 them as one [N, H] x [H, V] call on its own thread: the requests of one event-loop tick go together, and while
 a call runs the next round gathers (continuous batching, like the peers' executor does for decode steps).
-A round also waits a moment for the sessions whose decode step is still in the swarm, and tells them its id
-and size: they send their next steps together under it, and the peers batch them (see HeadBatcher).
+A round also waits a moment for the sessions whose decode step is still in the swarm, and hands its sessions a
+`Round`: those that go on send their next steps together under its id and their number, and the peers batch
+them (see HeadBatcher and Round).
 
 Greedy outputs stay those of the unbatched head: each row of a batched product is the same dot products.
 
@@ -21,9 +22,10 @@ untouched except that it hands back its last hidden state instead of running the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,14 +36,59 @@ from client.session import NO_BATCH, Chain, Head, InferenceSession, RouteSource
 from client.spot import SpotChecker
 
 logger = logging.getLogger(__name__)
-Rounded = tuple[torch.Tensor, tuple[str, int]]  # logits [V], and (id, size) of the round that computed them
+
+
+class Round:
+    """The sessions of one head round deciding, each after sampling, whether they send their next decode step.
+
+    Each member either joins (its next forward is a decode step) or leaves (its generation ended, or its next
+    forward is longer). The steps of those that join go out once every member has decided, or ``settle_s``
+    after the first joined, and tell the peers their real number: a peer waits for a group's missing steps (up
+    to its group window, at every hop), so a member that ended after its mates had sent, counted in their
+    group, cost them that window at every hop. A member deciding after the round settled sends alone.
+    Members decide within one pass of the event loop when nothing else holds them up."""
+
+    def __init__(self, members: Iterable[object]) -> None:
+        self.id = secrets.token_hex(8)
+        self._undecided = set(members)
+        self._joined = 0
+        self._settled = asyncio.Event()
+        if len(self._undecided) < 2:
+            self._settled.set()  # nobody to go with
+
+    def leave(self, member: object) -> None:
+        """``member`` will not send a decode step with this round."""
+        self._undecided.discard(member)
+        if not self._undecided:
+            self._settled.set()
+
+    async def join(self, member: object, settle_s: float) -> tuple[str, int]:
+        """(id, size) to send ``member``'s next decode step under, once the round settled; NO_BATCH alone."""
+        if self._settled.is_set() or member not in self._undecided:
+            return NO_BATCH
+        self._undecided.discard(member)
+        self._joined += 1
+        try:
+            if self._undecided:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(settle_s):
+                        await self._settled.wait()
+        except asyncio.CancelledError:
+            if not self._settled.is_set():
+                self._joined -= 1  # it will not send: the others must not wait for it
+            raise
+        self._settled.set()  # whoever is still undecided goes alone
+        return (self.id, self._joined) if self._joined > 1 else NO_BATCH
+
+
+Rounded = tuple[torch.Tensor, Round]  # logits [V], and the round that computed them
 
 
 class _Lane:
     """One group of sessions with rounds of its own (see HeadBatcher)."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, asyncio.Future[Rounded]]] = []
+        self.pending: list[tuple[torch.Tensor, asyncio.Future[Rounded], object]] = []
         self.running = False  # a round of this lane is waiting or computing
         self.stepping: set[object] = (
             set()
@@ -68,16 +115,26 @@ class HeadBatcher:
     on one peer, another's can be on the next one or here, so peers on machines of their own work at the same
     time instead of taking turns (ClientConfig.batch_lanes)."""
 
-    def __init__(self, head: Head, max_batch: int = 64, round_wait_s: float = 0.25, lanes: int = 1) -> None:
+    def __init__(
+        self,
+        head: Head,
+        max_batch: int = 64,
+        round_wait_s: float = 0.25,
+        lanes: int = 1,
+        settle_s: float = 0.02,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if round_wait_s < 0:
             raise ValueError(f"round_wait_s must be >= 0, got {round_wait_s}")
         if lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
+        if settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {settle_s}")
         self.head = head
         self.max_batch = max_batch
         self.round_wait_s = round_wait_s
+        self.settle_s = settle_s  # how long a round's decode steps wait for its members to decide (Round)
         self.calls = 0  # batched head calls run
         self.rows = 0  # hidden states they covered; rows / calls is the mean batch size
         self.largest = 0  # largest batch seen
@@ -107,13 +164,13 @@ class HeadBatcher:
         return (await self.logits_in_round(hidden, member, lane))[0]
 
     async def logits_in_round(self, hidden: torch.Tensor, member: object = None, lane: int = 0) -> Rounded:
-        """`logits`, and (id, size) of the round that computed them: the sessions of one round send their next
-        steps together, and tell the peers so (StepRequest.batch_id)."""
+        """`logits`, and the round that computed them: the sessions of one round send their next steps together,
+        and tell the peers so (StepRequest.batch_id, see Round)."""
         if hidden.ndim != 1:
             raise ValueError(f"hidden must be 1-D [H], got shape {tuple(hidden.shape)}")
         state = self._lanes[lane]
         future: asyncio.Future[Rounded] = asyncio.get_running_loop().create_future()
-        state.pending.append((hidden, future))
+        state.pending.append((hidden, future, member))
         state.stepping.discard(member)
         state.late.discard(member)
         if not state.running:
@@ -145,13 +202,13 @@ class HeadBatcher:
 
     def _start_round(self, state: _Lane) -> None:
         state.timer = None
-        batch = [(h, f) for h, f in state.pending[: self.max_batch] if not f.cancelled()]
+        batch = [entry for entry in state.pending[: self.max_batch] if not entry[1].cancelled()]
         state.pending = state.pending[self.max_batch :]
         if not batch:
             self._next_round(state)
             return
         loop = asyncio.get_running_loop()
-        done = loop.run_in_executor(self._thread, self._run, [h for h, _ in batch])
+        done = loop.run_in_executor(self._thread, self._run, [h for h, _, _ in batch])
         done.add_done_callback(lambda outcome: self._finish(state, batch, outcome))
 
     def _run(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
@@ -172,7 +229,7 @@ class HeadBatcher:
     def _finish(
         self,
         state: _Lane,
-        batch: list[tuple[torch.Tensor, asyncio.Future[Rounded]]],
+        batch: list[tuple[torch.Tensor, asyncio.Future[Rounded], object]],
         outcome: asyncio.Future[list[torch.Tensor | Exception]],
     ) -> None:
         if outcome.cancelled():  # the thread was shut down under us (client closing)
@@ -184,14 +241,19 @@ class HeadBatcher:
             self.calls += 1
             self.rows += len(batch)
             self.largest = max(self.largest, len(batch))
-        round_id = secrets.token_hex(8)
-        for (_, future), result in zip(batch, results, strict=True):
+        members = [
+            member
+            for (_, future, member), result in zip(batch, results, strict=True)
+            if member is not None and not future.done() and not isinstance(result, BaseException)
+        ]
+        round_ = Round(members)
+        for (_, future, _), result in zip(batch, results, strict=True):
             if future.done():  # its session was cancelled meanwhile
                 continue
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
-                future.set_result((result, (round_id, len(batch))))
+                future.set_result((result, round_))
         self._next_round(state)
 
     def _next_round(self, state: _Lane) -> None:
@@ -254,16 +316,28 @@ class BatchedSession(InferenceSession):
         )
         self.batcher = batcher
         self.lane = batcher.lane()  # the group of sessions whose rounds we share
+        self.round: Round | None = None  # the round of our last logits: our next decode step goes with it
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
         """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
-        if len(new_ids) == 1:  # a decode step: the batcher's next round may wait for it
+        round_, self.round = self.round, None
+        decode = len(new_ids) == 1
+        if decode:  # the batcher's next round may wait for it
             self.batcher.sent(self, self.lane)
         try:
+            if round_ is not None and decode:
+                self.batch = await round_.join(self, self.batcher.settle_s)
+            elif round_ is not None:
+                round_.leave(self)
             hidden = await super().forward(new_ids)  # [H]: the head above hands it back as is
         except BaseException:
             self.batcher.leave(self, self.lane)
             raise
-        logits, (round_id, size) = await self.batcher.logits_in_round(hidden, self, self.lane)
-        self.batch = (round_id, size) if size > 1 else NO_BATCH  # our next step goes with the round's others
+        logits, self.round = await self.batcher.logits_in_round(hidden, self, self.lane)
         return logits
+
+    async def close(self) -> None:
+        if self.round is not None:  # our generation ended: our round's next steps go without us
+            self.round.leave(self)
+            self.round = None
+        await super().close()

@@ -86,7 +86,7 @@ class AsyncSwarmClient:
             blocking=config.spot_check_blocking,
         )
         # the norm + LM head of concurrent generations run as one batched call per round (client.batching)
-        self.batcher = HeadBatcher(head, lanes=config.batch_lanes)
+        self.batcher = HeadBatcher(head, lanes=config.batch_lanes, settle_s=config.round_settle_s)
         self.last_session: InferenceSession | None = None  # the latest session, for failover counts in tests
 
     @classmethod

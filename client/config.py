@@ -102,6 +102,11 @@ class ClientConfig:
     at once when each peer has a machine of its own. On 2 shared cores (scripts/bench_e2e.py), 2 lanes measured
     no gain over 1: the cores are the limit there, and smaller batches cost more per token."""
 
+    round_settle_s: float = 0.02
+    """How long the decode steps of one round of concurrent generations wait for the round's other sessions to
+    decide whether they go on (client.batching.Round), so the group the peers wait for holds only steps that
+    come. Sessions normally decide at once; one held up longer sends its step alone."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")
@@ -115,8 +120,9 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.max_layer_tokens_s must be positive, got {self.max_layer_tokens_s}"
             )
-        if self.route_wait_s < 0:
-            raise ValueError(f"ClientConfig.route_wait_s must be >= 0, got {self.route_wait_s}")
+        for name in ("route_wait_s", "round_settle_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.probe_factor < 1:
             raise ValueError(f"ClientConfig.probe_factor must be >= 1, got {self.probe_factor}")
         if self.prefill_chunk_tokens < 0:

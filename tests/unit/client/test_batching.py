@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 
-from client.batching import HeadBatcher
+from client.batching import HeadBatcher, Round
+from client.session import NO_BATCH
 from swarm.models.head import ClientHead, SamplingParams
 from swarm.models.loading import ModelSource
 from tests.unit.client.test_local_generation import (
@@ -143,10 +145,12 @@ def test_a_round_waits_for_the_sessions_stepping_and_gives_them_one_round_id(
             await asyncio.sleep(0)
         assert not first.done() and head.batch_rows == []
         (_, round_b), (_, round_a) = await batcher.logits_in_round(torch.randn(size), b), await first
-        assert round_a == round_b and round_a[1] == 2
+        assert round_a is round_b
+        group = await asyncio.gather(round_a.join(a, 600.0), round_b.join(b, 600.0))
+        assert group[0] == group[1] == (round_a.id, 2)
         async with asyncio.timeout(30):  # nobody is stepping now: no wait (the wait is 600 s)
             _, alone = await batcher.logits_in_round(torch.randn(size), lone)
-        assert alone[1] == 1 and alone[0] != round_a[0]
+        assert alone is not round_a and await alone.join(lone, 600.0) == NO_BATCH
 
     asyncio.run(scenario())
     assert head.batch_rows == [2, 1]
@@ -194,3 +198,71 @@ def test_sessions_of_another_lane_are_not_waited_for(tiny_source: ModelSource) -
     asyncio.run(scenario())
     assert head.batch_rows == [1, 1]
     batcher.close()
+
+
+def test_a_round_tells_the_peers_only_the_steps_that_come() -> None:
+    """Of a round of four, one ends (leaves) after two have joined and one decides after the round settled: the
+    two that joined go as a group of 2 once the last undecided member left (the wait is long, so not by
+    timing), and the late one goes alone. A joined member that is cancelled before the round settles does not
+    count."""
+    a, b, ended, late = object(), object(), object(), object()
+
+    async def scenario() -> None:
+        round_ = Round([a, b, ended, late])
+        joined = [asyncio.ensure_future(round_.join(m, 600.0)) for m in (a, b)]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not any(j.done() for j in joined)  # `ended` and `late` have not decided yet
+        round_.leave(ended)
+        round_.leave(late)
+        assert await asyncio.gather(*joined) == [(round_.id, 2)] * 2
+        assert await round_.join(late, 600.0) == NO_BATCH  # it left: it goes alone
+
+        cancelled = Round([a, b, ended])
+        first = asyncio.ensure_future(cancelled.join(a, 600.0))
+        gone = asyncio.ensure_future(cancelled.join(b, 600.0))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        cancelled.leave(ended)
+        assert await first == NO_BATCH  # only `a` sends: no group
+
+        slow = Round([a, b])
+        async with asyncio.timeout(30):  # `b` never decides: `a` goes alone after the settle wait
+            assert await slow.join(a, 0.01) == NO_BATCH
+        assert await slow.join(b, 600.0) == NO_BATCH
+
+    asyncio.run(scenario())
+
+
+def test_sessions_that_end_at_different_times_never_overstate_their_group(tiny_source: ModelSource) -> None:
+    """Concurrent generations of different lengths: every batch id the peers see is carried by exactly the
+    number of steps it declares (a session that ended is not counted in its mates' group), and the tokens are
+    those of the sessions run one by one."""
+    client, chain = make_client(tiny_source, TINY_SPLIT)
+    sent: list[tuple[str, int]] = []
+    step = chain.step
+
+    async def recording_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        sent.append(kwargs.get("batch", NO_BATCH))
+        return await step(*args, **kwargs)
+
+    chain.step = recording_step  # type: ignore[method-assign]
+    prompts = _prompts(5, 3)
+    lengths = [2, 9, 4, 9, 6]
+    random.Random(3).shuffle(lengths)
+    alone = [
+        asyncio.run(client.generate_ids(p, n, SamplingParams()))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+
+    async def together() -> list[list[int]]:
+        jobs = (client.generate_ids(p, n, SamplingParams()) for p, n in zip(prompts, lengths, strict=True))
+        return list(await asyncio.gather(*jobs))
+
+    sent.clear()
+    assert asyncio.run(together()) == alone
+    groups = Counter(batch for batch in sent if batch != NO_BATCH)
+    assert groups and all(count == size for (_, size), count in groups.items())
+    assert max(size for _, size in groups) == len(prompts)  # the sessions did go together
