@@ -5,8 +5,9 @@ Three `swarm-peer join` processes on 127.0.0.1 each hold a third of the layers (
 --no-follow-plan keeps them there), every process runs one torch thread, and the plain transformers model runs
 in this process as the reference. Phases, in order (progress goes to stderr):
 
-  decode       64 greedy tokens (EOS ignored) after the 37-token chat prompt, swarm and local alternating,
-               best of --repeats: tokens/s after the first token.
+  decode       64 greedy tokens (EOS ignored) after the 37-token chat prompt, best of --repeats: tokens/s after
+               the first token. Swarm, local transformers and (blocks_decode_tok_s) this project's own model code
+               with every layer in this process alternate: swarm / blocks is what the network costs alone.
   ttft         time to the first token of 37-, 512- and 2048-token prompts, swarm and local (best of repeats).
   one_client   N generations at once in this process's one AsyncSwarmClient (asyncio.gather).
   prefill      4 sessions decode; meanwhile a 2048-token prompt is prefilled: their inter-token gaps (ms) while
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,8 @@ import torch  # noqa: E402
 from client import AsyncSwarmClient, SwarmClient  # noqa: E402
 from client.generation import GenerationRequest, generate_ids, timed_ids  # noqa: E402
 from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
+from swarm.models.blocks import BlockRange, Step  # noqa: E402
+from swarm.models.head import ClientHead  # noqa: E402
 from swarm.models.loading import ModelSource  # noqa: E402
 from swarm.peer.server import BATCH_LOG_INTERVAL_S  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
@@ -152,6 +157,30 @@ def local_decode(model: torch.nn.Module, ids: Sequence[int], new_tokens: int) ->
             out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
         return (new_tokens - 1) / (time.perf_counter() - first), tokens
+
+
+def blocks_decode(source: ModelSource, ids: Sequence[int], new_tokens: int) -> tuple[float, list[int]]:
+    """The same greedy decode through this project's own model code (every layer on one BlockRange, the client's
+    head) in this process: what the swarm computes, without the network: (tokens/s, tokens)."""
+    num_layers = source.spec.num_layers
+    blocks, head = _own_model(source)
+    session = uuid.uuid4().hex
+    blocks.open_session(session, len(ids) + new_tokens)
+    try:
+        hidden = blocks.forward([Step(session, head.embed(torch.tensor(list(ids))), 0, num_layers, 0)])[0]
+        first = time.perf_counter()
+        tokens = [int(head.logits(hidden[-1:])[0].argmax())]
+        for i in range(new_tokens - 1):
+            step = Step(session, head.embed(torch.tensor(tokens[-1:])), 0, num_layers, len(ids) + i)
+            tokens.append(int(head.logits(blocks.forward([step])[0])[0].argmax()))
+        return (new_tokens - 1) / (time.perf_counter() - first), tokens
+    finally:
+        blocks.close_session(session)
+
+
+@functools.cache
+def _own_model(source: ModelSource) -> tuple[BlockRange, ClientHead]:
+    return source.load_blocks(0, source.spec.num_layers, cache_tokens=4096), source.load_head()
 
 
 def local_ttft(model: torch.nn.Module, ids: Sequence[int]) -> float:
@@ -342,14 +371,22 @@ def measure_single(
 ) -> dict[str, Any]:
     """Decode speed and time to first token, swarm and local alternating (the machine is shared and noisy)."""
     source = resolve_model(args.model)
-    best = {"swarm": 0.0, "local": 0.0}
+    best = {"swarm": 0.0, "local": 0.0, "blocks": 0.0}
     match = True
     for _ in range(args.repeats):
         swarm_tok_s, swarm_tokens = client.run(swarm_decode(client.aclient, ids, args.new_tokens))
         local_tok_s, local_tokens = local_decode(reference, ids, args.new_tokens)
-        best = {"swarm": max(best["swarm"], swarm_tok_s), "local": max(best["local"], local_tok_s)}
-        match &= swarm_tokens == local_tokens
-    log(f"decode: swarm {best['swarm']:.1f} tok/s, local {best['local']:.1f} tok/s, tokens match: {match}")
+        blocks_tok_s, blocks_tokens = blocks_decode(source, ids, args.new_tokens)
+        best = {
+            "swarm": max(best["swarm"], swarm_tok_s),
+            "local": max(best["local"], local_tok_s),
+            "blocks": max(best["blocks"], blocks_tok_s),
+        }
+        match &= swarm_tokens == local_tokens == blocks_tokens
+    log(
+        f"decode: swarm {best['swarm']:.1f} tok/s, local {best['local']:.1f} tok/s, own model code in one "
+        f"process {best['blocks']:.1f} tok/s, tokens match: {match}"
+    )
     ttft: dict[str, dict[str, float]] = {}
     for size in args.ttft_tokens:
         prompt = ids if size == len(ids) else prompt_of(source, size)
@@ -358,7 +395,7 @@ def measure_single(
         local_s = min(local_ttft(reference, prompt) for _ in range(repeats))
         ttft[str(size)] = {"local": round(local_s, 4), "swarm": round(swarm_s, 4)}
         log(f"ttft {size}: swarm {swarm_s:.3f} s, local {local_s:.3f} s")
-    return {"swarm": best["swarm"], "local": best["local"], "ttft": ttft, "tokens_match": match}
+    return {**best, "ttft": ttft, "tokens_match": match}
 
 
 def measure_one_client(
@@ -486,6 +523,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "local_decode_tok_s": round(single["local"], 2),
         "swarm_decode_tok_s": round(single["swarm"], 2),
+        # this project's model code with every layer in this process: swarm / this is the network's cost alone
+        "blocks_decode_tok_s": round(single["blocks"], 2),
         "ttft_s": single["ttft"],
         "aggregate_tok_s": {"processes": processes, "one_client": one_client},
         "decode_during_long_prefill_ms": during,
@@ -555,6 +594,7 @@ def _targets(
     ttft = single["ttft"]
     return {
         "decode_vs_local": ratio(single["swarm"], single["local"]),  # target >= 0.92
+        "decode_vs_own_blocks": ratio(single["swarm"], single["blocks"]),  # the network's cost alone
         "ttft_37_vs_local": ratio(ttft.get("37", {}).get("swarm"), ttft.get("37", {}).get("local")),  # <= 1.2
         "ttft_2048_vs_local": ratio(
             ttft.get("2048", {}).get("swarm"), ttft.get("2048", {}).get("local")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.matmul import linear
 from swarm.models.spec import ModelSpec
 
 
@@ -50,7 +51,7 @@ class ClientHead:
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
-        return F.linear(normed, self.lm_head_weight).float()
+        return linear(normed, self.lm_head_weight).float()  # the faster kernel for few rows (models.matmul)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Sampler:
         if logits.ndim != 1:
             raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
         p = self.params
+        if p.temperature == 0.0 and p.repetition_penalty == 1.0:  # greedy: nothing to rewrite, so no copy
+            return int(logits.detach().argmax())
         scores = logits.detach().float().cpu().clone()  # [V]
         if p.repetition_penalty != 1.0 and len(previous_token_ids):
             seen = torch.as_tensor(previous_token_ids, dtype=torch.long).unique()

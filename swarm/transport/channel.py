@@ -12,6 +12,7 @@ module and ``swarm.dht`` are the only places that touch hivemind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
 from collections import Counter
@@ -93,6 +94,12 @@ def forget_peer(p2p: P2P, peer_id: str) -> None:
     pool_for(p2p).forget(peer_id)
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_peer_id(peer_id: str) -> PeerID:
+    # base58 decoding is pure Python (tens of microseconds), and a peer calls the same few peers every step
+    return PeerID.from_base58(peer_id)
+
+
 async def call_raw(
     p2p: P2P,
     peer_id: str,
@@ -107,7 +114,7 @@ async def call_raw(
     ``reply_bytes_hint`` is kept for callers; every size now goes by stream. Raises TransportError (with ``failed_peer_id``) when the peer cannot be reached or does not answer in time.
     """
     try:
-        target = PeerID.from_base58(peer_id)
+        target = _parse_peer_id(peer_id)
     except Exception as e:
         raise ProtocolError(f"bad peer id {peer_id!r}: {e}") from None
     try:

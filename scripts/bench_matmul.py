@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""What a decode step's projections cost on this CPU, by the form of the product. Prints JSON.
+
+    .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9]
+
+For 1 to 8 rows (the tokens of a decode batch), the median time of every projection of ``--layers`` layers of
+the model through ``F.linear`` and through ``swarm.models.matmul.linear`` (the form the peers and the client
+use), plus the LM head for one row, on one torch thread. Tells whether ``matmul.MAX_FEW_ROWS`` suits a machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from swarm.models.loading import resolve_model
+from swarm.models.matmul import MAX_FEW_ROWS, linear
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _median_ms(repeats: int, run: Callable[[], object]) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return round(1e3 * statistics.median(times), 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="default | tiny[:SEED] | checkpoint dir")
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--max-rows", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    source = resolve_model(args.model)
+    layers = min(args.layers, source.spec.num_layers)
+    blocks = source.load_blocks(0, layers, cache_tokens=0)
+    weights = [m.weight for m in blocks.layers.modules() if isinstance(m, torch.nn.Linear)]
+    head = source.load_head()
+
+    def projections(product: Product, rows: int) -> float:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        return _median_ms(args.repeats, lambda: [product(inputs[w.shape[1]], w) for w in weights])
+
+    by_rows = {
+        str(rows): {"F.linear": projections(F.linear, rows), "matmul.linear": projections(linear, rows)}
+        for rows in range(1, args.max_rows + 1)
+    }
+    hidden = torch.randn(1, source.spec.hidden_size)
+    lm_head = {
+        "F.linear": _median_ms(args.repeats, lambda: F.linear(hidden, head.lm_head_weight)),
+        "matmul.linear": _median_ms(args.repeats, lambda: linear(hidden, head.lm_head_weight)),
+    }
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(
+        json.dumps(
+            {
+                "model": source.spec.name,
+                "layers": layers,
+                "projection_mb": round(megabytes, 1),
+                "max_few_rows": MAX_FEW_ROWS,
+                "projections_ms_by_rows": by_rows,
+                "lm_head_ms_one_row": lm_head,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
