@@ -47,7 +47,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def project(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+def project(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)`` for a transformers ``nn.Linear`` projection, through ``linear``."""
-    bias = layer.bias if isinstance(layer.bias, torch.Tensor) else None
-    return linear(x, layer.weight, bias)
+    return linear(x, layer.weight, layer.bias)
