@@ -4,8 +4,8 @@
     .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9]
 
 For 1 to 8 rows (the tokens of a decode batch), the median time of every projection of ``--layers`` layers of
-the model through ``F.linear`` and through ``swarm.models.matmul.linear`` (the form the peers and the client
-use), plus the LM head for one row, on one torch thread. Tells whether ``matmul.MAX_FEW_ROWS`` suits a machine.
+the model through ``F.linear`` and through the few-columns form of ``swarm.models.matmul``, plus the LM head for
+one row, on one torch thread; and the row limits ``matmul.calibrate`` chose for them on this machine.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models.loading import resolve_model
-from swarm.models.matmul import MAX_FEW_ROWS, linear
+from swarm.models.matmul import calibrate, linear
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,19 +48,23 @@ def main() -> None:
     blocks = source.load_blocks(0, layers, cache_tokens=0)
     weights = [m.weight for m in blocks.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = source.load_head()
+    few_rows, head_few_rows = calibrate(weights), calibrate([head.lm_head_weight])
 
     def projections(product: Product, rows: int) -> float:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         return _median_ms(args.repeats, lambda: [product(inputs[w.shape[1]], w) for w in weights])
 
     by_rows = {
-        str(rows): {"F.linear": projections(F.linear, rows), "matmul.linear": projections(linear, rows)}
+        str(rows): {
+            "F.linear": projections(F.linear, rows),
+            "few_columns": projections(lambda x, w: linear(x, w, None, rows), rows),
+        }
         for rows in range(1, args.max_rows + 1)
     }
     hidden = torch.randn(1, source.spec.hidden_size)
     lm_head = {
         "F.linear": _median_ms(args.repeats, lambda: F.linear(hidden, head.lm_head_weight)),
-        "matmul.linear": _median_ms(args.repeats, lambda: linear(hidden, head.lm_head_weight)),
+        "few_columns": _median_ms(args.repeats, lambda: linear(hidden, head.lm_head_weight, None, 1)),
     }
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
@@ -69,7 +73,7 @@ def main() -> None:
                 "model": source.spec.name,
                 "layers": layers,
                 "projection_mb": round(megabytes, 1),
-                "max_few_rows": MAX_FEW_ROWS,
+                "calibrated_few_rows": {"projections": few_rows, "lm_head": head_few_rows},
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
             }

@@ -26,7 +26,7 @@ from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.kv_cache import KVCache, SessionCache
-from swarm.models.matmul import project
+from swarm.models.matmul import calibrate, project
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
@@ -101,6 +101,8 @@ class BlockRange:
         # so sessions longer than the window are refused rather than silently computed differently.
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
+        # rows up to which projections take the few-columns form, as measured on this CPU (swarm.models.matmul)
+        self.few_rows = calibrate([m.weight for m in self.layers.modules() if isinstance(m, nn.Linear)])
 
     # --- sessions -----------------------------------------------------------------------------------------
 
@@ -276,10 +278,14 @@ class BlockRange:
         num_heads, num_kv, head_dim = self.spec.num_heads, self.spec.num_kv_heads, self.head_dim
 
         x = block.input_layernorm(h)  # [1, N, H]
-        # projections through swarm.models.matmul: the faster kernel for the few rows of decode steps on a CPU
-        q = project(x, attn.q_proj).view(1, tokens, num_heads, head_dim).transpose(1, 2)  # [1, nh, N, hd]
-        k = project(x, attn.k_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
-        v = project(x, attn.v_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
+        few = (
+            self.few_rows
+        )  # projections through swarm.models.matmul: a faster form for decode steps' few rows
+        q = (
+            project(x, attn.q_proj, few).view(1, tokens, num_heads, head_dim).transpose(1, 2)
+        )  # [1, nh, N, hd]
+        k = project(x, attn.k_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
+        v = project(x, attn.v_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         gqa = num_kv != num_heads
 
@@ -310,12 +316,14 @@ class BlockRange:
                 offset += size
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, nh, N, hd]
         out = out.transpose(1, 2).reshape(1, tokens, num_heads * head_dim)  # [1, N, nh * hd]
-        h = h + project(out, attn.o_proj)
+        h = h + project(out, attn.o_proj, few)
         mlp, x = (
             block.mlp,
             block.post_attention_layernorm(h),
         )  # the gated MLP of transformers' *MLP, written out
-        return h + project(mlp.act_fn(project(x, mlp.gate_proj)) * project(x, mlp.up_proj), mlp.down_proj)
+        return h + project(
+            mlp.act_fn(project(x, mlp.gate_proj, few)) * project(x, mlp.up_proj, few), mlp.down_proj, few
+        )
 
 
 @dataclass(frozen=True)

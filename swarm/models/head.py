@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.matmul import linear
+from swarm.models.matmul import calibrate, linear
 from swarm.models.spec import ModelSpec
 
 
@@ -29,6 +29,9 @@ class ClientHead:
         self.lm_head_weight = lm_head_weight
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
+        self.few_rows = calibrate(
+            [lm_head_weight]
+        )  # the faster form of the LM head on this CPU (models.matmul)
 
     @property
     def hidden_size(self) -> int:
@@ -51,7 +54,7 @@ class ClientHead:
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
-        return linear(normed, self.lm_head_weight).float()  # the faster kernel for few rows (models.matmul)
+        return linear(normed, self.lm_head_weight, None, self.few_rows).float()
 
 
 @dataclass(frozen=True)

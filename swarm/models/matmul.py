@@ -1,13 +1,15 @@
-"""``linear``: ``F.linear`` with the form of the product chosen for the few rows of a decode step on a CPU.
+"""``linear``: ``F.linear``, or for the few rows of a decode step the form of the product this CPU runs faster.
 
 Decoding is bound by reading the weights once per step, so a projection of 1 to 4 rows should cost about one
-pass over them. On this project's test machine (AMD EPYC, torch 2.13's MKL, one thread) ``F.linear`` does not get
-there for few rows. The projections of 10 layers of SmolLM2-135M (142 MB, ``scripts/bench_matmul.py``) take
-11.9 ms for 1 row (12 GB/s), 18.6 ms for 2 and 23.5 ms for 3; the same products written as ``weight @ x.T``
-(MKL's kernel for a few columns) take 9.5 ms for 2 rows (15 GB/s) and 15.0 ms for 3. One row goes through that
-kernel as two (the row twice: with one column MKL falls back to the slow kernel), also in 9.5 ms, and the client's
-LM head (113 MB) in 6.3 ms instead of 9.8. At 4 rows the two forms are close (16.5 against 17.9 ms) and past
-that ``F.linear`` is as fast or faster.
+pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS, so it is measured, not assumed
+(``calibrate``, once per process and set of weight shapes). On an AMD EPYC (torch 2.13's MKL, one thread) the
+projections of 10 layers of SmolLM2-135M (142 MB, ``scripts/bench_matmul.py``) take 11.9 ms for 1 row and 18.6
+ms for 2 through ``F.linear``, but 9.5 ms for both written as ``weight @ x.T`` (MKL's kernel for a few columns;
+one row goes through it as two, since with one column MKL falls back to the slow kernel), and the LM head 6.3 ms
+instead of 9.8. On an Intel Sapphire Rapids the same products are the other way round: ``F.linear`` takes 10.7 ms
+for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientHead`` times both forms on its
+own weights when it is made and keeps the number of rows up to which the few-columns form is clearly faster
+(0: never).
 
 Only the summation order differs from ``F.linear`` (each output is the same dot product), so outputs agree with
 transformers' to float rounding and greedy tokens are those of transformers (the exactness tests). GPUs, other
@@ -16,37 +18,123 @@ dtypes and longer inputs use ``F.linear`` itself.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
-MAX_FEW_ROWS = 4  # up to this many rows take the few-columns kernel (see the module doc for the measurements)
+logger = logging.getLogger(__name__)
+
+MAX_FEW_ROWS = 4  # past this many rows F.linear was never slower on the machines measured
+CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
+CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
 
 
-def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` computes ``x @ weight.T`` as ``weight @ x.T`` (CPU, float32, 1 to MAX_FEW_ROWS rows)."""
+def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> bool:
+    """Whether ``linear`` computes ``x @ weight.T`` as ``weight @ x.T``: CPU float32, 1 to few_rows rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
-        0 < rows <= MAX_FEW_ROWS
+        0 < rows <= few_rows
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and weight.device.type == "cpu"
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N]."""
-    if not few_rows_kernel(x, weight):
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+def _few_columns(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ weight.T as weight @ rows.T: [M, N]."""
     count = rows.shape[0]
     if count == 1:
         rows = torch.cat((rows, rows))  # one column would take the slow kernel (see the module doc)
-    out = (weight @ rows.T).T[:count]  # [M, N]; rows.T is a view: the layout this kernel is fast with
+    return (weight @ rows.T).T[:count]  # rows.T is a view: the layout this kernel is fast with
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, few_rows: int = 0
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N]. Inputs of 1 to few_rows rows
+    take the few-columns form (``calibrate`` says how many rows that is worth on this CPU)."""
+    if not few_rows_kernel(x, weight, few_rows):
+        return F.linear(x, weight, bias)
+    out = _few_columns(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def project(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def project(x: torch.Tensor, layer: torch.nn.Linear, few_rows: int = 0) -> torch.Tensor:
     """``layer(x)`` for a transformers ``nn.Linear`` projection, through ``linear``."""
-    return linear(x, layer.weight, layer.bias)
+    return linear(x, layer.weight, layer.bias, few_rows)
+
+
+def few_rows_limit(seconds_by_rows: dict[int, tuple[float, float]]) -> int:
+    """From {rows: (F.linear seconds, few-columns seconds)}: the most rows M such that for every row count up
+    to M the few-columns form took at most CLEARLY_FASTER of F.linear's time (0 if not even for one row)."""
+    limit = 0
+    for rows in sorted(seconds_by_rows):
+        plain, few_columns = seconds_by_rows[rows]
+        if rows != limit + 1 or few_columns > CLEARLY_FASTER * plain:
+            break
+        limit = rows
+    return limit
+
+
+_calibrated: dict[tuple[object, ...], int] = {}
+_calibration_lock = threading.Lock()
+
+
+def calibrate(
+    weights: Sequence[torch.Tensor],
+    *,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """How many rows (0 to MAX_FEW_ROWS) should take the few-columns form for these weights on this CPU.
+
+    Times one pass over the weights (the first ones up to CALIBRATION_BYTES) per form and row count, best of
+    ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per process and set of
+    shapes: a peer that re-loads other layers of its model or a test that makes many ranges pays for it once."""
+    weights = _sample(weights)
+    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return 0
+    key = (torch.get_num_threads(), *sorted({tuple(w.shape) for w in weights}))
+    with _calibration_lock:  # two loaders at once would time each other's memory traffic
+        if key not in _calibrated:
+            _calibrated[key] = few_rows_limit(_time_forms(weights, repeats, clock))
+            logger.debug("few-columns matmul form for up to %d rows of weights %s", _calibrated[key], key[1:])
+        return _calibrated[key]
+
+
+def _sample(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    taken: list[torch.Tensor] = []
+    size = 0
+    for weight in weights:
+        if size >= CALIBRATION_BYTES:
+            break
+        taken.append(weight.detach())
+        size += weight.numel() * weight.element_size()
+    return taken
+
+
+def _time_forms(
+    weights: list[torch.Tensor], repeats: int, clock: Callable[[], float]
+) -> dict[int, tuple[float, float]]:
+    seconds: dict[int, tuple[float, float]] = {}
+    with torch.no_grad():
+        for rows in range(1, MAX_FEW_ROWS + 1):
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            forms = (F.linear, _few_columns)
+            best = [float("inf"), float("inf")]
+            for attempt in range(repeats + 1):  # the first pass of each form warms up and is not counted
+                for index, form in enumerate(forms):  # interleaved: a slow spell of the machine hits both
+                    began = clock()
+                    for weight in weights:
+                        form(inputs[weight.shape[1]], weight)
+                    elapsed = clock() - began
+                    if attempt:
+                        best[index] = min(best[index], elapsed)
+            seconds[rows] = (best[0], best[1])
+    return seconds
