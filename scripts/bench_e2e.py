@@ -85,6 +85,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decoders", type=int, default=4, help="sessions decoding during the long prefill")
     parser.add_argument("--repeats", type=int, default=None, help="best of this many runs (2)")
     parser.add_argument("--spot-check-rate", type=float, default=None, help="client's (default: its own)")
+    parser.add_argument(
+        "--batch-lanes", type=int, default=None, help="ClientConfig.batch_lanes of the clients"
+    )
     parser.add_argument("--peer-args", default="", help="extra `swarm-peer join` arguments, one string")
     parser.add_argument("--skip", nargs="*", default=[], choices=["processes", "one_client", "prefill"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a client process
@@ -492,6 +495,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference = source.load_reference_model()
     spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
     spot["step_timeout_s"] = STEP_TIMEOUT_S
+    if args.batch_lanes is not None:
+        spot["batch_lanes"] = args.batch_lanes
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
         LocalSwarm(Path(tmp), model=args.model) as swarm,
@@ -519,7 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mark = time.perf_counter()
             processes = measure_processes(workers, ids, args, windows)
             phases["processes"] = time.perf_counter() - mark
-        peer_batches = peer_batch_sizes(swarm, windows)
+        peer_batches, peer_computing = peer_batch_sizes(swarm, windows)
     return {
         "local_decode_tok_s": round(single["local"], 2),
         "swarm_decode_tok_s": round(single["swarm"], 2),
@@ -532,6 +537,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_match": single["tokens_match"],
         "client_head_batches": head_stats,
         "peer_batches": peer_batches,
+        "peer_computing_share": peer_computing,  # of each phase's time, in forward calls (log lines' figures)
         "model": source.spec.name,
         "route": ranges,
         "prompt_tokens": len(ids),
@@ -605,7 +611,9 @@ def _targets(
     }
 
 
-EXECUTOR_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) .*executor: (\d+) steps in (\d+) forward calls")
+EXECUTOR_LINE = re.compile(
+    r"^(\d\d):(\d\d):(\d\d) .*executor: (\d+) steps in (\d+) forward calls.*computing (\d+)%"
+)
 
 
 def clock() -> float:
@@ -617,26 +625,34 @@ def clock() -> float:
 
 def peer_batch_sizes(
     swarm: LocalSwarm, windows: dict[str, tuple[float, float]]
-) -> dict[str, dict[str, float]]:
-    """Mean decode batch of each peer's executor in each phase (steps / forward calls), from the lines the
-    peers log every few seconds; a line covers the seconds before it, so a phase's figure is approximate."""
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Per phase and peer: the executor's mean batch (steps / forward calls), and the share of the time its
+    forward calls took, from the lines the peers log every few seconds; a line covers the seconds before it,
+    so a phase's figures are approximate."""
     totals: dict[str, dict[str, list[int]]] = {phase: {} for phase in windows}
     for peer in swarm.peers:
         for line in log_tail(peer.log_path, 10**8).splitlines():
             match = EXECUTOR_LINE.match(line)
             if match is None:
                 continue
-            hours, minutes, seconds, steps, calls = (int(g) for g in match.groups())
+            hours, minutes, seconds, steps, calls, percent = (int(g) for g in match.groups())
             at = hours * 3600 + minutes * 60 + seconds
             for phase, (start, end) in windows.items():
                 if start < at <= end + BATCH_LOG_INTERVAL_S:
-                    counts = totals[phase].setdefault(peer.name, [0, 0])
+                    counts = totals[phase].setdefault(peer.name, [0, 0, 0, 0])
                     counts[0] += steps
                     counts[1] += calls
-    return {
-        phase: {name: round(steps / calls, 2) for name, (steps, calls) in peers.items() if calls}
+                    counts[2] += percent
+                    counts[3] += 1
+    batches = {
+        phase: {name: round(c[0] / c[1], 2) for name, c in peers.items() if c[1]}
         for phase, peers in totals.items()
     }
+    computing = {
+        phase: {name: round(c[2] / c[3] / 100, 2) for name, c in peers.items() if c[3]}
+        for phase, peers in totals.items()
+    }
+    return batches, computing
 
 
 def main(argv: Sequence[str] | None = None) -> None:

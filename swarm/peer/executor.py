@@ -131,6 +131,7 @@ class Executor:
         ] = {}  # session -> (its lock, steps holding or waiting)
         self.batches_run = 0
         self.steps_run = 0
+        self.compute_s = 0.0  # seconds spent in forward calls, both lanes (the log's "busy" share)
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
         self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
         # session -> the other sessions of its last batched decode step here (see ExecutorConfig.batch_window_s)
@@ -437,6 +438,7 @@ class Executor:
         self._remember_mates(jobs)
         self.batches_run += 1
         self.steps_run += len(jobs)
+        self.compute_s += compute_s
         for job, hidden in zip(jobs, outputs, strict=True):
             if not job.future.done():
                 job.future.set_result(StepResult(hidden, started - job.submitted, compute_s))

@@ -143,20 +143,22 @@ async def _serve(
 
 async def _log_batches(executor: Executor, interval_s: float) -> None:
     """Log, for each busy interval, how many steps ran in how many forward calls: the mean batch the executor
-    formed (scripts/bench_e2e.py reads it to check that concurrent sessions' decode steps do batch)."""
-    steps, batches = executor.steps_run, executor.batches_run
+    formed, and the share of the interval its forward calls took (scripts/bench_e2e.py reads both to check that
+    concurrent sessions' decode steps do batch, and where a round's time goes)."""
+    steps, batches, compute_s = executor.steps_run, executor.batches_run, executor.compute_s
     while True:
         await asyncio.sleep(interval_s)
         if executor.batches_run > batches:
             new_steps, new_batches = executor.steps_run - steps, executor.batches_run - batches
             logger.info(
-                "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f)",
+                "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f, computing %.0f%%)",
                 new_steps,
                 new_batches,
                 interval_s,
                 new_steps / new_batches,
+                100 * (executor.compute_s - compute_s) / interval_s,
             )
-        steps, batches = executor.steps_run, executor.batches_run
+        steps, batches, compute_s = executor.steps_run, executor.batches_run, executor.compute_s
 
 
 def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
