@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 MAX_FEW_ROWS = 4  # past this many rows F.linear was never slower on the machines measured
 CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
 CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
@@ -126,7 +128,7 @@ def _time_forms(
     with torch.no_grad():
         for rows in range(1, MAX_FEW_ROWS + 1):
             inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-            forms = (F.linear, _few_columns)
+            forms: tuple[Product, Product] = (F.linear, _few_columns)
             best = [float("inf"), float("inf")]
             for attempt in range(repeats + 1):  # the first pass of each form warms up and is not counted
                 for index, form in enumerate(forms):  # interleaved: a slow spell of the machine hits both
