@@ -537,7 +537,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_match": single["tokens_match"],
         "client_head_batches": head_stats,
         "peer_batches": peer_batches,
-        "peer_computing_share": peer_computing,  # of each phase's time, in forward calls (log lines' figures)
+        "peer_computing_share": peer_computing,  # of the busy intervals' time, in forward calls (peer_batch_sizes)
         "model": source.spec.name,
         "route": ranges,
         "prompt_tokens": len(ids),
@@ -612,7 +612,7 @@ def _targets(
 
 
 EXECUTOR_LINE = re.compile(
-    r"^(\d\d):(\d\d):(\d\d) .*executor: (\d+) steps in (\d+) forward calls.*computing (\d+)%"
+    r"^(\d\d):(\d\d):(\d\d) .*executor: (\d+) steps in (\d+) forward calls(?:.*computing (\d+)%)?"
 )
 
 
@@ -627,23 +627,26 @@ def peer_batch_sizes(
     swarm: LocalSwarm, windows: dict[str, tuple[float, float]]
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Per phase and peer: the executor's mean batch (steps / forward calls), and the share of the time its
-    forward calls took, from the lines the peers log every few seconds; a line covers the seconds before it,
-    so a phase's figures are approximate."""
+    forward calls took (both lanes, from the event loop's view, so a little over the threads' own time), from
+    the lines the peers log every few seconds for intervals with forward calls: a line covers the seconds before
+    it, so a phase's figures are approximate, and idle intervals do not lower the share."""
     totals: dict[str, dict[str, list[int]]] = {phase: {} for phase in windows}
     for peer in swarm.peers:
         for line in log_tail(peer.log_path, 10**8).splitlines():
             match = EXECUTOR_LINE.match(line)
             if match is None:
                 continue
-            hours, minutes, seconds, steps, calls, percent = (int(g) for g in match.groups())
+            hours, minutes, seconds, steps, calls = (int(g) for g in match.groups()[:5])
+            percent = match.group(6)  # None in a line of an older peer
             at = hours * 3600 + minutes * 60 + seconds
             for phase, (start, end) in windows.items():
                 if start < at <= end + BATCH_LOG_INTERVAL_S:
                     counts = totals[phase].setdefault(peer.name, [0, 0, 0, 0])
                     counts[0] += steps
                     counts[1] += calls
-                    counts[2] += percent
-                    counts[3] += 1
+                    if percent is not None:
+                        counts[2] += int(percent)
+                        counts[3] += 1
     batches = {
         phase: {name: round(c[0] / c[1], 2) for name, c in peers.items() if c[1]}
         for phase, peers in totals.items()

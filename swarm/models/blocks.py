@@ -1,8 +1,10 @@
 """BlockRange: runs transformer layers [start, end) for a batch of sessions, each with its own KV cache.
 
 The Llama block is written out here (rather than calling transformers' layer.forward) so we own the KV cache
-layout and batching; the weights and small submodules (norms, projections, MLP, rotary embedding) are the
-transformers modules of the checkpoint's family, so numerics match transformers.
+layout and batching. The weights and small submodules (norms, activation, rotary embedding) are the transformers
+modules of the checkpoint's family; the projections run through swarm.models.matmul (``F.linear``, or where this
+CPU does the few rows of a decode step faster another way, the same dot products in another order), so numerics
+match transformers to float rounding.
 
 One forward() call takes a list of Steps. Steps of different sessions that cover the same sub-range run as ONE
 batched forward, whatever their lengths (decode steps of one token and prefill chunks mixed, as Sarathi does):
@@ -278,14 +280,12 @@ class BlockRange:
         num_heads, num_kv, head_dim = self.spec.num_heads, self.spec.num_kv_heads, self.head_dim
 
         x = block.input_layernorm(h)  # [1, N, H]
-        few = (
-            self.few_rows
-        )  # projections through swarm.models.matmul: a faster form for decode steps' few rows
-        q = (
-            project(x, attn.q_proj, few).view(1, tokens, num_heads, head_dim).transpose(1, 2)
-        )  # [1, nh, N, hd]
-        k = project(x, attn.k_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
-        v = project(x, attn.v_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
+        # projections through swarm.models.matmul: a faster form for decode steps' few rows, where this CPU has one
+        few = self.few_rows
+        # q [1, nh, N, hd]; k, v [1, nkv, N, hd]
+        q = project(x, attn.q_proj, few).view(1, tokens, num_heads, head_dim).transpose(1, 2)
+        k = project(x, attn.k_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)
+        v = project(x, attn.v_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         gqa = num_kv != num_heads
 
@@ -317,10 +317,8 @@ class BlockRange:
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, nh, N, hd]
         out = out.transpose(1, 2).reshape(1, tokens, num_heads * head_dim)  # [1, N, nh * hd]
         h = h + project(out, attn.o_proj, few)
-        mlp, x = (
-            block.mlp,
-            block.post_attention_layernorm(h),
-        )  # the gated MLP of transformers' *MLP, written out
+        # the gated MLP of transformers' *MLP, written out
+        mlp, x = block.mlp, block.post_attention_layernorm(h)
         return h + project(
             mlp.act_fn(project(x, mlp.gate_proj, few)) * project(x, mlp.up_proj, few), mlp.down_proj, few
         )

@@ -29,9 +29,8 @@ class ClientHead:
         self.lm_head_weight = lm_head_weight
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
-        self.few_rows = calibrate(
-            [lm_head_weight]
-        )  # the faster form of the LM head on this CPU (models.matmul)
+        # rows up to which the LM head takes the few-columns form, as measured on this CPU (models.matmul)
+        self.few_rows = calibrate([lm_head_weight])
 
     @property
     def hidden_size(self) -> int:

@@ -96,28 +96,49 @@ def calibrate(
 ) -> int:
     """How many rows (0 to MAX_FEW_ROWS) should take the few-columns form for these weights on this CPU.
 
-    Times one pass over the weights (the first ones up to CALIBRATION_BYTES) per form and row count, best of
-    ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per process and set of
-    shapes: a peer that re-loads other layers of its model or a test that makes many ranges pays for it once."""
-    weights = _sample(weights)
-    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+    Times one pass over a sample of the weights (each shape once, then more up to CALIBRATION_BYTES) per form and
+    row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
+    process and set of shapes: every layer of a model has the same set, so a peer that re-loads other layers of
+    its model or a test that makes many ranges pays for it once."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    weights = [w.detach() for w in weights]
+    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.ndim != 2 for w in weights):
         return 0
     key = (torch.get_num_threads(), *sorted({tuple(w.shape) for w in weights}))
+    known = _calibrated.get(key)
+    if known is not None:
+        return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            _calibrated[key] = few_rows_limit(_time_forms(weights, repeats, clock))
-            logger.debug("few-columns matmul form for up to %d rows of weights %s", _calibrated[key], key[1:])
+            _calibrated[key] = few_rows_limit(_time_forms(_sample(weights), repeats, clock))
+            logger.info(
+                "matmul: the few-columns form for %s (measured on this CPU)",
+                f"up to {_calibrated[key]} rows" if _calibrated[key] else "no row count",
+            )
         return _calibrated[key]
 
 
-def _sample(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    taken: list[torch.Tensor] = []
-    size = 0
+def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One weight of each shape, then the rest in order, until CALIBRATION_BYTES; each cut to that many bytes
+    (its first rows: still a contiguous matrix of the same row length)."""
+    by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for weight in weights:
-        if size >= CALIBRATION_BYTES:
+        by_shape.setdefault(tuple(weight.shape), weight)
+    first_of_shape = list(by_shape.values())
+    taken: list[torch.Tensor] = []
+    seen: set[int] = set()
+    size = 0
+    for weight in [*first_of_shape, *weights]:
+        if size >= CALIBRATION_BYTES and len(taken) >= len(first_of_shape):
             break
-        taken.append(weight.detach())
-        size += weight.numel() * weight.element_size()
+        if id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        row_bytes = weight.shape[1] * weight.element_size()
+        rows = max(1, min(weight.shape[0], CALIBRATION_BYTES // max(1, row_bytes)))
+        taken.append(weight[:rows])
+        size += rows * row_bytes
     return taken
 
 
@@ -127,7 +148,8 @@ def _time_forms(
     seconds: dict[int, tuple[float, float]] = {}
     with torch.no_grad():
         for rows in range(1, MAX_FEW_ROWS + 1):
-            inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            # fixed values, not the global RNG: loading a model must not change what a seeded caller draws next
+            inputs = {w.shape[1]: torch.full((rows, w.shape[1]), 0.5) for w in weights}
             forms: tuple[Product, Product] = (F.linear, _few_columns)
             best = [float("inf"), float("inf")]
             for attempt in range(repeats + 1):  # the first pass of each form warms up and is not counted

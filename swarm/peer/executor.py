@@ -131,7 +131,8 @@ class Executor:
         ] = {}  # session -> (its lock, steps holding or waiting)
         self.batches_run = 0
         self.steps_run = 0
-        self.compute_s = 0.0  # seconds spent in forward calls, both lanes (the log's "busy" share)
+        # seconds spent in forward calls, both lanes (the "computing" share of the log line)
+        self.compute_s = 0.0
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
         self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
         # session -> the other sessions of its last batched decode step here (see ExecutorConfig.batch_window_s)

@@ -146,19 +146,21 @@ async def _log_batches(executor: Executor, interval_s: float) -> None:
     formed, and the share of the interval its forward calls took (scripts/bench_e2e.py reads both to check that
     concurrent sessions' decode steps do batch, and where a round's time goes)."""
     steps, batches, compute_s = executor.steps_run, executor.batches_run, executor.compute_s
+    since = time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
+        now = time.monotonic()
         if executor.batches_run > batches:
             new_steps, new_batches = executor.steps_run - steps, executor.batches_run - batches
             logger.info(
                 "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f, computing %.0f%%)",
                 new_steps,
                 new_batches,
-                interval_s,
+                now - since,
                 new_steps / new_batches,
-                100 * (executor.compute_s - compute_s) / interval_s,
+                100 * (executor.compute_s - compute_s) / max(now - since, 1e-9),
             )
-        steps, batches, compute_s = executor.steps_run, executor.batches_run, executor.compute_s
+        steps, batches, compute_s, since = executor.steps_run, executor.batches_run, executor.compute_s, now
 
 
 def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:

@@ -276,6 +276,11 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     assert during["p99"] >= during["p50"]
     assert out["tokens_match"] is True  # greedy tokens through the swarm equal local transformers'
     assert set(out["peer_batches"]) >= {"processes/2", "one_client/2"}
+    # the peers' executor lines were read: a format the regex no longer matches would leave every phase empty
+    assert any(out["peer_batches"].values()), out["peer_batches"]
+    shares = [share for phase in out["peer_computing_share"].values() for share in phase.values()]
+    assert shares and all(0 < share for share in shares), out["peer_computing_share"]
+    assert _positive(out["blocks_decode_tok_s"])
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ import torch
 from client.local import in_process_client
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models import SamplingParams, Step
+from swarm.models.matmul import MAX_FEW_ROWS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,19 +22,34 @@ def reference(tiny_source):  # type: ignore[no-untyped-def]
     return tiny_source.load_reference_model()
 
 
-@pytest.fixture()
-def head(tiny_source):  # type: ignore[no-untyped-def]
-    return tiny_source.load_head()
+@pytest.fixture(params=["measured", "few_columns"])
+def few_rows(request) -> int | None:  # type: ignore[no-untyped-def]
+    """The matmul form: what calibration chose on this CPU, or the few-columns form for every decode step
+    (whichever this machine picks, both must stay exact)."""
+    return None if request.param == "measured" else MAX_FEW_ROWS
+
+
+def _form(part, few_rows: int | None):  # type: ignore[no-untyped-def]
+    if few_rows is not None:
+        part.few_rows = few_rows
+    return part
 
 
 @pytest.fixture()
-def split(tiny_source):  # type: ignore[no-untyped-def]
-    return [tiny_source.load_blocks(a, b, cache_tokens=1000) for a, b in [(0, 2), (2, 4), (4, 6)]]
+def head(tiny_source, few_rows):  # type: ignore[no-untyped-def]
+    return _form(tiny_source.load_head(), few_rows)
 
 
 @pytest.fixture()
-def whole(tiny_source):  # type: ignore[no-untyped-def]
-    return tiny_source.load_blocks(0, 6, cache_tokens=1000)
+def split(tiny_source, few_rows):  # type: ignore[no-untyped-def]
+    return [
+        _form(tiny_source.load_blocks(a, b, cache_tokens=1000), few_rows) for a, b in [(0, 2), (2, 4), (4, 6)]
+    ]
+
+
+@pytest.fixture()
+def whole(tiny_source, few_rows):  # type: ignore[no-untyped-def]
+    return _form(tiny_source.load_blocks(0, 6, cache_tokens=1000), few_rows)
 
 
 def test_hidden_states_match_transformers(split, head, reference) -> None:  # type: ignore[no-untyped-def]

@@ -1,21 +1,44 @@
-"""swarm.models.matmul: F.linear's result (to float rounding) whatever the rows, the form and the input rank, and a
-row limit measured per machine and weight shapes."""
+"""swarm.models.matmul: F.linear's result (to float rounding) whatever the rows, the form and the input's shape, and
+a row limit measured per machine and set of weight shapes."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from swarm.models import matmul
 from swarm.models.matmul import MAX_FEW_ROWS, calibrate, few_rows_kernel, few_rows_limit, linear, project
+
+
+@pytest.fixture(autouse=True)
+def fresh_calibrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul, "_calibrated", {})  # each test measures for itself, however often it runs
+
+
+@pytest.fixture()
+def few_columns_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of each product that went through the few-columns form."""
+    calls: list[int] = []
+    original = matmul._few_columns
+
+    def spy(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return original(rows, weight)
+
+    monkeypatch.setattr(matmul, "_few_columns", spy)
+    return calls
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 17])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("few_rows", [0, MAX_FEW_ROWS])
-def test_linear_is_f_linear_for_every_row_count(rows: int, bias: bool, few_rows: int) -> None:
+def test_linear_is_f_linear_for_every_row_count(
+    rows: int, bias: bool, few_rows: int, few_columns_calls: list[int]
+) -> None:
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=generator)
     b = torch.randn(96, generator=generator) if bias else None
@@ -24,6 +47,24 @@ def test_linear_is_f_linear_for_every_row_count(rows: int, bias: bool, few_rows:
     assert got.shape == (1, rows, 96)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
     assert torch.equal(linear(x, weight, b, few_rows), got)  # the same inputs always give the same bits
+    assert few_columns_calls == ([rows, rows] if rows <= few_rows else [])  # the form the limit asked for
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(40),  # one token, no batch dimension
+        torch.randn(0, 40),  # no rows at all
+        torch.randn(40, 3).T,  # three rows, not contiguous
+        torch.randn(2, 1, 40),
+    ],
+    ids=["1-D", "0 rows", "transposed", "3-D"],
+)
+def test_linear_takes_any_input_shape_f_linear_takes(x: torch.Tensor) -> None:
+    weight = torch.randn(24, 40)
+    got = linear(x, weight, None, MAX_FEW_ROWS)
+    assert got.shape == F.linear(x, weight).shape
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_the_few_columns_form_is_taken_only_up_to_the_limit_and_for_cpu_float32() -> None:
@@ -32,6 +73,7 @@ def test_the_few_columns_form_is_taken_only_up_to_the_limit_and_for_cpu_float32(
     assert few_rows_kernel(torch.randn(1, 3, 4), weight, 3)
     assert not few_rows_kernel(torch.randn(1, 4), weight, 0)  # the machine said never
     assert not few_rows_kernel(torch.randn(4, 4), weight, 3)  # more rows than the limit: F.linear
+    assert not few_rows_kernel(torch.randn(0, 4), weight, 3)  # nothing to compute
     assert not few_rows_kernel(torch.randn(1, 4, dtype=torch.bfloat16), weight.bfloat16(), 4)  # other dtypes
     one_row = torch.randn(1, 4)
     assert torch.equal(
@@ -47,24 +89,65 @@ def test_the_limit_is_the_longest_run_of_row_counts_where_the_form_is_clearly_fa
     assert few_rows_limit({}) == 0
 
 
-def test_calibration_times_both_forms_once_per_shapes_and_skips_what_it_cannot_serve() -> None:
-    ticks = itertools.count()
-    calls = 0
+def paced_clock(f_linear_s: float, few_columns_s: float) -> tuple[Callable[[], float], list[int]]:
+    """A clock under which every timed pass of F.linear takes f_linear_s and every pass of the few-columns form
+    few_columns_s (calibration times them in turn: F.linear, then the other), and the count of its reads."""
+    reads = [0]
+    passes = itertools.cycle([f_linear_s, few_columns_s])
+    now = [0.0]
 
     def clock() -> float:
-        nonlocal calls
-        calls += 1
-        return float(next(ticks))
+        reads[0] += 1
+        if reads[0] % 2 == 0:  # the end of a pass
+            now[0] += next(passes)
+        return now[0]
 
-    weights = [torch.randn(24, 8), torch.randn(8, 24)]  # shapes no other test calibrates
-    limit = calibrate(weights, repeats=2, clock=clock)
-    assert limit == 0  # every pass "took" one tick: never clearly faster
-    assert calls == MAX_FEW_ROWS * 3 * 2 * 2  # per row count: warm-up + 2 repeats, two forms, two clock reads
-    assert calibrate(list(reversed(weights)), repeats=2, clock=clock) == limit  # the same shapes: kept
-    assert calls == MAX_FEW_ROWS * 3 * 2 * 2
+    return clock, reads
+
+
+@pytest.mark.parametrize(("f_linear_s", "few_columns_s", "limit"), [(2.0, 1.0, MAX_FEW_ROWS), (1.0, 2.0, 0)])
+def test_calibration_keeps_the_form_that_was_faster(
+    f_linear_s: float, few_columns_s: float, limit: int
+) -> None:
+    clock, _ = paced_clock(f_linear_s, few_columns_s)
+    assert calibrate([torch.randn(24, 8), torch.randn(8, 24)], clock=clock) == limit
+
+
+def test_calibration_runs_once_per_shapes_and_skips_what_it_cannot_serve() -> None:
+    clock, reads = paced_clock(1.0, 1.0)
+    weights = [torch.randn(24, 8), torch.randn(8, 24)]
+    assert calibrate(weights, repeats=2, clock=clock) == 0  # a tie is not "clearly faster"
+    timed = MAX_FEW_ROWS * 3 * 2 * 2  # per row count: warm-up + 2 repeats, two forms, two clock reads
+    assert reads[0] == timed
+    assert calibrate([torch.randn(8, 24), torch.randn(24, 8)], clock=clock) == 0  # the same shapes: kept
     assert calibrate([torch.randn(24, 8, dtype=torch.bfloat16)], clock=clock) == 0  # not float32: never timed
     assert calibrate([], clock=clock) == 0
-    assert calls == MAX_FEW_ROWS * 3 * 2 * 2
+    assert reads[0] == timed
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(weights, repeats=0)
+
+
+def test_calibration_times_every_shape_within_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul, "CALIBRATION_BYTES", 4 * 100)  # 100 floats
+    shapes: list[tuple[int, ...]] = []
+    original = matmul._time_forms
+
+    def record(weights: list[torch.Tensor], repeats: int, clock: Callable[[], float]) -> dict:  # type: ignore[type-arg]
+        shapes.extend(tuple(w.shape) for w in weights)
+        return original(weights, repeats, clock)
+
+    monkeypatch.setattr(matmul, "_time_forms", record)
+    big, small = torch.randn(1000, 10), torch.randn(3, 7)
+    calibrate([big, big, big, small])  # a large first weight must not crowd out the later shapes
+    assert shapes == [(10, 10), (3, 7)]  # each shape once, the large one cut to its first 100 floats
+
+
+def test_calibration_leaves_the_global_random_stream_alone() -> None:
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    calibrate([torch.zeros(16, 8)])  # made before the seed's draw, so it is not part of the stream
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_project_uses_the_layers_weight_and_bias() -> None:
