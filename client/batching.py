@@ -43,10 +43,14 @@ class Round:
 
     Each member either joins (its next forward is a decode step) or leaves (its generation ended, or its next
     forward is longer). The steps of those that join go out once every member has decided, or ``settle_s``
-    after the first joined, and tell the peers their real number: a peer waits for a group's missing steps (up
+    after the first joined, and tell the peers how many were sent: a peer waits for a group's missing steps (up
     to its group window, at every hop), so a member that ended after its mates had sent, counted in their
     group, cost them that window at every hop. A member deciding after the round settled sends alone.
-    Members decide within one pass of the event loop when nothing else holds them up."""
+    Members decide within one pass of the event loop when nothing else holds them up; a caller that does more
+    between tokens (the web face writing to its HTTP client) may make its mates wait, ``settle_s`` at most.
+    The number told is that of the steps sent, not of those each peer gets: sessions of one round on different
+    routes, or more of them than a peer batches at once, still leave a peer waiting for steps that go elsewhere.
+    """
 
     def __init__(self, members: Iterable[object]) -> None:
         self.id = secrets.token_hex(8)
@@ -178,7 +182,14 @@ class HeadBatcher:
             self._schedule(state)
         else:
             self._start_if_complete(state)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result()[1].leave(
+                    member
+                )  # cancelled as its logits came: its round must not wait for it
+            raise
 
     def _start_if_complete(self, state: _Lane) -> None:
         if state.timer is not None and not state.missing():
@@ -320,8 +331,14 @@ class BatchedSession(InferenceSession):
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
         """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
-        round_, self.round = self.round, None
+        round_, self.round, self.batch = self.round, None, NO_BATCH
         decode = len(new_ids) == 1
+        try:
+            self._check_forward(new_ids)  # first: a step that cannot go must not be counted in its round
+        except BaseException:
+            if round_ is not None:
+                round_.leave(self)
+            raise
         if decode:  # the batcher's next round may wait for it
             self.batcher.sent(self, self.lane)
         try:
@@ -331,6 +348,7 @@ class BatchedSession(InferenceSession):
                 round_.leave(self)
             hidden = await super().forward(new_ids)  # [H]: the head above hands it back as is
         except BaseException:
+            self.batch = NO_BATCH  # a later step must not go under this round's id
             self.batcher.leave(self, self.lane)
             raise
         logits, self.round = await self.batcher.logits_in_round(hidden, self, self.lane)

@@ -176,15 +176,7 @@ class InferenceSession:
 
     async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
         """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
-        if self._closed:
-            raise SwarmError("the session is closed")
-        if not new_ids:
-            raise ValueError("forward needs at least one token")
-        if self.position + len(new_ids) > self.max_length_tokens:
-            raise ValueError(
-                f"session would hold {self.position + len(new_ids)} tokens, "
-                f"past max_length_tokens={self.max_length_tokens}"
-            )
+        self._check_forward(new_ids)
         if not self.stages:
             await self.open()
         for attempt in itertools.count():
@@ -202,6 +194,18 @@ class InferenceSession:
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
         return self.head.logits(out[-1:])[0]
+
+    def _check_forward(self, new_ids: Sequence[int]) -> None:
+        """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""
+        if self._closed:
+            raise SwarmError("the session is closed")
+        if not new_ids:
+            raise ValueError("forward needs at least one token")
+        if self.position + len(new_ids) > self.max_length_tokens:
+            raise ValueError(
+                f"session would hold {self.position + len(new_ids)} tokens, "
+                f"past max_length_tokens={self.max_length_tokens}"
+            )
 
     async def _step(self, ids: list[int], position: int) -> torch.Tensor:
         hidden = self.head.embed(torch.tensor(ids, dtype=torch.long))
