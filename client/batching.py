@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,14 +49,15 @@ class Round:
     group, cost them that window at every hop. A member deciding after the round settled sends alone.
     Members decide within one pass of the event loop when nothing else holds them up; a caller that does more
     between tokens (the web face writing to its HTTP client) may make its mates wait, ``settle_s`` at most.
-    The number told is that of the steps sent, not of those each peer gets: sessions of one round on different
-    routes, or more of them than a peer batches at once, still leave a peer waiting for steps that go elsewhere.
+    Members on different routes are told apart (a group per route), so a peer never waits for steps that go to
+    another; a peer that batches fewer steps at once than a group has counts those that ran already.
     """
 
     def __init__(self, members: Iterable[object]) -> None:
         self.id = secrets.token_hex(8)
         self._undecided = set(members)
-        self._joined = 0
+        self._joined: Counter[Hashable] = Counter()  # route -> members that joined to send along it
+        self._routes: dict[Hashable, int] = {}  # route -> its number in this round's group ids
         self._settled = asyncio.Event()
         if len(self._undecided) < 2:
             self._settled.set()  # nobody to go with
@@ -66,12 +68,14 @@ class Round:
         if not self._undecided:
             self._settled.set()
 
-    async def join(self, member: object, settle_s: float) -> tuple[str, int]:
-        """(id, size) to send ``member``'s next decode step under, once the round settled; NO_BATCH alone."""
+    async def join(self, member: object, settle_s: float, route: Hashable = ()) -> tuple[str, int]:
+        """(id, size) to send ``member``'s next decode step under, once the round settled; NO_BATCH alone.
+        Members on different routes form a group per route: a peer counts only the steps that come to it."""
         if self._settled.is_set() or member not in self._undecided:
             return NO_BATCH
         self._undecided.discard(member)
-        self._joined += 1
+        self._joined[route] += 1
+        number = self._routes.setdefault(route, len(self._routes))
         try:
             if self._undecided:
                 with contextlib.suppress(TimeoutError):
@@ -79,10 +83,12 @@ class Round:
                         await self._settled.wait()
         except asyncio.CancelledError:
             if not self._settled.is_set():
-                self._joined -= 1  # it will not send: the others must not wait for it
+                self._joined[route] -= 1  # it will not send: the others must not wait for it
             raise
         self._settled.set()  # whoever is still undecided goes alone
-        return (self.id, self._joined) if self._joined > 1 else NO_BATCH
+        size = self._joined[route]
+        group_id = f"{self.id}/{number}" if number else self.id  # the first route's group: the round's own id
+        return (group_id, size) if size > 1 else NO_BATCH
 
 
 Rounded = tuple[torch.Tensor, Round]  # logits [V], and the round that computed them
@@ -343,7 +349,7 @@ class BatchedSession(InferenceSession):
             self.batcher.sent(self, self.lane)
         try:
             if round_ is not None and decode:
-                self.batch = await round_.join(self, self.batcher.settle_s)
+                self.batch = await round_.join(self, self.batcher.settle_s, self.stages)
             elif round_ is not None:
                 round_.leave(self)
             hidden = await super().forward(new_ids)  # [H]: the head above hands it back as is

@@ -137,6 +137,9 @@ class Executor:
         self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
         # session -> the other sessions of its last batched decode step here (see ExecutorConfig.batch_window_s)
         self._mates: OrderedDict[str, frozenset[str]] = OrderedDict()
+        # group -> its steps that ran here already: a group bigger than max_batch runs in parts, and the later
+        # parts must not wait for steps that went with an earlier one
+        self._group_ran: OrderedDict[Group, int] = OrderedDict()
         # set whenever a job is queued: a batch waiting for its mates looks again
         self._arrived = asyncio.Event()
 
@@ -358,10 +361,16 @@ class Executor:
         present = {job.session_id for job in batch}
         return bool(set().union(*(self._mates.get(sid or "", frozenset()) for sid in present)) - present)
 
-    @staticmethod
-    def _group_incomplete(batch: list[_Job]) -> bool:
+    def _group_incomplete(self, batch: list[_Job]) -> bool:
         groups = Counter(job.group for job in batch if job.group is not None)
-        return any(count < size for (_, size), count in groups.items())
+        return any(count + self._group_ran.get(group, 0) < group[1] for group, count in groups.items())
+
+    def _remember_groups(self, jobs: list[_Job]) -> None:
+        for group, count in Counter(job.group for job in jobs if job.group is not None).items():
+            self._group_ran[group] = self._group_ran.get(group, 0) + count
+            self._group_ran.move_to_end(group)
+        while len(self._group_ran) > _MAX_FAILED_SESSIONS:  # forget the oldest: a round's steps come together
+            self._group_ran.popitem(last=False)
 
     def _remember_mates(self, jobs: list[_Job]) -> None:
         sessions = frozenset(job.session_id for job in jobs if job.session_id is not None and job.tokens == 1)
@@ -437,6 +446,7 @@ class Executor:
             return
         compute_s = time.perf_counter() - started
         self._remember_mates(jobs)
+        self._remember_groups(jobs)
         self.batches_run += 1
         self.steps_run += len(jobs)
         self.compute_s += compute_s

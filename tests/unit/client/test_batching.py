@@ -200,6 +200,33 @@ def test_sessions_of_another_lane_are_not_waited_for(tiny_source: ModelSource) -
     batcher.close()
 
 
+def test_a_round_on_two_routes_tells_each_route_only_its_own_steps() -> None:
+    """Two members of a round route through one chain of peers, two through another and one through a third:
+    each route's peers are told a group of the steps that come to them, under an id of its own, and the one
+    alone on its route is told no group. Members are shuffled so the order they join in cannot hide a mix-up."""
+    members = {name: object() for name in ("a1", "a2", "b1", "b2", "c1")}
+    routes = {
+        "a1": ("p0", "p1"),
+        "a2": ("p0", "p1"),
+        "b1": ("p2", "p3"),
+        "b2": ("p2", "p3"),
+        "c1": ("p0", "p3"),
+    }
+    order = list(members)
+    random.Random(5).shuffle(order)
+
+    async def scenario() -> dict[str, tuple[str, int]]:
+        round_ = Round(members.values())
+        told = await asyncio.gather(*(round_.join(members[n], 600.0, routes[n]) for n in order))
+        return dict(zip(order, told, strict=True))
+
+    told = asyncio.run(scenario())
+    assert told["a1"] == told["a2"] and told["a1"][1] == 2
+    assert told["b1"] == told["b2"] and told["b1"][1] == 2
+    assert told["a1"][0] != told["b1"][0]
+    assert told["c1"] == NO_BATCH
+
+
 def test_a_round_tells_the_peers_only_the_steps_that_come() -> None:
     """Of a round of four, one ends (leaves) after two have joined and one decides after the round settled: the
     two that joined go as a group of 2 once the last undecided member left (the wait is long, so not by

@@ -317,6 +317,27 @@ def test_decode_steps_a_client_sent_together_wait_for_each_other_and_run_as_one_
     asyncio.run(_with_executor(executor, body))
 
 
+def test_a_group_bigger_than_a_batch_runs_in_parts_and_no_part_waits_for_steps_that_ran(
+    blocks: BlockRange,
+) -> None:
+    """Five steps of one group through an executor that batches at most two: they run as 2 + 2 + 1 and the
+    window is endless, so a part waiting for steps an earlier part took would hang, not merely slow."""
+    executor = Executor(ExecutorConfig(max_batch=2, batch_window_s=0.0, group_window_s=600.0))
+    sessions = [f"big{i}" for i in range(5)]
+    group = ("client/big-round", len(sessions))
+
+    async def body() -> None:
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        before = executor.batches_run
+        steps = [Step(s, _hidden(blocks, 1, i), 0, 2, 0) for i, s in enumerate(sessions)]
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(executor.forward(blocks, step, group) for step in steps))
+        assert executor.batches_run - before == 3
+
+    asyncio.run(_with_executor(executor, body))
+
+
 def test_prefill_chunks_pause_between_them_only_while_other_sessions_decode(blocks: BlockRange) -> None:
     """busy_prefill_share=0.25: after each chunk the prefill lane pauses (3x the chunk's time) while someone
     decodes here, and not at all once nobody has for decode_recent_s. The pauses go through the injected sleep."""
