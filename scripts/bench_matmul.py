@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What a decode step's projections cost on this CPU, by the form of the product. Prints JSON.
 
-    .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9]
+    .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9] [--max-rows 8]
+    .venv/bin/python scripts/bench_matmul.py --model tiny --layers 2 --repeats 1 --max-rows 2   # CI smoke size
 
 For 1 to 8 rows (the tokens of a decode batch), the median time of every projection of ``--layers`` layers of
 the model through ``F.linear`` and through the few-columns form of ``swarm.models.matmul``, plus the LM head for
@@ -15,7 +16,7 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,17 +34,18 @@ def _median_ms(repeats: int, run: Callable[[], object]) -> float:
         began = time.perf_counter()
         run()
         times.append(time.perf_counter() - began)
-    return round(1e3 * statistics.median(times), 3)
+    return round(1e3 * statistics.median(times), 4)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="default | tiny[:SEED] | checkpoint dir")
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--max-rows", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same inputs every run
     source = resolve_model(args.model)
     layers = min(args.layers, source.spec.num_layers)
     blocks = source.load_blocks(0, layers, cache_tokens=0)

@@ -256,6 +256,22 @@ def _local_and_swarm(value: object) -> bool:
     return _sizes(value, {"local", "swarm"}, _positive)
 
 
+@pytest.mark.timeout(120)
+def test_bench_matmul_tiny() -> None:
+    out = _run_json(
+        ["scripts/bench_matmul.py", "--model", "tiny", "--layers", "2", "--repeats", "1", "--max-rows", "2"],
+        100,
+    )
+    assert isinstance(out, dict)
+    assert _sizes(
+        out["projections_ms_by_rows"],
+        {"1", "2"},
+        lambda forms: _sizes(forms, {"F.linear", "few_columns"}, _positive),
+    )
+    limits = out["calibrated_few_rows"]
+    assert isinstance(limits, dict) and all(0 <= limits[part] <= 4 for part in ("projections", "lm_head"))
+
+
 @pytest.mark.timeout(600)
 def test_bench_e2e_quick(tmp_path: Path) -> None:
     out_file, plot = tmp_path / "e2e.json", tmp_path / "e2e.png"
