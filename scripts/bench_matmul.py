@@ -5,8 +5,9 @@
     .venv/bin/python scripts/bench_matmul.py --model tiny --layers 2 --repeats 1 --max-rows 2   # CI smoke size
 
 For 1 to 8 rows (the tokens of a decode batch), the median time of every projection of ``--layers`` layers of
-the model through ``F.linear`` and through the few-columns form of ``swarm.models.matmul``, plus the LM head for
-one row, on one torch thread; and the row limits ``matmul.calibrate`` chose for them on this machine.
+the model through ``F.linear``, the few-columns form and (where torch has MKL) packed weights of
+``swarm.models.matmul``, plus the LM head for one row, on one torch thread; and the forms ``matmul.calibrate``
+chose for them on this machine.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models.loading import resolve_model
-from swarm.models.matmul import calibrate, linear
+from swarm.models.matmul import PACKED_ROWS, Forms, calibrate, linear, pack, packing_available
 
+EVERY_ROW_PACKED = Forms(packed_rows=frozenset(range(1, PACKED_ROWS + 1)))
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -51,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     blocks = source.load_blocks(0, layers, cache_tokens=0)
     weights = [m.weight for m in blocks.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = source.load_head()
-    few_rows, head_few_rows = calibrate(weights), calibrate([head.lm_head_weight])
+    forms, head_forms = calibrate(weights, packing=True), calibrate([head.lm_head_weight])
+    packed = {id(w): pack(w) for w in weights} if packing_available() else {}
 
     def projections(product: Product, rows: int) -> float:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -60,14 +63,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     by_rows = {
         str(rows): {
             "F.linear": projections(F.linear, rows),
-            "few_columns": projections(functools.partial(linear, few_rows=rows), rows),
+            "few_columns": projections(functools.partial(linear, forms=Forms(few_rows=rows)), rows),
+            **(
+                {
+                    "packed": projections(
+                        lambda x, w: linear(x, w, None, EVERY_ROW_PACKED, packed[id(w)]),
+                        rows,
+                    )
+                }
+                if packed
+                else {}
+            ),
         }
         for rows in range(1, args.max_rows + 1)
     }
     hidden = torch.randn(1, source.spec.hidden_size)
     lm_head = {
         "F.linear": _median_ms(args.repeats, lambda: F.linear(hidden, head.lm_head_weight)),
-        "few_columns": _median_ms(args.repeats, lambda: linear(hidden, head.lm_head_weight, None, 1)),
+        "few_columns": _median_ms(
+            args.repeats, lambda: linear(hidden, head.lm_head_weight, None, Forms(few_rows=1))
+        ),
     }
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
@@ -76,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "model": source.spec.name,
                 "layers": layers,
                 "projection_mb": round(megabytes, 1),
-                "calibrated_few_rows": {"projections": few_rows, "lm_head": head_few_rows},
+                "calibrated": {
+                    "projections": {"few_rows": forms.few_rows, "packed_rows": sorted(forms.packed_rows)},
+                    "lm_head": {"few_rows": head_forms.few_rows},
+                },
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
             }

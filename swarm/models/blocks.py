@@ -28,7 +28,7 @@ from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.kv_cache import KVCache, SessionCache
-from swarm.models.matmul import calibrate, project
+from swarm.models.matmul import PLAIN, Forms, calibrate, pack, project
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
@@ -87,7 +87,10 @@ class BlockRange:
         cache_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
+        pack_bytes: int = 0,
     ) -> None:
+        """``pack_bytes``: memory this range may spend on packed copies of its weights (swarm.models.matmul), which
+        speed up batched decode steps on a CPU; 0 keeps none."""
         if len(layers) != len(layer_range):
             raise ValueError(f"got {len(layers)} layers for range {layer_range}")
         _, rotary_class, _ = family_classes(spec.model_type)
@@ -103,8 +106,19 @@ class BlockRange:
         # so sessions longer than the window are refused rather than silently computed differently.
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
-        # rows up to which projections take the few-columns form, as measured on this CPU (swarm.models.matmul)
-        self.few_rows = calibrate([m.weight for m in self.layers.modules() if isinstance(m, nn.Linear)])
+        # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
+        linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        affordable = 0 < weight_bytes <= pack_bytes
+        self.use_forms(calibrate([m.weight for m in linears], packing=affordable))
+
+    def use_forms(self, forms: Forms) -> None:
+        """Take ``forms`` for the projections from now on, keeping packed copies of the weights only if they use
+        them (on the torch thread, or before serving)."""
+        linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
+        usable = self.device.type == "cpu" and self.dtype == torch.float32
+        self.forms = forms if usable else PLAIN
+        self._packed = {id(m): pack(m.weight) for m in linears} if self.forms.packed_rows else {}
 
     # --- sessions -----------------------------------------------------------------------------------------
 
@@ -280,12 +294,10 @@ class BlockRange:
         num_heads, num_kv, head_dim = self.spec.num_heads, self.spec.num_kv_heads, self.head_dim
 
         x = block.input_layernorm(h)  # [1, N, H]
-        # projections through swarm.models.matmul: a faster form for decode steps' few rows, where this CPU has one
-        few = self.few_rows
         # q [1, nh, N, hd]; k, v [1, nkv, N, hd]
-        q = project(x, attn.q_proj, few).view(1, tokens, num_heads, head_dim).transpose(1, 2)
-        k = project(x, attn.k_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)
-        v = project(x, attn.v_proj, few).view(1, tokens, num_kv, head_dim).transpose(1, 2)
+        q = self._project(x, attn.q_proj).view(1, tokens, num_heads, head_dim).transpose(1, 2)
+        k = self._project(x, attn.k_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)
+        v = self._project(x, attn.v_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         gqa = num_kv != num_heads
 
@@ -316,12 +328,15 @@ class BlockRange:
                 offset += size
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, nh, N, hd]
         out = out.transpose(1, 2).reshape(1, tokens, num_heads * head_dim)  # [1, N, nh * hd]
-        h = h + project(out, attn.o_proj, few)
+        h = h + self._project(out, attn.o_proj)
         # the gated MLP of transformers' *MLP, written out
         mlp, x = block.mlp, block.post_attention_layernorm(h)
-        return h + project(
-            mlp.act_fn(project(x, mlp.gate_proj, few)) * project(x, mlp.up_proj, few), mlp.down_proj, few
-        )
+        gated = mlp.act_fn(self._project(x, mlp.gate_proj)) * self._project(x, mlp.up_proj)
+        return h + self._project(gated, mlp.down_proj)
+
+    def _project(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """A projection in the form this CPU runs fastest for x's rows (swarm.models.matmul)."""
+        return project(x, layer, self.forms, self._packed.get(id(layer)))
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ class ClientHead:
         self.lm_head_weight = lm_head_weight
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
-        # rows up to which the LM head takes the few-columns form, as measured on this CPU (models.matmul)
-        self.few_rows = calibrate([lm_head_weight])
+        # the form of the LM head worth taking on this CPU, as measured (models.matmul; no packed copy here)
+        self.forms = calibrate([lm_head_weight])
 
     @property
     def hidden_size(self) -> int:
@@ -53,7 +53,7 @@ class ClientHead:
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
-        return linear(normed, self.lm_head_weight, None, self.few_rows).float()
+        return linear(normed, self.lm_head_weight, None, self.forms).float()
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,9 @@ class ModelSource:
         device: str = "cpu",
         dtype: str = "float32",
         cache_tokens: int = DEFAULT_CACHE_TOKENS,
+        pack_bytes: int = 0,
     ) -> BlockRange:
-        """Layers [start, end), reading only their tensors."""
+        """Layers [start, end), reading only their tensors (``pack_bytes``: see BlockRange)."""
         layers = LayerRange(start, end)
         layers.check_within(self.spec.num_layers)
         torch_device, torch_type = parse_device(device), torch_dtype(dtype)
@@ -170,7 +171,9 @@ class ModelSource:
             dtype,
             time.perf_counter() - began,
         )
-        return BlockRange(self.spec, self.config, modules, layers, cache_tokens, torch_device, torch_type)
+        return BlockRange(
+            self.spec, self.config, modules, layers, cache_tokens, torch_device, torch_type, pack_bytes
+        )
 
     def load_head(self, device: str = "cpu", dtype: str = "float32") -> ClientHead:
         """Embeddings, final norm and LM head (tied to the embeddings when the config says so)."""

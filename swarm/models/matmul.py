@@ -7,11 +7,19 @@ projections of 10 layers of SmolLM2-135M (142 MB, ``scripts/bench_matmul.py``) t
 ms for 2 through ``F.linear``, but 9.5 ms for both written as ``weight @ x.T`` (MKL's kernel for a few columns;
 one row goes through it as two, since with one column MKL falls back to the slow kernel), and the LM head 6.3 ms
 instead of 9.8. On an Intel Sapphire Rapids the same products are the other way round: ``F.linear`` takes 10.7 ms
-for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientHead`` times both forms on its
+for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientHead`` times the forms on its
 own weights when it is made and keeps the number of rows up to which the few-columns form is clearly faster
 (0: never).
 
-Only the summation order differs from ``F.linear`` (each output is the same dot product), so outputs agree with
+Batched decode steps (4 to 16 rows) have a third form on x86 CPUs: MKL's packed weights (``pack``; the kernel
+torch's inductor uses for frozen CPU models). One packed copy, made for 16 rows, serves any row count. On the
+Intel host, 10 layers took 12.3 / 14.7 / 15.6 / 15.8 ms for 4 / 8 / 12 / 16 rows packed, against 14.3 / 19.5 /
+24.5 / 18.4 through ``F.linear``, but 8.3 against 7.5 for one row. The copy doubles the weights' memory, so its
+owner decides whether it can afford it (``BlockRange``'s ``pack_bytes``); calibration says for which row counts
+it pays (``Forms.packed_rows``): MKL's speed jumps about between them (F.linear took 20.3 ms for 16 rows but 29.5
+for 15).
+
+Only the summation order differs from ``F.linear`` in either form (each output is the same dot product), so outputs agree with
 transformers' to float rounding and greedy tokens are those of transformers (the exactness tests). GPUs, other
 dtypes and longer inputs use ``F.linear`` itself.
 """
@@ -21,7 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +40,36 @@ logger = logging.getLogger(__name__)
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MAX_FEW_ROWS = 4  # past this many rows F.linear was never slower on the machines measured
+PACKED_ROWS = (
+    16  # packed weights are made for this many rows, and used up to it (a decode batch's default cap)
+)
+PACKED_TIMED_ROWS = range(2, PACKED_ROWS + 1)  # each timed: MKL's speed jumps about between row counts
 CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
 CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
+
+
+@dataclass(frozen=True)
+class Forms:
+    """The forms of a product worth taking on this CPU, by the rows of its input (see ``calibrate``)."""
+
+    few_rows: int = 0  # 1 to few_rows rows: the few-columns form (0: never)
+    packed_rows: frozenset[int] = frozenset()  # these row counts: the packed weights, where there are some
+
+
+PLAIN = Forms()  # F.linear for every input
+
+
+def packing_available() -> bool:
+    """Whether this torch has MKL's packed-weight kernels (x86 builds with MKL)."""
+    try:
+        return torch.backends.mkl.is_available() and callable(torch.ops.mkl._mkl_linear)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of a CPU float32 weight [N, K], for ``linear(..., packed=)``: as large as the weight."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
 def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> bool:
@@ -54,12 +91,27 @@ def _few_columns(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ rows.T).T[:count]  # rows.T is a view: the layout this kernel is fast with
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, few_rows: int = 0
+def _packed_product(
+    rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N]. Inputs of 1 to few_rows rows
-    take the few-columns form (``calibrate`` says how many rows that is worth on this CPU)."""
-    if not few_rows_kernel(x, weight, few_rows):
+    """rows [M, K] @ weight.T (+ bias) through ``packed`` (``pack(weight)``): [M, N]."""
+    return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    forms: Forms = PLAIN,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N], in the form ``forms`` gives for
+    x's rows (``packed``: ``pack(weight)``, if the caller keeps one)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if packed is not None and rows in forms.packed_rows and x.dtype == torch.float32:
+        out = _packed_product(x.reshape(rows, x.shape[-1]), packed, weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if not few_rows_kernel(x, weight, forms.few_rows):
         return F.linear(x, weight, bias)
     out = _few_columns(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
@@ -67,9 +119,19 @@ def linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def project(x: torch.Tensor, layer: torch.nn.Linear, few_rows: int = 0) -> torch.Tensor:
+def project(
+    x: torch.Tensor, layer: torch.nn.Linear, forms: Forms = PLAIN, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``layer(x)`` for a transformers ``nn.Linear`` projection, through ``linear``."""
-    return linear(x, layer.weight, layer.bias, few_rows)
+    return linear(x, layer.weight, layer.bias, forms, packed)
+
+
+def packed_rows(seconds_by_rows: dict[int, tuple[float, float]]) -> frozenset[int]:
+    """From {rows: (F.linear seconds, packed seconds)}: the row counts at which the packed weights took at most
+    CLEARLY_FASTER of F.linear's time."""
+    return frozenset(
+        rows for rows, (plain, packed) in seconds_by_rows.items() if packed <= CLEARLY_FASTER * plain
+    )
 
 
 def few_rows_limit(seconds_by_rows: dict[int, tuple[float, float]]) -> int:
@@ -84,17 +146,19 @@ def few_rows_limit(seconds_by_rows: dict[int, tuple[float, float]]) -> int:
     return limit
 
 
-_calibrated: dict[tuple[object, ...], int] = {}
+_calibrated: dict[tuple[object, ...], Forms] = {}
 _calibration_lock = threading.Lock()
 
 
 def calibrate(
     weights: Sequence[torch.Tensor],
     *,
+    packing: bool = False,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
-) -> int:
-    """How many rows (0 to MAX_FEW_ROWS) should take the few-columns form for these weights on this CPU.
+) -> Forms:
+    """The forms worth taking for products with these weights on this CPU; packed weights are timed only if
+    ``packing`` (the caller could afford a packed copy) and this torch has them.
 
     Times one pass over a sample of the weights (each shape once, then more up to CALIBRATION_BYTES) per form and
     row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
@@ -104,19 +168,41 @@ def calibrate(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     weights = [w.detach() for w in weights]
     if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.ndim != 2 for w in weights):
-        return 0
-    key = (torch.get_num_threads(), *sorted({tuple(w.shape) for w in weights}))
+        return PLAIN
+    packing = packing and packing_available()
+    key = (torch.get_num_threads(), packing, *sorted({tuple(w.shape) for w in weights}))
     known = _calibrated.get(key)
     if known is not None:
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            _calibrated[key] = few_rows_limit(_time_forms(_sample(weights), repeats, clock))
+            sample = _sample(weights)
+            few = few_rows_limit(
+                _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
+            )
+            rows: frozenset[int] = frozenset()
+            if packing:
+                packed = {id(w): pack(w) for w in sample}
+                packed_form: Product = lambda x, w: _packed_product(x, packed[id(w)], w, None)  # noqa: E731
+                rows = packed_rows(_time_forms(sample, PACKED_TIMED_ROWS, packed_form, repeats, clock))
+            _calibrated[key] = Forms(few, rows)
             logger.info(
-                "matmul: the few-columns form for %s (measured on this CPU)",
-                f"up to {_calibrated[key]} rows" if _calibrated[key] else "no row count",
+                "matmul forms measured on this CPU: few-columns for %s, packed weights %s",
+                f"up to {few} rows" if few else "no row count",
+                f"for {_spans(rows)} rows" if rows else ("never" if packing else "not timed"),
             )
         return _calibrated[key]
+
+
+def _spans(rows: frozenset[int]) -> str:
+    """{4, 5, 6, 9} -> "4-6, 9"."""
+    spans: list[list[int]] = []
+    for row in sorted(rows):
+        if spans and row == spans[-1][1] + 1:
+            spans[-1][1] = row
+        else:
+            spans.append([row, row])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -143,20 +229,25 @@ def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _time_forms(
-    weights: list[torch.Tensor], repeats: int, clock: Callable[[], float]
+    weights: list[torch.Tensor],
+    row_counts: Iterable[int],
+    form: Product,
+    repeats: int,
+    clock: Callable[[], float],
 ) -> dict[int, tuple[float, float]]:
+    """{rows: (F.linear seconds, ``form`` seconds)}, each the best of ``repeats`` passes over ``weights``."""
     seconds: dict[int, tuple[float, float]] = {}
     with torch.no_grad():
-        for rows in range(1, MAX_FEW_ROWS + 1):
+        for rows in row_counts:
             # fixed values, not the global RNG: loading a model must not change what a seeded caller draws next
             inputs = {w.shape[1]: torch.full((rows, w.shape[1]), 0.5) for w in weights}
-            forms: tuple[Product, Product] = (F.linear, _few_columns)
+            forms: tuple[Product, Product] = (F.linear, form)
             best = [float("inf"), float("inf")]
             for attempt in range(repeats + 1):  # the first pass of each form warms up and is not counted
-                for index, form in enumerate(forms):  # interleaved: a slow spell of the machine hits both
+                for index, timed in enumerate(forms):  # interleaved: a slow spell of the machine hits both
                     began = clock()
                     for weight in weights:
-                        form(inputs[weight.shape[1]], weight)
+                        timed(inputs[weight.shape[1]], weight)
                     elapsed = clock() - began
                     if attempt:
                         best[index] = min(best[index], elapsed)

@@ -50,6 +50,7 @@ from swarm.dht import Directory, SwarmSnapshot
 from swarm.models.blocks import BlockRange
 from swarm.models.loading import ModelSource
 from swarm.peer.config import FollowConfig
+from swarm.peer.measure import packing_bytes
 from swarm.peer.state import Peer, Served, Status
 from swarm.types import LayerRange, NodeID, Plan
 
@@ -141,7 +142,9 @@ def unkept_layers(peer_id: str, layers: list[int], snapshot: SwarmSnapshot) -> l
 # ---------------------------------------------------------------------------------------------- actions
 
 
-def assemble_blocks(source: ModelSource, held: BlockRange, layers: LayerRange) -> BlockRange:
+def assemble_blocks(
+    source: ModelSource, held: BlockRange, layers: LayerRange, pack_bytes: int = 0
+) -> BlockRange:
     """A BlockRange of `layers` with a fresh KV cache, reusing `held`'s modules for the layers it has and
     loading only the others (run it off the event loop). The modules are read-only at inference, so the old
     and the new BlockRange can share them while the old one still serves."""
@@ -161,7 +164,14 @@ def assemble_blocks(source: ModelSource, held: BlockRange, layers: LayerRange) -
         modules.extend(loaded.layers)
         layer = end
     return BlockRange(
-        source.spec, source.config, modules, layers, held.cache.cache_tokens, held.device, held.dtype
+        source.spec,
+        source.config,
+        modules,
+        layers,
+        held.cache.cache_tokens,
+        held.device,
+        held.dtype,
+        pack_bytes,
     )
 
 
@@ -294,6 +304,8 @@ class PlanFollower:
             return False
         device, dtype = str(old.blocks.device), str(old.blocks.dtype).removeprefix("torch.")
         cache_tokens = old.blocks.cache.cache_tokens
+        identity = self.peer.identity
+        spare = packing_bytes(self.source.spec, dtype, identity.memory_bytes, cache_tokens, len(target))
         keep = old.range.intersect(target)
         if keep is not None:
             self.peer.serve(assemble_blocks(self.source, old.blocks, keep))  # shares old's modules
@@ -305,11 +317,11 @@ class PlanFollower:
         del old
         kept = self.peer.current
         if kept is not None:
-            blocks = await asyncio.to_thread(assemble_blocks, self.source, kept.blocks, target)
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, kept.blocks, target, spare)
             await self.peer.carry_over(blocks)
         else:
             fresh = await asyncio.to_thread(
-                self.source.load_blocks, target.start, target.end, device, dtype, cache_tokens
+                self.source.load_blocks, target.start, target.end, device, dtype, cache_tokens, spare
             )
             self.peer.serve(fresh)
         await self._announce(target)

@@ -107,6 +107,13 @@ def max_layers_within(spec: ModelSpec, dtype: str, budget_bytes: int, cache_toke
     return max(0, min(spec.num_layers, budget_bytes // max(per_layer, 1)))
 
 
+def packing_bytes(spec: ModelSpec, dtype: str, budget_bytes: int, cache_tokens: int, layers: int) -> int:
+    """What the budget leaves, once ``layers`` layers' weights and KV caches are counted, for packed copies of
+    their weights (BlockRange's ``pack_bytes``): a CPU peer holding fewer layers than fit gets faster batches."""
+    per_layer = spec.layer_bytes(dtype) + cache_tokens * spec.kv_bytes_per_token(dtype)
+    return max(0, budget_bytes - layers * per_layer)
+
+
 def choose_range(coverage: list[int], max_layers: int) -> LayerRange:
     """Petals-style: the window of ``max_layers`` layers that live peers cover least.
 

@@ -46,6 +46,7 @@ from swarm.peer.measure import (
     max_layers_within,
     measure_compute,
     memory_budget_bytes,
+    packing_bytes,
 )
 from swarm.peer.planner_service import PlannerService
 from swarm.peer.state import Identity, Peer, Served
@@ -213,6 +214,9 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         identity.max_layers,
         identity.memory_bytes / 1024**3,
     )
+    spare = packing_bytes(
+        spec, config.torch_dtype_name, identity.memory_bytes, config.cache_tokens, len(layers)
+    )
     blocks = await asyncio.to_thread(
         source.load_blocks,
         layers.start,
@@ -220,6 +224,7 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         config.device,
         config.torch_dtype_name,
         config.cache_tokens,
+        spare,
     )
     logger.info("measuring compute speed of one layer")
     peer.compute = await peer.executor.call(lambda: measure_compute(blocks))

@@ -10,7 +10,8 @@ import torch
 from client.local import in_process_client
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models import SamplingParams, Step
-from swarm.models.matmul import MAX_FEW_ROWS
+from swarm.models import blocks as blocks_module
+from swarm.models.matmul import MAX_FEW_ROWS, PACKED_TIMED_ROWS, PLAIN, Forms, packing_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,34 +23,44 @@ def reference(tiny_source):  # type: ignore[no-untyped-def]
     return tiny_source.load_reference_model()
 
 
-@pytest.fixture(params=["measured", "few_columns"])
-def few_rows(request) -> int | None:  # type: ignore[no-untyped-def]
-    """The matmul form: what calibration chose on this CPU, or the few-columns form for every decode step
-    (whichever this machine picks, both must stay exact)."""
-    return None if request.param == "measured" else MAX_FEW_ROWS
+FORMS = {
+    "few_columns": Forms(few_rows=MAX_FEW_ROWS),
+    "packed": Forms(packed_rows=frozenset(PACKED_TIMED_ROWS)),
+}
 
 
-def _form(part, few_rows: int | None):  # type: ignore[no-untyped-def]
-    if few_rows is not None:
-        part.few_rows = few_rows
+@pytest.fixture(params=["measured", "few_columns", "packed"])
+def forms(request) -> Forms | None:  # type: ignore[no-untyped-def]
+    """The matmul forms: what calibration chose on this CPU, the few-columns form for every decode step, or MKL's
+    packed weights for every batch of 2 to 16 rows (whichever this machine picks, each must stay exact)."""
+    if request.param == "packed" and not packing_available():
+        pytest.skip("this torch has no MKL packed weights")
+    return FORMS.get(request.param)
+
+
+@pytest.fixture()
+def head(tiny_source, forms):  # type: ignore[no-untyped-def]
+    part = tiny_source.load_head()
+    if forms is not None:
+        part.forms = Forms(few_rows=forms.few_rows)  # the head keeps no packed copy
+    return part
+
+
+def _blocks(tiny_source, start: int, end: int, forms: Forms | None):  # type: ignore[no-untyped-def]
+    part = tiny_source.load_blocks(start, end, cache_tokens=1000)
+    if forms is not None:
+        part.use_forms(forms)
     return part
 
 
 @pytest.fixture()
-def head(tiny_source, few_rows):  # type: ignore[no-untyped-def]
-    return _form(tiny_source.load_head(), few_rows)
+def split(tiny_source, forms):  # type: ignore[no-untyped-def]
+    return [_blocks(tiny_source, a, b, forms) for a, b in [(0, 2), (2, 4), (4, 6)]]
 
 
 @pytest.fixture()
-def split(tiny_source, few_rows):  # type: ignore[no-untyped-def]
-    return [
-        _form(tiny_source.load_blocks(a, b, cache_tokens=1000), few_rows) for a, b in [(0, 2), (2, 4), (4, 6)]
-    ]
-
-
-@pytest.fixture()
-def whole(tiny_source, few_rows):  # type: ignore[no-untyped-def]
-    return _form(tiny_source.load_blocks(0, 6, cache_tokens=1000), few_rows)
+def whole(tiny_source, forms):  # type: ignore[no-untyped-def]
+    return _blocks(tiny_source, 0, 6, forms)
 
 
 def test_hidden_states_match_transformers(split, head, reference) -> None:  # type: ignore[no-untyped-def]
@@ -253,3 +264,24 @@ def test_bfloat16_blocks_run_close_to_float32(tiny_source, head) -> None:  # typ
     full = tiny_source.load_blocks(0, 6).forward([Step(None, hidden, 0, 6, 0)])[0]
     assert low.dtype == torch.bfloat16
     assert (low.float() - full).abs().max().item() <= 0.1 * full.abs().max().item()
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed weights")
+def test_packed_copies_are_timed_and_kept_only_within_the_memory_given(tiny_source, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    asked: list[bool] = []
+
+    def faster_when_packed(weights: list[torch.Tensor], *, packing: bool = False) -> Forms:
+        asked.append(packing)
+        return Forms(packed_rows=frozenset({3})) if packing else PLAIN
+
+    monkeypatch.setattr(blocks_module, "calibrate", faster_when_packed)
+    weight_bytes = 2 * sum(
+        p.numel() * 4 for p in tiny_source.load_blocks(0, 1).layers.parameters() if p.ndim == 2
+    )
+    tight = tiny_source.load_blocks(0, 2, cache_tokens=100, pack_bytes=weight_bytes - 1)
+    roomy = tiny_source.load_blocks(0, 2, cache_tokens=100, pack_bytes=weight_bytes)
+    assert asked[-2:] == [False, True]  # a copy it cannot afford is not even timed
+    assert tight._packed == {} and tight.forms == PLAIN
+    assert len(roomy._packed) == 2 * 7 and roomy.forms.packed_rows == {3}  # 7 projections a layer
+    bf16 = tiny_source.load_blocks(0, 2, dtype="bfloat16", cache_tokens=100, pack_bytes=2**40)
+    assert bf16._packed == {} and bf16.forms == PLAIN  # packed weights are float32 only

@@ -1,5 +1,5 @@
 """swarm.models.matmul: F.linear's result (to float rounding) whatever the rows, the form and the input's shape, and
-a row limit measured per machine and set of weight shapes."""
+forms measured per machine and set of weight shapes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,22 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models import matmul
-from swarm.models.matmul import MAX_FEW_ROWS, calibrate, few_rows_kernel, few_rows_limit, linear, project
+from swarm.models.matmul import (
+    MAX_FEW_ROWS,
+    PACKED_TIMED_ROWS,
+    PLAIN,
+    Forms,
+    calibrate,
+    few_rows_kernel,
+    few_rows_limit,
+    linear,
+    pack,
+    packed_rows,
+    packing_available,
+    project,
+)
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed weights")
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +48,23 @@ def few_columns_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 17])
+@pytest.fixture()
+def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of each product that went through the packed weights."""
+    calls: list[int] = []
+    original = matmul._packed_product
+
+    def spy(
+        rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return original(rows, packed, weight, bias)
+
+    monkeypatch.setattr(matmul, "_packed_product", spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, MAX_FEW_ROWS, MAX_FEW_ROWS + 1, 16, 17])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("few_rows", [0, MAX_FEW_ROWS])
 def test_linear_is_f_linear_for_every_row_count(
@@ -43,11 +74,33 @@ def test_linear_is_f_linear_for_every_row_count(
     weight = torch.randn(96, 40, generator=generator)
     b = torch.randn(96, generator=generator) if bias else None
     x = torch.randn(1, rows, 40, generator=generator)  # [1, N, K], as BlockRange's layers hold them
-    got = linear(x, weight, b, few_rows)
+    forms = Forms(few_rows=few_rows)
+    got = linear(x, weight, b, forms)
     assert got.shape == (1, rows, 96)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
-    assert torch.equal(linear(x, weight, b, few_rows), got)  # the same inputs always give the same bits
+    assert torch.equal(linear(x, weight, b, forms), got)  # the same inputs always give the same bits
     assert few_columns_calls == ([rows, rows] if rows <= few_rows else [])  # the form the limit asked for
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weights_give_f_linears_result_for_the_row_counts_they_are_kept_for(
+    rows: int, bias: bool, packed_calls: list[int]
+) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    b = torch.randn(96, generator=generator) if bias else None
+    x = torch.randn(1, rows, 40, generator=generator)
+    forms = Forms(packed_rows=frozenset(PACKED_TIMED_ROWS))
+    got = linear(x, weight, b, forms, pack(weight))
+    assert got.shape == (1, rows, 96)
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    assert torch.equal(linear(x, weight, b, forms, pack(weight)), got)
+    assert packed_calls == ([rows, rows] if rows in PACKED_TIMED_ROWS else [])
+    packed_calls.clear()
+    linear(x, weight, b, forms)  # no packed copy given: F.linear, whatever the forms say
+    assert packed_calls == []
 
 
 @pytest.mark.parametrize(
@@ -62,7 +115,7 @@ def test_linear_is_f_linear_for_every_row_count(
 )
 def test_linear_takes_any_input_shape_f_linear_takes(x: torch.Tensor) -> None:
     weight = torch.randn(24, 40)
-    got = linear(x, weight, None, MAX_FEW_ROWS)
+    got = linear(x, weight, None, Forms(few_rows=MAX_FEW_ROWS))
     assert got.shape == F.linear(x, weight).shape
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
@@ -77,7 +130,7 @@ def test_the_few_columns_form_is_taken_only_up_to_the_limit_and_for_cpu_float32(
     assert not few_rows_kernel(torch.randn(1, 4, dtype=torch.bfloat16), weight.bfloat16(), 4)  # other dtypes
     one_row = torch.randn(1, 4)
     assert torch.equal(
-        linear(one_row.bfloat16(), weight.bfloat16(), None, 4),
+        linear(one_row.bfloat16(), weight.bfloat16(), None, Forms(few_rows=4)),
         F.linear(one_row.bfloat16(), weight.bfloat16()),
     )
 
@@ -87,6 +140,12 @@ def test_the_limit_is_the_longest_run_of_row_counts_where_the_form_is_clearly_fa
     assert few_rows_limit({1: (1.0, 2.0), 2: (1.0, 0.5)}) == 0  # slower for one row: never
     assert few_rows_limit({rows: (2.0, 1.0) for rows in range(1, MAX_FEW_ROWS + 1)}) == MAX_FEW_ROWS
     assert few_rows_limit({}) == 0
+
+
+def test_packed_weights_are_kept_for_each_row_count_where_they_were_clearly_faster() -> None:
+    seconds = {2: (1.0, 1.2), 3: (1.0, 0.5), 4: (1.0, 0.95), 5: (2.0, 1.0), 16: (1.0, 0.9)}
+    assert packed_rows(seconds) == {3, 5, 16}  # not a run: MKL's speed jumps about between row counts
+    assert packed_rows({}) == frozenset()
 
 
 def paced_clock(f_linear_s: float, few_columns_s: float) -> tuple[Callable[[], float], list[int]]:
@@ -105,26 +164,41 @@ def paced_clock(f_linear_s: float, few_columns_s: float) -> tuple[Callable[[], f
     return clock, reads
 
 
-@pytest.mark.parametrize(("f_linear_s", "few_columns_s", "limit"), [(2.0, 1.0, MAX_FEW_ROWS), (1.0, 2.0, 0)])
-def test_calibration_keeps_the_form_that_was_faster(
-    f_linear_s: float, few_columns_s: float, limit: int
+@pytest.mark.parametrize(
+    ("f_linear_s", "other_s", "expected"),
+    [(2.0, 1.0, Forms(MAX_FEW_ROWS, frozenset(PACKED_TIMED_ROWS))), (1.0, 2.0, PLAIN)],
+)
+@pytest.mark.parametrize("packing", [False, pytest.param(True, marks=needs_packing)])
+def test_calibration_keeps_the_forms_that_were_faster(
+    f_linear_s: float, other_s: float, expected: Forms, packing: bool
 ) -> None:
-    clock, _ = paced_clock(f_linear_s, few_columns_s)
-    assert calibrate([torch.randn(24, 8), torch.randn(8, 24)], clock=clock) == limit
+    clock, _ = paced_clock(f_linear_s, other_s)
+    forms = calibrate([torch.randn(24, 8), torch.randn(8, 24)], packing=packing, clock=clock)
+    assert forms == (expected if packing else Forms(few_rows=expected.few_rows))
 
 
 def test_calibration_runs_once_per_shapes_and_skips_what_it_cannot_serve() -> None:
     clock, reads = paced_clock(1.0, 1.0)
     weights = [torch.randn(24, 8), torch.randn(8, 24)]
-    assert calibrate(weights, repeats=2, clock=clock) == 0  # a tie is not "clearly faster"
+    assert calibrate(weights, repeats=2, clock=clock) == PLAIN  # a tie is not "clearly faster"
     timed = MAX_FEW_ROWS * 3 * 2 * 2  # per row count: warm-up + 2 repeats, two forms, two clock reads
     assert reads[0] == timed
-    assert calibrate([torch.randn(8, 24), torch.randn(24, 8)], clock=clock) == 0  # the same shapes: kept
-    assert calibrate([torch.randn(24, 8, dtype=torch.bfloat16)], clock=clock) == 0  # not float32: never timed
-    assert calibrate([], clock=clock) == 0
+    assert calibrate([torch.randn(8, 24), torch.randn(24, 8)], clock=clock) == PLAIN  # the same shapes: kept
+    bf16 = [torch.randn(24, 8, dtype=torch.bfloat16)]
+    assert calibrate(bf16, clock=clock) == PLAIN  # not float32: never timed
+    assert calibrate([], clock=clock) == PLAIN
     assert reads[0] == timed
     with pytest.raises(ValueError, match="repeats"):
         calibrate(weights, repeats=0)
+
+
+@needs_packing
+def test_calibration_with_packing_times_the_packed_form_once_more_per_row_count() -> None:
+    clock, reads = paced_clock(1.0, 1.0)
+    weights = [torch.randn(24, 8), torch.randn(8, 24)]
+    calibrate(weights, repeats=2, clock=clock)
+    assert calibrate(weights, repeats=2, packing=True, clock=clock) == PLAIN  # packing is its own key
+    assert reads[0] == (MAX_FEW_ROWS * 2 + len(PACKED_TIMED_ROWS)) * 3 * 2 * 2
 
 
 def test_calibration_times_every_shape_within_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,9 +206,9 @@ def test_calibration_times_every_shape_within_its_byte_budget(monkeypatch: pytes
     shapes: list[tuple[int, ...]] = []
     original = matmul._time_forms
 
-    def record(weights: list[torch.Tensor], repeats: int, clock: Callable[[], float]) -> dict:  # type: ignore[type-arg]
+    def record(weights: list[torch.Tensor], *args: object) -> dict:  # type: ignore[type-arg]
         shapes.extend(tuple(w.shape) for w in weights)
-        return original(weights, repeats, clock)
+        return original(weights, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(matmul, "_time_forms", record)
     big, small = torch.randn(1000, 10), torch.randn(3, 7)
@@ -154,4 +228,4 @@ def test_project_uses_the_layers_weight_and_bias() -> None:
     layer = torch.nn.Linear(40, 24, bias=True)
     x = torch.randn(2, 40)
     with torch.no_grad():
-        torch.testing.assert_close(project(x, layer, 2), layer(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(project(x, layer, Forms(few_rows=2)), layer(x), atol=1e-5, rtol=1e-5)
