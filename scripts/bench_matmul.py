@@ -4,10 +4,10 @@
     .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9] [--max-rows 8]
     .venv/bin/python scripts/bench_matmul.py --model tiny --layers 2 --repeats 1 --max-rows 2   # CI smoke size
 
-For 1 to 8 rows (the tokens of a decode batch), the median time of every projection of ``--layers`` layers of
-the model through ``F.linear``, the few-columns form and (where torch has MKL) packed weights of
-``swarm.models.matmul``, plus the LM head for one row, on one torch thread; and the forms ``matmul.calibrate``
-chose for them on this machine.
+For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
+``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel torch
+has here (``swarm.models.matmul``), plus the LM head for one row, on one torch thread; and the forms
+``matmul.calibrate`` chose for them on this machine.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models.loading import resolve_model
-from swarm.models.matmul import PACKED_ROWS, Forms, calibrate, linear, pack, packing_available
+from swarm.models.matmul import PACKED_ROWS, Forms, calibrate, linear, pack, packers
 
-EVERY_ROW_PACKED = Forms(packed_rows=frozenset(range(1, PACKED_ROWS + 1)))
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -53,8 +52,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     blocks = source.load_blocks(0, layers, cache_tokens=0)
     weights = [m.weight for m in blocks.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = source.load_head()
-    forms, head_forms = calibrate(weights, packing=True), calibrate([head.lm_head_weight])
-    packed = {id(w): pack(w) for w in weights} if packing_available() else {}
+    forms, head_forms = calibrate(weights, packing=True), calibrate([head.lm_head_weight], packing=True)
+    every_row = {name: Forms(packer=name, packed_rows=frozenset(range(1, PACKED_ROWS + 1)), packed_beyond=True)
+                 for name in packers()}  # fmt: skip
+    packed = {name: {id(w): pack(w, name) for w in [*weights, head.lm_head_weight]} for name in packers()}
+
+    def packed_product(name: str) -> Product:
+        return lambda x, w: linear(x, w, None, every_row[name], packed[name][id(w)])
 
     def projections(product: Product, rows: int) -> float:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -64,18 +68,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         str(rows): {
             "F.linear": projections(F.linear, rows),
             "few_columns": projections(functools.partial(linear, forms=Forms(few_rows=rows)), rows),
-            **(
-                {
-                    "packed": projections(
-                        lambda x, w: linear(x, w, None, EVERY_ROW_PACKED, packed[id(w)]),
-                        rows,
-                    )
-                }
-                if packed
-                else {}
-            ),
+            **{f"packed_{name}": projections(packed_product(name), rows) for name in packers()},
         }
-        for rows in range(1, args.max_rows + 1)
+        for rows in [*range(1, args.max_rows + 1), 64]
     }
     hidden = torch.randn(1, source.spec.hidden_size)
     lm_head = {
@@ -83,6 +78,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "few_columns": _median_ms(
             args.repeats, lambda: linear(hidden, head.lm_head_weight, None, Forms(few_rows=1))
         ),
+        **{
+            f"packed_{name}": _median_ms(
+                args.repeats, lambda name=name: packed_product(name)(hidden, head.lm_head_weight)
+            )
+            for name in packers()
+        },
     }
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
@@ -92,14 +93,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "layers": layers,
                 "projection_mb": round(megabytes, 1),
                 "calibrated": {
-                    "projections": {"few_rows": forms.few_rows, "packed_rows": sorted(forms.packed_rows)},
-                    "lm_head": {"few_rows": head_forms.few_rows},
+                    "projections": _forms_json(forms),
+                    "lm_head": _forms_json(head_forms),
                 },
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
             }
         )
     )
+
+
+def _forms_json(forms: Forms) -> dict[str, object]:
+    return {
+        "few_rows": forms.few_rows,
+        "packer": forms.packer,
+        "packed_rows": sorted(forms.packed_rows),
+        "packed_beyond": forms.packed_beyond,
+    }
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ class BlockRange:
         linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
         usable = self.device.type == "cpu" and self.dtype == torch.float32
         self.forms = forms if usable else PLAIN
-        self._packed = {id(m): pack(m.weight) for m in linears} if self.forms.packed_rows else {}
+        packer = self.forms.packer
+        self._packed = {id(m): pack(m.weight, packer) for m in linears} if packer else {}
 
     # --- sessions -----------------------------------------------------------------------------------------
 

@@ -11,17 +11,20 @@ for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientH
 own weights when it is made and keeps the number of rows up to which the few-columns form is clearly faster
 (0: never).
 
-Batched decode steps (4 to 16 rows) have a third form on x86 CPUs: MKL's packed weights (``pack``; the kernel
-torch's inductor uses for frozen CPU models). One packed copy, made for 16 rows, serves any row count. On the
-Intel host, 10 layers took 12.3 / 14.7 / 15.6 / 15.8 ms for 4 / 8 / 12 / 16 rows packed, against 14.3 / 19.5 /
-24.5 / 18.4 through ``F.linear``, but 8.3 against 7.5 for one row. The copy doubles the weights' memory, so its
-owner decides whether it can afford it (``BlockRange``'s ``pack_bytes``); calibration says for which row counts
-it pays (``Forms.packed_rows``): MKL's speed jumps about between them (F.linear took 20.3 ms for 16 rows but 29.5
-for 15).
+A third form keeps a packed copy of each weight, laid out for the kernel that reads it (``pack``): oneDNN's
+(``torch.ops.mkldnn``, the kernels torch's inductor calls for frozen CPU models) or MKL's packed GEMM. One copy,
+made for 16 rows, serves any row count. On the AMD EPYC, oneDNN's took 5.0 / 5.4 / 6.4 / 8.8 / 74.6 ms for 1 / 3 /
+7 / 16 / 256 rows of those 10 layers, against 8.6 / 15.7 / 16.7 / 20.2 / 174.6 through ``F.linear``: MKL's
+kernel is slow on that CPU at every size, prefill included. On the Intel host MKL's packed weights took 12.3 /
+14.7 / 15.8 ms for 4 / 8 / 16 rows against 14.3 / 19.5 / 18.4, but 8.3 against 7.5 for one row. The copy
+doubles the weights' memory, so its owner decides whether it can afford it (``BlockRange``'s ``pack_bytes``);
+calibration then times each packing for 1 to 16 rows and for 64 (a prefill chunk), keeps the one that saves
+the most, and says for which row counts it pays (``Forms``): speeds jump about between row counts (MKL's
+F.linear took 20.3 ms for 16 rows but 29.5 for 15 on the Intel host).
 
-Only the summation order differs from ``F.linear`` in either form (each output is the same dot product), so outputs agree with
-transformers' to float rounding and greedy tokens are those of transformers (the exactness tests). GPUs, other
-dtypes and longer inputs use ``F.linear`` itself.
+Only the summation order differs from ``F.linear`` in any form (each output is the same dot product), so outputs
+agree with transformers' to float rounding and greedy tokens are those of transformers (the exactness tests).
+GPUs and other dtypes use ``F.linear`` itself.
 """
 
 from __future__ import annotations
@@ -40,10 +43,9 @@ logger = logging.getLogger(__name__)
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MAX_FEW_ROWS = 4  # past this many rows F.linear was never slower on the machines measured
-PACKED_ROWS = (
-    16  # packed weights are made for this many rows, and used up to it (a decode batch's default cap)
-)
-PACKED_TIMED_ROWS = range(2, PACKED_ROWS + 1)  # each timed: MKL's speed jumps about between row counts
+PACKED_ROWS = 16  # packed weights are laid out for this many rows (a decode batch's default cap)
+PACKED_TIMED_ROWS = range(1, PACKED_ROWS + 1)  # each timed: MKL's speed jumps about between row counts
+LONG_ROWS = 64  # timed for inputs past PACKED_ROWS (prefill chunks)
 CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
 CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
 
@@ -53,23 +55,51 @@ class Forms:
     """The forms of a product worth taking on this CPU, by the rows of its input (see ``calibrate``)."""
 
     few_rows: int = 0  # 1 to few_rows rows: the few-columns form (0: never)
-    packed_rows: frozenset[int] = frozenset()  # these row counts: the packed weights, where there are some
+    packer: str = ""  # the packed copy to keep ("onednn" or "mkl", see ``pack``; "": none)
+    packed_rows: frozenset[int] = (
+        frozenset()
+    )  # these row counts (1 to PACKED_ROWS) go through the packed copy
+    packed_beyond: bool = False  # and so do inputs of more than PACKED_ROWS rows
+
+    def packs(self, rows: int) -> bool:
+        """Whether an input of ``rows`` rows goes through the packed copy (when its owner keeps one)."""
+        return bool(self.packer) and (rows in self.packed_rows or (rows > PACKED_ROWS and self.packed_beyond))
 
 
 PLAIN = Forms()  # F.linear for every input
 
 
-def packing_available() -> bool:
-    """Whether this torch has MKL's packed-weight kernels (x86 builds with MKL)."""
+def _has_onednn() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _has_mkl() -> bool:
     try:
         return torch.backends.mkl.is_available() and callable(torch.ops.mkl._mkl_linear)
     except (AttributeError, RuntimeError):
         return False
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed copy of a CPU float32 weight [N, K], for ``linear(..., packed=)``: as large as the weight."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
+def packers() -> tuple[str, ...]:
+    """The packed-weight kernels this torch has: oneDNN's (x86 and Arm builds) and MKL's (x86 builds)."""
+    return tuple(name for name, has in (("onednn", _has_onednn), ("mkl", _has_mkl)) if has())
+
+
+def packing_available() -> bool:
+    return bool(packers())
+
+
+def pack(weight: torch.Tensor, packer: str) -> torch.Tensor:
+    """``packer``'s packed copy of a CPU float32 weight [N, K], for ``linear(..., packed=)``: as large as the
+    weight."""
+    if packer == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+    if packer == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
+    raise ValueError(f"unknown packer {packer!r}")
 
 
 def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> bool:
@@ -92,9 +122,12 @@ def _few_columns(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_product(
-    rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packer: str
 ) -> torch.Tensor:
-    """rows [M, K] @ weight.T (+ bias) through ``packed`` (``pack(weight)``): [M, N]."""
+    """rows [M, K] @ weight.T (+ bias) through ``packed`` (``pack(weight, packer)``): [M, N]."""
+    rows = rows.contiguous()  # the packed kernels take rows laid out one after another
+    if packer == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
 
 
@@ -106,10 +139,10 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N], in the form ``forms`` gives for
-    x's rows (``packed``: ``pack(weight)``, if the caller keeps one)."""
+    x's rows (``packed``: ``pack(weight, forms.packer)``, if the caller keeps one)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed is not None and rows in forms.packed_rows and x.dtype == torch.float32:
-        out = _packed_product(x.reshape(rows, x.shape[-1]), packed, weight, bias)
+    if packed is not None and forms.packs(rows) and x.dtype == torch.float32 and x.device.type == "cpu":
+        out = _packed_product(x.reshape(rows, x.shape[-1]), packed, weight, bias, forms.packer)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if not few_rows_kernel(x, weight, forms.few_rows):
         return F.linear(x, weight, bias)
@@ -127,11 +160,15 @@ def project(
 
 
 def packed_rows(seconds_by_rows: dict[int, tuple[float, float]]) -> frozenset[int]:
-    """From {rows: (F.linear seconds, packed seconds)}: the row counts at which the packed weights took at most
-    CLEARLY_FASTER of F.linear's time."""
+    """From {rows: (seconds of the form taken otherwise, packed seconds)}: the row counts at which the packed
+    weights took at most CLEARLY_FASTER of the other form's time."""
     return frozenset(
-        rows for rows, (plain, packed) in seconds_by_rows.items() if packed <= CLEARLY_FASTER * plain
+        rows for rows, (other, packed) in seconds_by_rows.items() if packed <= CLEARLY_FASTER * other
     )
+
+
+def _saved(seconds_by_rows: dict[int, tuple[float, float]], rows: frozenset[int]) -> float:
+    return sum(seconds_by_rows[r][0] - seconds_by_rows[r][1] for r in rows)
 
 
 def few_rows_limit(seconds_by_rows: dict[int, tuple[float, float]]) -> int:
@@ -158,7 +195,7 @@ def calibrate(
     clock: Callable[[], float] = time.perf_counter,
 ) -> Forms:
     """The forms worth taking for products with these weights on this CPU; packed weights are timed only if
-    ``packing`` (the caller could afford a packed copy) and this torch has them.
+    ``packing`` (the caller could afford a packed copy), with each packer this torch has.
 
     Times one pass over a sample of the weights (each shape once, then more up to CALIBRATION_BYTES) per form and
     row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
@@ -177,21 +214,45 @@ def calibrate(
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
             sample = _sample(weights)
-            few = few_rows_limit(
-                _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
-            )
-            rows: frozenset[int] = frozenset()
-            if packing:
-                packed = {id(w): pack(w) for w in sample}
-                packed_form: Product = lambda x, w: _packed_product(x, packed[id(w)], w, None)  # noqa: E731
-                rows = packed_rows(_time_forms(sample, PACKED_TIMED_ROWS, packed_form, repeats, clock))
-            _calibrated[key] = Forms(few, rows)
+            few_seconds = _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
+            few = few_rows_limit(few_seconds)
+            forms, most_saved = Forms(few), 0.0
+            for packer in packers() if packing else ():  # the one that saves the most, if any saves at all
+                seconds = _time_packed(sample, packer, repeats, clock)
+                for count in range(1, few + 1):  # these would otherwise take the few-columns form
+                    seconds[count] = (few_seconds[count][1], seconds[count][1])
+                chosen = packed_rows(seconds)
+                saved = _saved(seconds, chosen)
+                if chosen and saved > most_saved:
+                    forms = Forms(few, packer, chosen - {LONG_ROWS}, LONG_ROWS in chosen)
+                    most_saved = saved
+            _calibrated[key] = forms
             logger.info(
                 "matmul forms measured on this CPU: few-columns for %s, packed weights %s",
                 f"up to {few} rows" if few else "no row count",
-                f"for {_spans(rows)} rows" if rows else ("never" if packing else "not timed"),
+                _packed_text(forms, packing),
             )
         return _calibrated[key]
+
+
+def _time_packed(
+    sample: list[torch.Tensor], packer: str, repeats: int, clock: Callable[[], float]
+) -> dict[int, tuple[float, float]]:
+    """{rows: (F.linear seconds, packed seconds)} for 1 to PACKED_ROWS rows and LONG_ROWS."""
+    packed = {id(w): pack(w, packer) for w in sample}
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _packed_product(x, packed[id(w)], w, None, packer)
+
+    return _time_forms(sample, [*PACKED_TIMED_ROWS, LONG_ROWS], product, repeats, clock)
+
+
+def _packed_text(forms: Forms, timed: bool) -> str:
+    if not forms.packer:
+        return "never" if timed else "not timed"
+    beyond = f", and past {PACKED_ROWS}" if forms.packed_beyond else ""
+    rows = _spans(forms.packed_rows) or "none"
+    return f"({forms.packer}) for {rows} rows{beyond}"
 
 
 def _spans(rows: frozenset[int]) -> str:

@@ -11,7 +11,7 @@ from client.local import in_process_client
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models import SamplingParams, Step
 from swarm.models import blocks as blocks_module
-from swarm.models.matmul import MAX_FEW_ROWS, PACKED_TIMED_ROWS, PLAIN, Forms, packing_available
+from swarm.models.matmul import MAX_FEW_ROWS, PACKED_TIMED_ROWS, PLAIN, Forms, packers, packing_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,24 +25,28 @@ def reference(tiny_source):  # type: ignore[no-untyped-def]
 
 FORMS = {
     "few_columns": Forms(few_rows=MAX_FEW_ROWS),
-    "packed": Forms(packed_rows=frozenset(PACKED_TIMED_ROWS)),
+    **{
+        f"packed_{packer}": Forms(packer=packer, packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=True)
+        for packer in ("onednn", "mkl")
+    },
 }
 
 
-@pytest.fixture(params=["measured", "few_columns", "packed"])
+@pytest.fixture(params=["measured", *FORMS])
 def forms(request) -> Forms | None:  # type: ignore[no-untyped-def]
-    """The matmul forms: what calibration chose on this CPU, the few-columns form for every decode step, or MKL's
-    packed weights for every batch of 2 to 16 rows (whichever this machine picks, each must stay exact)."""
-    if request.param == "packed" and not packing_available():
-        pytest.skip("this torch has no MKL packed weights")
-    return FORMS.get(request.param)
+    """The matmul forms: what calibration chose on this CPU, the few-columns form for every decode step, or a
+    packed copy of the weights for every input (whichever this machine picks, each must stay exact)."""
+    chosen = FORMS.get(request.param)
+    if chosen is not None and chosen.packer and chosen.packer not in packers():
+        pytest.skip(f"this torch has no {chosen.packer} packed weights")
+    return chosen
 
 
 @pytest.fixture()
 def head(tiny_source, forms):  # type: ignore[no-untyped-def]
     part = tiny_source.load_head()
     if forms is not None:
-        part.forms = Forms(few_rows=forms.few_rows)  # the head keeps no packed copy
+        part.use_forms(forms)
     return part
 
 
@@ -272,7 +276,7 @@ def test_packed_copies_are_timed_and_kept_only_within_the_memory_given(tiny_sour
 
     def faster_when_packed(weights: list[torch.Tensor], *, packing: bool = False) -> Forms:
         asked.append(packing)
-        return Forms(packed_rows=frozenset({3})) if packing else PLAIN
+        return Forms(packer=packers()[0], packed_rows=frozenset({3})) if packing else PLAIN
 
     monkeypatch.setattr(blocks_module, "calibrate", faster_when_packed)
     weight_bytes = 2 * sum(

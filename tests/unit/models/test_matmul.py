@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 from swarm.models import matmul
 from swarm.models.matmul import (
+    LONG_ROWS,
     MAX_FEW_ROWS,
+    PACKED_ROWS,
     PACKED_TIMED_ROWS,
     PLAIN,
     Forms,
@@ -22,11 +24,12 @@ from swarm.models.matmul import (
     linear,
     pack,
     packed_rows,
+    packers,
     packing_available,
     project,
 )
 
-needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed weights")
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no packed-weight kernels")
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +58,14 @@ def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     original = matmul._packed_product
 
     def spy(
-        rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        rows: torch.Tensor,
+        packed: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packer: str,
     ) -> torch.Tensor:
         calls.append(rows.shape[0])
-        return original(rows, packed, weight, bias)
+        return original(rows, packed, weight, bias, packer)
 
     monkeypatch.setattr(matmul, "_packed_product", spy)
     return calls
@@ -82,25 +89,32 @@ def test_linear_is_f_linear_for_every_row_count(
     assert few_columns_calls == ([rows, rows] if rows <= few_rows else [])  # the form the limit asked for
 
 
-@needs_packing
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17])
+@pytest.mark.parametrize("packer", packers())
+@pytest.mark.parametrize("rows", [1, 2, 7, PACKED_ROWS, PACKED_ROWS + 1, LONG_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("beyond", [False, True])
 def test_packed_weights_give_f_linears_result_for_the_row_counts_they_are_kept_for(
-    rows: int, bias: bool, packed_calls: list[int]
+    packer: str, rows: int, bias: bool, beyond: bool, packed_calls: list[int]
 ) -> None:
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=generator)
     b = torch.randn(96, generator=generator) if bias else None
     x = torch.randn(1, rows, 40, generator=generator)
-    forms = Forms(packed_rows=frozenset(PACKED_TIMED_ROWS))
-    got = linear(x, weight, b, forms, pack(weight))
+    forms = Forms(packer=packer, packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=beyond)
+    got = linear(x, weight, b, forms, pack(weight, packer))
     assert got.shape == (1, rows, 96)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
-    assert torch.equal(linear(x, weight, b, forms, pack(weight)), got)
-    assert packed_calls == ([rows, rows] if rows in PACKED_TIMED_ROWS else [])
+    assert torch.equal(linear(x, weight, b, forms, pack(weight, packer)), got)
+    packs = rows in PACKED_TIMED_ROWS or beyond
+    assert packed_calls == ([rows, rows] if packs else [])
     packed_calls.clear()
     linear(x, weight, b, forms)  # no packed copy given: F.linear, whatever the forms say
     assert packed_calls == []
+
+
+def test_an_unknown_packer_is_refused() -> None:
+    with pytest.raises(ValueError, match="packer"):
+        pack(torch.randn(4, 4), "blas")
 
 
 @pytest.mark.parametrize(
@@ -166,7 +180,11 @@ def paced_clock(f_linear_s: float, few_columns_s: float) -> tuple[Callable[[], f
 
 @pytest.mark.parametrize(
     ("f_linear_s", "other_s", "expected"),
-    [(2.0, 1.0, Forms(MAX_FEW_ROWS, frozenset(PACKED_TIMED_ROWS))), (1.0, 2.0, PLAIN)],
+    # rows the few-columns form takes stay with it when packed weights are no faster than it
+    [
+        (2.0, 1.0, Forms(MAX_FEW_ROWS, "first", frozenset(range(MAX_FEW_ROWS + 1, PACKED_ROWS + 1)), True)),
+        (1.0, 2.0, PLAIN),
+    ],
 )
 @pytest.mark.parametrize("packing", [False, pytest.param(True, marks=needs_packing)])
 def test_calibration_keeps_the_forms_that_were_faster(
@@ -174,6 +192,8 @@ def test_calibration_keeps_the_forms_that_were_faster(
 ) -> None:
     clock, _ = paced_clock(f_linear_s, other_s)
     forms = calibrate([torch.randn(24, 8), torch.randn(8, 24)], packing=packing, clock=clock)
+    if packing and expected.packer:  # every packer saved as much: the first is kept
+        expected = Forms(expected.few_rows, packers()[0], expected.packed_rows, expected.packed_beyond)
     assert forms == (expected if packing else Forms(few_rows=expected.few_rows))
 
 
@@ -193,12 +213,13 @@ def test_calibration_runs_once_per_shapes_and_skips_what_it_cannot_serve() -> No
 
 
 @needs_packing
-def test_calibration_with_packing_times_the_packed_form_once_more_per_row_count() -> None:
+def test_calibration_with_packing_times_each_packer_once_more_per_row_count() -> None:
     clock, reads = paced_clock(1.0, 1.0)
     weights = [torch.randn(24, 8), torch.randn(8, 24)]
     calibrate(weights, repeats=2, clock=clock)
     assert calibrate(weights, repeats=2, packing=True, clock=clock) == PLAIN  # packing is its own key
-    assert reads[0] == (MAX_FEW_ROWS * 2 + len(PACKED_TIMED_ROWS)) * 3 * 2 * 2
+    per_packer = len(PACKED_TIMED_ROWS) + 1  # and LONG_ROWS
+    assert reads[0] == (MAX_FEW_ROWS * 2 + per_packer * len(packers())) * 3 * 2 * 2
 
 
 def test_calibration_times_every_shape_within_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
