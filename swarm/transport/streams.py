@@ -38,9 +38,10 @@ STREAM_PROTOCOL = "flowswarm.rpc.stream"
 HEADER_BYTES = 8  # the length prefix hivemind uses for raw stream data (big-endian)
 STREAM_IDLE_S = 120.0  # the server closes a stream that brings no request for this long
 POOL_IDLE_S = 30.0  # the caller stops reusing a stream idle this long (well under STREAM_IDLE_S)
-POOL_STREAMS_PER_PEER = (
-    8  # idle streams kept per remote peer; more concurrent calls open more, then close them
-)
+# Idle streams kept per remote peer; more concurrent calls open more, then close them. A client's sessions each
+# keep a step and a wait in flight, and a peer forwards every session's step to the next hop: at 16 sessions a
+# cap of 8 closed and reopened 2585 streams in three 32-token rounds (3 ms each, some 40 ms), at 32 it opened 88.
+POOL_STREAMS_PER_PEER = 32  # under MAX_STREAMS_PER_REMOTE, so idle streams never crowd out calls
 MAX_STREAMS_PER_REMOTE = 64  # open streams the server accepts from one remote peer at a time
 
 RawHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request bytes, remote peer id) -> reply bytes
