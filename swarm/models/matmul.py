@@ -29,14 +29,20 @@ GPUs and other dtypes use ``F.linear`` itself.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from swarm.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,9 @@ PACKED_ROWS = 16  # packed weights are laid out for this many rows (a decode bat
 PACKED_TIMED_ROWS = range(1, PACKED_ROWS + 1)  # each timed: MKL's speed jumps about between row counts
 LONG_ROWS = 64  # timed for inputs past PACKED_ROWS (prefill chunks)
 CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
+STORE_NAME = (
+    "matmul-forms.json"  # calibrations kept in the cache directory, per machine, torch and weight shapes
+)
 CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
 
 
@@ -199,8 +208,10 @@ def calibrate(
 
     Times one pass over a sample of the weights (each shape once, then more up to CALIBRATION_BYTES) per form and
     row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
-    process and set of shapes: every layer of a model has the same set, so a peer that re-loads other layers of
-    its model or a test that makes many ranges pays for it once."""
+    process and set of shapes (every layer of a model has the same set, so a peer that re-loads other layers of
+    its model or a test that makes many ranges pays for it once), and in the cache directory (STORE_NAME) per
+    CPU, torch build and set of shapes: timing the packed forms takes seconds, which a client or peer starting
+    again on the same machine does not pay twice. Delete that file to measure again."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     weights = [w.detach() for w in weights]
@@ -213,26 +224,101 @@ def calibrate(
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            sample = _sample(weights)
-            few_seconds = _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
-            few = few_rows_limit(few_seconds)
-            forms, most_saved = Forms(few), 0.0
-            for packer in packers() if packing else ():  # the one that saves the most, if any saves at all
-                seconds = _time_packed(sample, packer, repeats, clock)
-                for count in range(1, few + 1):  # these would otherwise take the few-columns form
-                    seconds[count] = (few_seconds[count][1], seconds[count][1])
-                chosen = packed_rows(seconds)
-                saved = _saved(seconds, chosen)
-                if chosen and saved > most_saved:
-                    forms = Forms(few, packer, chosen - {LONG_ROWS}, LONG_ROWS in chosen)
-                    most_saved = saved
+            stored_key = json.dumps([_machine(), *key])
+            forms, how = _stored(stored_key), "kept from an earlier run on this machine"
+            if forms is None:
+                forms, how = _measure(_sample(weights), packing, repeats, clock), "measured on this CPU"
+                _store(stored_key, forms)
             _calibrated[key] = forms
             logger.info(
-                "matmul forms measured on this CPU: few-columns for %s, packed weights %s",
-                f"up to {few} rows" if few else "no row count",
+                "matmul forms %s: few-columns for %s, packed weights %s",
+                how,
+                f"up to {forms.few_rows} rows" if forms.few_rows else "no row count",
                 _packed_text(forms, packing),
             )
         return _calibrated[key]
+
+
+def _measure(sample: list[torch.Tensor], packing: bool, repeats: int, clock: Callable[[], float]) -> Forms:
+    """The forms calibration keeps, timed on ``sample``."""
+    few_seconds = _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
+    few = few_rows_limit(few_seconds)
+    forms, most_saved = Forms(few), 0.0
+    for packer in packers() if packing else ():  # the one that saves the most, if any saves at all
+        seconds = _time_packed(sample, packer, repeats, clock)
+        for count in range(1, few + 1):  # these would otherwise take the few-columns form
+            seconds[count] = (few_seconds[count][1], seconds[count][1])
+        chosen = packed_rows(seconds)
+        saved = _saved(seconds, chosen)
+        if chosen and saved > most_saved:
+            forms = Forms(few, packer, chosen - {LONG_ROWS}, LONG_ROWS in chosen)
+            most_saved = saved
+    return forms
+
+
+def _store_path() -> Path:
+    return cache_dir() / STORE_NAME
+
+
+def _machine() -> str:
+    """The CPU and torch build a calibration holds for."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return f"{model or 'unknown CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def _stored(key: str) -> Forms | None:
+    """The forms kept on disk under ``key``, or None (none kept, or the file is unreadable or malformed)."""
+    try:
+        entry = json.loads(_store_path().read_text()).get(key)
+        return None if entry is None else _forms_from(entry)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
+        if not isinstance(e, FileNotFoundError):
+            logger.info("ignoring the kept matmul forms: %s", e)
+        return None
+
+
+def _forms_from(entry: Any) -> Forms:
+    """Forms from a kept entry, checked: a damaged file must not pick a kernel this torch lacks."""
+    few, packer, rows, beyond = (
+        entry["few_rows"],
+        entry["packer"],
+        entry["packed_rows"],
+        entry["packed_beyond"],
+    )
+    if not (isinstance(few, int) and 0 <= few <= MAX_FEW_ROWS) or packer not in ("", *packers()):
+        raise ValueError(f"a kept form cannot be taken here: {entry}")
+    if not isinstance(beyond, bool) or not all(isinstance(r, int) and r in PACKED_TIMED_ROWS for r in rows):
+        raise ValueError(f"a kept form cannot be taken here: {entry}")
+    return Forms(few, packer, frozenset(rows), beyond)
+
+
+def _store(key: str, forms: Forms) -> None:
+    """Keep ``forms`` on disk under ``key`` beside the others (written whole, then renamed into place)."""
+    try:
+        path = _store_path()
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        kept = kept if isinstance(kept, dict) else {}
+        kept[key] = {
+            "few_rows": forms.few_rows,
+            "packer": forms.packer,
+            "packed_rows": sorted(forms.packed_rows),
+            "packed_beyond": forms.packed_beyond,
+        }
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        os.replace(partial, path)
+    except OSError as e:
+        logger.info("could not keep the matmul forms on disk: %s", e)
 
 
 def _time_packed(

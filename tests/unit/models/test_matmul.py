@@ -4,7 +4,9 @@ forms measured per machine and set of weight shapes."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +35,13 @@ needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch h
 
 
 @pytest.fixture(autouse=True)
-def fresh_calibrations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(matmul, "_calibrated", {})  # each test measures for itself, however often it runs
+def fresh_calibrations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Each test measures for itself, however often it runs: nothing kept in this process or on disk. Returns
+    where calibrations are kept."""
+    monkeypatch.setattr(matmul, "_calibrated", {})
+    store = tmp_path / "forms.json"
+    monkeypatch.setattr(matmul, "_store_path", lambda: store)
+    return store
 
 
 @pytest.fixture()
@@ -250,3 +257,58 @@ def test_project_uses_the_layers_weight_and_bias() -> None:
     x = torch.randn(2, 40)
     with torch.no_grad():
         torch.testing.assert_close(project(x, layer, Forms(few_rows=2)), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def _never_timed() -> float:
+    raise AssertionError("calibration timed the forms again")
+
+
+def test_a_calibration_is_kept_on_disk_for_the_next_process(fresh_calibrations: Path) -> None:
+    clock, _ = paced_clock(2.0, 1.0)
+    weights = [torch.randn(24, 8), torch.randn(8, 24)]
+    measured = calibrate(weights, clock=clock)
+    assert measured.few_rows == MAX_FEW_ROWS
+    matmul._calibrated.clear()  # as a new process would start
+    assert calibrate(weights, clock=_never_timed) == measured
+    assert calibrate(weights, repeats=1, clock=_never_timed) == measured  # repeats are how, not what
+    other_shapes = [torch.randn(16, 8)]
+    assert calibrate(other_shapes, clock=paced_clock(1.0, 2.0)[0]) == PLAIN  # kept beside the first
+    matmul._calibrated.clear()
+    assert calibrate(weights, clock=_never_timed) == measured
+    assert len(json.loads(fresh_calibrations.read_text())) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "not json",
+        "[1, 2]",
+        json.dumps({"few_rows": 99, "packer": "", "packed_rows": [], "packed_beyond": False}),
+        json.dumps({"few_rows": 1, "packer": "cublas", "packed_rows": [], "packed_beyond": False}),
+        json.dumps({"few_rows": 1, "packer": "", "packed_rows": [17, "x"], "packed_beyond": False}),
+        json.dumps({"few_rows": 1}),
+    ],
+    ids=["not json", "not a map", "too many rows", "unknown packer", "bad rows", "fields missing"],
+)
+def test_a_damaged_store_is_measured_again_and_rewritten(fresh_calibrations: Path, damage: str) -> None:
+    weights = [torch.randn(24, 8)]
+    calibrate(weights, clock=paced_clock(1.0, 1.0)[0])
+    kept = json.loads(fresh_calibrations.read_text())
+    (key,) = kept
+    if damage.startswith("{"):  # a damaged entry in an intact file
+        kept[key] = json.loads(damage)
+        fresh_calibrations.write_text(json.dumps(kept))
+    else:
+        fresh_calibrations.write_text(damage)
+    matmul._calibrated.clear()
+    assert calibrate(weights, clock=paced_clock(2.0, 1.0)[0]).few_rows == MAX_FEW_ROWS  # timed again
+    assert json.loads(fresh_calibrations.read_text())[key]["few_rows"] == MAX_FEW_ROWS
+
+
+def test_calibration_works_where_nothing_can_be_kept(
+    fresh_calibrations: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "a file" / "forms.json"  # its parent is a file: nothing can be written there
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setattr(matmul, "_store_path", lambda: blocked)
+    assert calibrate([torch.randn(24, 8)], clock=paced_clock(2.0, 1.0)[0]).few_rows == MAX_FEW_ROWS
