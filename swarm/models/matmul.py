@@ -1,4 +1,4 @@
-"""``linear``: ``F.linear``, or for the few rows of a decode step the form of the product this CPU runs faster.
+"""``linear``: ``F.linear``, or the form of the same product this CPU runs faster for the input's row count.
 
 Decoding is bound by reading the weights once per step, so a projection of 1 to 4 rows should cost about one
 pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS, so it is measured, not assumed
@@ -53,10 +53,10 @@ PACKED_ROWS = 16  # packed weights are laid out for this many rows (a decode bat
 PACKED_TIMED_ROWS = range(1, PACKED_ROWS + 1)  # each timed: MKL's speed jumps about between row counts
 LONG_ROWS = 64  # timed for inputs past PACKED_ROWS (prefill chunks)
 CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's caches hold, as in a decode step
-STORE_NAME = (
-    "matmul-forms.json"  # calibrations kept in the cache directory, per machine, torch and weight shapes
-)
-CLEARLY_FASTER = 0.9  # the few-columns form is kept only where it takes at most this share of F.linear's time
+# calibrations kept in the cache directory, per machine, torch build and weight shapes
+STORE_NAME = "matmul-forms.json"
+# a form other than F.linear is kept only where it takes at most this share of the time of the one it replaces
+CLEARLY_FASTER = 0.9
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,9 @@ class Forms:
 
     few_rows: int = 0  # 1 to few_rows rows: the few-columns form (0: never)
     packer: str = ""  # the packed copy to keep ("onednn" or "mkl", see ``pack``; "": none)
-    packed_rows: frozenset[int] = (
-        frozenset()
-    )  # these row counts (1 to PACKED_ROWS) go through the packed copy
-    packed_beyond: bool = False  # and so do inputs of more than PACKED_ROWS rows
+    # these row counts (1 to PACKED_ROWS) go through the packed copy, and with packed_beyond longer inputs too
+    packed_rows: frozenset[int] = frozenset()
+    packed_beyond: bool = False
 
     def packs(self, rows: int) -> bool:
         """Whether an input of ``rows`` rows goes through the packed copy (when its owner keeps one)."""
