@@ -299,7 +299,9 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     # the peers' executor lines were read: a format the regex no longer matches would leave every phase empty
     assert any(out["peer_batches"].values()), out["peer_batches"]
     shares = [share for phase in out["peer_computing_share"].values() for share in phase.values()]
-    assert shares and all(0 < share for share in shares), out["peer_computing_share"]
+    # the tiny model's forward calls are short enough that a peer's logged share may round to 0%
+    assert shares and all(0 <= share <= 1 for share in shares), out["peer_computing_share"]
+    assert any(share > 0 for share in shares), out["peer_computing_share"]
     assert _positive(out["blocks_decode_tok_s"])
 
 
