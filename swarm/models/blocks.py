@@ -28,7 +28,7 @@ from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.kv_cache import KVCache, SessionCache
-from swarm.models.matmul import PLAIN, Forms, calibrate, pack, project
+from swarm.models.matmul import Forms, calibrate, project, taken
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
@@ -107,19 +107,17 @@ class BlockRange:
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
         # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
-        linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        affordable = 0 < weight_bytes <= pack_bytes
-        self.use_forms(calibrate([m.weight for m in linears], packing=affordable))
+        weights = self._weights()
+        affordable = 0 < sum(w.numel() * w.element_size() for w in weights) <= pack_bytes
+        self.use_forms(calibrate(weights, packing=affordable))
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.layers.modules() if isinstance(m, nn.Linear)]
 
     def use_forms(self, forms: Forms) -> None:
         """Take ``forms`` for the projections from now on, keeping packed copies of the weights only if they use
         them (on the torch thread, or before serving)."""
-        linears = [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
-        usable = self.device.type == "cpu" and self.dtype == torch.float32
-        self.forms = forms if usable else PLAIN
-        packer = self.forms.packer
-        self._packed = {id(m): pack(m.weight, packer) for m in linears} if packer else {}
+        self.forms, self._packed = taken(forms, self._weights())
 
     # --- sessions -----------------------------------------------------------------------------------------
 
@@ -337,7 +335,7 @@ class BlockRange:
 
     def _project(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """A projection in the form this CPU runs fastest for x's rows (swarm.models.matmul)."""
-        return project(x, layer, self.forms, self._packed.get(id(layer)))
+        return project(x, layer, self.forms, self._packed.get(id(layer.weight)))
 
 
 @dataclass(frozen=True)

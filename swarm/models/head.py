@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.matmul import PLAIN, Forms, calibrate, linear, pack
+from swarm.models.matmul import Forms, calibrate, linear, taken
 from swarm.models.spec import ModelSpec
 
 
@@ -35,9 +35,8 @@ class ClientHead:
 
     def use_forms(self, forms: Forms) -> None:
         """Take ``forms`` for the LM head from now on, keeping a packed copy of it only if they use one."""
-        usable = self.device.type == "cpu" and self.dtype == torch.float32
-        self.forms = forms if usable else PLAIN
-        self._packed = pack(self.lm_head_weight, self.forms.packer) if self.forms.packer else None
+        self.forms, copies = taken(forms, [self.lm_head_weight])
+        self._packed = copies.get(id(self.lm_head_weight))
 
     @property
     def hidden_size(self) -> int:

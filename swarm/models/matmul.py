@@ -29,6 +29,7 @@ GPUs and other dtypes use ``F.linear`` itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -91,6 +92,7 @@ def _has_mkl() -> bool:
         return False
 
 
+@functools.cache
 def packers() -> tuple[str, ...]:
     """The packed-weight kernels this torch has: oneDNN's (x86 and Arm builds) and MKL's (x86 builds)."""
     return tuple(name for name, has in (("onednn", _has_onednn), ("mkl", _has_mkl)) if has())
@@ -108,6 +110,14 @@ def pack(weight: torch.Tensor, packer: str) -> torch.Tensor:
     if packer == "mkl":
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
     raise ValueError(f"unknown packer {packer!r}")
+
+
+def taken(forms: Forms, weights: Sequence[torch.Tensor]) -> tuple[Forms, dict[int, torch.Tensor]]:
+    """``forms`` if ``weights`` can take them (CPU float32; else PLAIN), and the packed copies they use, by
+    ``id(weight)``: what a weights' owner keeps."""
+    if any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return PLAIN, {}
+    return forms, {id(w): pack(w, forms.packer) for w in weights} if forms.packer else {}
 
 
 def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> bool:
@@ -285,15 +295,14 @@ def _stored(key: str) -> Forms | None:
 
 def _forms_from(entry: Any) -> Forms:
     """Forms from a kept entry, checked: a damaged file must not pick a kernel this torch lacks."""
-    few, packer, rows, beyond = (
-        entry["few_rows"],
-        entry["packer"],
-        entry["packed_rows"],
-        entry["packed_beyond"],
-    )
-    if not (isinstance(few, int) and 0 <= few <= MAX_FEW_ROWS) or packer not in ("", *packers()):
-        raise ValueError(f"a kept form cannot be taken here: {entry}")
-    if not isinstance(beyond, bool) or not all(isinstance(r, int) and r in PACKED_TIMED_ROWS for r in rows):
+    few, packer, rows, beyond = (entry[k] for k in ("few_rows", "packer", "packed_rows", "packed_beyond"))
+    if not (
+        isinstance(few, int)
+        and 0 <= few <= MAX_FEW_ROWS
+        and packer in ("", *packers())
+        and isinstance(beyond, bool)
+        and all(isinstance(r, int) and r in PACKED_TIMED_ROWS for r in rows)
+    ):
         raise ValueError(f"a kept form cannot be taken here: {entry}")
     return Forms(few, packer, frozenset(rows), beyond)
 
