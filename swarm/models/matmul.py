@@ -158,6 +158,12 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N], in the form ``forms`` gives for
     x's rows (``packed``: ``pack(weight, forms.packer)``, if the caller keeps one)."""
+    # OpenMP keeps a thread count per OS thread, and a thread that never set one runs parallel regions on every
+    # core. torch's own ops apply torch's count in each thread first; oneDNN's and MKL's kernels called here do
+    # not, so in a worker thread (a peer's executor, a client's head batcher) they ran on 2 cores each, their
+    # second thread spinning between calls (a client process spent 2x the CPU per token). torch.get_num_threads
+    # applies torch's count to the calling thread (18 ns).
+    torch.get_num_threads()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed is not None and forms.packs(rows) and x.dtype == torch.float32 and x.device.type == "cpu":
         out = _packed_product(x.reshape(rows, x.shape[-1]), packed, weight, bias, forms.packer)

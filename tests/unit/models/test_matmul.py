@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -312,3 +315,36 @@ def test_calibration_works_where_nothing_can_be_kept(
     (tmp_path / "a file").write_text("")
     monkeypatch.setattr(matmul, "_store_path", lambda: blocked)
     assert calibrate([torch.randn(24, 8)], clock=paced_clock(2.0, 1.0)[0]).few_rows == MAX_FEW_ROWS
+
+
+_THREAD_PROBE = """
+import os, threading, torch
+from swarm.models import matmul
+torch.set_num_threads(1)
+weight = torch.randn(512, 64)
+forms = matmul.Forms(few_rows=4, packer={packer!r}, packed_rows=frozenset(range(1, 17)), packed_beyond=True)
+packed = matmul.pack(weight, {packer!r}) if {packer!r} else None
+before = set(os.listdir("/proc/self/task"))
+def compute():
+    for rows in (1, 3, 8, 64):
+        matmul.linear(torch.randn(rows, 64), weight, forms=forms, packed=packed)
+    # OpenMP's threads for this one live as long as it does
+    print(len(set(os.listdir("/proc/self/task")) - before))
+worker = threading.Thread(target=compute)
+worker.start()
+worker.join()
+"""
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2 or not Path("/proc/self/task").is_dir(), reason="needs 2 CPUs, Linux"
+)
+@pytest.mark.parametrize("packer", ["", *packers()])
+def test_a_worker_thread_computes_on_the_processs_thread_count(packer: str) -> None:
+    """A thread that computes (a peer's executor, a client's head batcher) keeps to torch's thread count: OpenMP
+    starts no threads of its own for it. In a fresh process, whose OpenMP state no other test touched."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _THREAD_PROBE.format(packer=packer)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3], check=True,
+    )  # fmt: skip
+    assert probe.stdout.split()[-1] == "1", probe.stdout + probe.stderr  # the worker thread alone
