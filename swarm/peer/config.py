@@ -92,12 +92,13 @@ class ExecutorConfig:
         "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
     )
 
-    # Sessions batched together here tend to come back together (the client answers their tokens in one
-    # round), but a few hundred microseconds apart: an idle executor would start the first one alone and the
-    # rest would wait a whole forward call for it. Waiting a little for them keeps the batch whole, and fewer,
-    # bigger forward calls cost less per token (batch of 8 decode steps ~1.6x one step).
+    # Lone sessions of separate clients decoding here each come back at their own pace: an idle executor would
+    # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones
+    # due makes one batch of them, and fewer, bigger forward calls cost less per token (batch of 8 decode
+    # steps ~1.6x one step). On 2 shared cores (scripts/bench_e2e.py, 8 client processes) 10 ms left a batch
+    # of ~2 steps; 25 ms made it ~3.5 and used less CPU per token; 50 ms waited longer than it saved.
     batch_window_s: float = setting(
-        0.01, "a decode step waits at most this long for the sessions of its last batch here (0: never)"
+        0.025, "a decode step waits at most this long for lone sessions due here by their pace (0: never)"
     )
     # A client sends its sessions' steps of one round one after another, ~1 ms apart: 16 of them take longer
     # than batch_window_s to arrive, and they are known to come (StepRequest.batch_size).

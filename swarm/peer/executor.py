@@ -13,10 +13,14 @@ its oldest job and gathers the queued steps of *other* sessions on the *same* Bl
 A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment (``batch_window_s``) for the steps it expects: the rest of a group a
-client sent together (its sessions of one round, StepRequest.batch_id), and the sessions it ran with last time
-here. Steps arrive a few milliseconds apart, and an idle executor would otherwise start the first alone and
-split the group for every later hop: on a CPU, where a decode step's cost is reading the weights, a forward
-call of 8 decode steps costs about 1.6 of one.
+client sent together (its sessions of one round, StepRequest.batch_id), and the sessions due here within the
+window. A session decoding at a steady pace comes back one period after its last step here (the time its step
+takes around the route and through its client); sessions of separate clients arrive out of step, and an idle
+executor would start each alone (the sessions of one client come as its groups, and are not tracked by pace).
+Waiting for the ones due lines them up, and once batched they travel the
+route together and come back together: on a CPU, where a decode step's cost is reading the weights, a forward
+call of 8 decode steps costs about 1.6 of one. A session that stops coming (it ended, or waits for its user) is
+no longer due once it is a window late.
 
 Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
 KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
@@ -53,6 +57,7 @@ from swarm.peer.config import ExecutorConfig
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
+_ARRIVALS_HORIZON_S = 5.0  # a session whose decode steps stopped this long ago is forgotten (_Arrivals)
 Group = tuple[str, int]  # (key, size): a client's decode steps of one round (StepRequest.batch_id/batch_size)
 
 
@@ -89,6 +94,30 @@ class _Lane:
 
     queue: asyncio.Queue[_Job]
     thread: ThreadPoolExecutor
+
+
+class _Arrivals:
+    """When each session's decode steps reached the executor, to tell which sessions are due soon."""
+
+    def __init__(self) -> None:
+        # session -> (its last decode step's arrival, the time since the one before, or inf); oldest first
+        self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def note(self, session_id: str, now: float) -> None:
+        last, _ = self._seen.pop(session_id, (None, math.inf))
+        period = now - last if last is not None and now - last < _ARRIVALS_HORIZON_S else math.inf
+        self._seen[session_id] = (now, period)
+        while next(iter(self._seen.values()))[0] < now - _ARRIVALS_HORIZON_S:  # gone quiet: forget it
+            self._seen.popitem(last=False)
+
+    def due(self, present: set[str | None], now: float, late_s: float, within_s: float) -> bool:
+        """Whether a session other than ``present`` is due within ``within_s`` (its last arrival plus its last
+        period), and not already more than ``late_s`` late."""
+        return any(
+            now - late_s <= last + period <= now + within_s
+            for sid, (last, period) in self._seen.items()
+            if sid not in present
+        )
 
 
 def _lower_priority(nice: int) -> None:
@@ -135,12 +164,13 @@ class Executor:
         self.compute_s = 0.0
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
         self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
-        # session -> the other sessions of its last batched decode step here (see ExecutorConfig.batch_window_s)
-        self._mates: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._arrivals = (
+            _Arrivals()
+        )  # when each session's decode steps came (see ExecutorConfig.batch_window_s)
         # group -> its steps that ran here already: a group bigger than max_batch runs in parts, and the later
         # parts must not wait for steps that went with an earlier one
         self._group_ran: OrderedDict[Group, int] = OrderedDict()
-        # set whenever a job is queued: a batch waiting for its mates looks again
+        # set whenever a job is queued: a batch waiting for the steps it expects looks again
         self._arrived = asyncio.Event()
 
     @property
@@ -196,6 +226,8 @@ class Executor:
             group = None  # only decode steps wait for each other
         if step.hidden.shape[0] == 1:
             self._last_decode_s = self.clock()
+            if group is None:  # a client's lone session: nothing else lines its steps up with others'
+                self._arrivals.note(sid, self._last_decode_s)
         await self._in_order(blocks, step)
         if self._failed.get(sid, -1) >= step.position:
             del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
@@ -314,7 +346,7 @@ class Executor:
                 continue
             batch = self._take_batch(lane, first)
             if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
-                batch = await self._wait_for_mates(lane, batch)
+                batch = await self._wait_for_due(lane, batch)
             if lane is self._decode and batch[0].step is not None:  # decode steps run beside a chunk
                 await self._execute(loop, lane, batch)
                 self._stepped.set()
@@ -333,22 +365,19 @@ class Executor:
         if share < 1 and self._decoding():
             await self.sleep(chunk_s * (1 / share - 1))
 
-    async def _wait_for_mates(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
+    async def _wait_for_due(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent
-        together by their client, for at most ``group_window_s``), and the sessions its sessions were last
-        batched with here (at most ``batch_window_s``), taking whatever else arrives meanwhile. A client naming a
-        group bigger than it sends delays only the steps batched with its own, by the window at most."""
+        together by their client, for at most ``group_window_s``), and the sessions due here within
+        ``batch_window_s`` (for at most that), taking whatever else arrives meanwhile. A client naming a group
+        bigger than it sends delays only the steps batched with its own, by the window at most."""
         if any(job.step is None or job.tokens != 1 for job in batch):
             return batch  # prefill chunks and plain calls never wait
         started = time.monotonic()
         while len(batch) < self.config.max_batch:
-            # a group's steps are known to come; a past batch's mates only may
-            expected = self._group_incomplete(batch) or self._mates_missing(batch)
-            window = (
-                self.config.group_window_s if self._group_incomplete(batch) else self.config.batch_window_s
-            )
+            grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
+            window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
-            if not expected or left <= 0:
+            if left <= 0 or not (grouped or self._due(batch, left)):
                 break
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
@@ -357,9 +386,9 @@ class Executor:
             batch = self._take_batch(lane, batch[0], batch[1:])
         return batch
 
-    def _mates_missing(self, batch: list[_Job]) -> bool:
+    def _due(self, batch: list[_Job], within_s: float) -> bool:
         present = {job.session_id for job in batch}
-        return bool(set().union(*(self._mates.get(sid or "", frozenset()) for sid in present)) - present)
+        return self._arrivals.due(present, self.clock(), late_s=self.config.batch_window_s, within_s=within_s)
 
     def _group_incomplete(self, batch: list[_Job]) -> bool:
         groups = Counter(job.group for job in batch if job.group is not None)
@@ -371,14 +400,6 @@ class Executor:
             self._group_ran.move_to_end(group)
         while len(self._group_ran) > _MAX_FAILED_SESSIONS:  # forget the oldest: a round's steps come together
             self._group_ran.popitem(last=False)
-
-    def _remember_mates(self, jobs: list[_Job]) -> None:
-        sessions = frozenset(job.session_id for job in jobs if job.session_id is not None and job.tokens == 1)
-        for sid in sessions:
-            self._mates[sid] = sessions - {sid}
-            self._mates.move_to_end(sid)
-        while len(self._mates) > _MAX_FAILED_SESSIONS:  # forget the oldest: ended sessions never come back
-            self._mates.popitem(last=False)
 
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
@@ -409,7 +430,7 @@ class Executor:
         return batch
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, lane: _Lane, jobs: list[_Job]) -> None:
-        # Callers may have given up while the batch waited (for mates, or for a call to end). Their jobs are
+        # Callers may have given up while the batch waited (for other steps, or for a call to end). Their jobs are
         # dropped here, with no await before ``started`` is set: a job marked started is one its caller's turn
         # waits for, and one not started has let its session's turn go already.
         jobs = [job for job in jobs if not job.future.cancelled()]
@@ -445,7 +466,6 @@ class Executor:
                 await self._execute(loop, lane, [job])
             return
         compute_s = time.perf_counter() - started
-        self._remember_mates(jobs)
         self._remember_groups(jobs)
         self.batches_run += 1
         self.steps_run += len(jobs)

@@ -261,30 +261,64 @@ def test_a_prefill_runs_in_small_chunks_only_while_other_sessions_decode(blocks:
     assert asyncio.run(_with_executor(executor, body)) == [2, 5, 2]
 
 
-def test_a_decode_step_waits_for_the_sessions_of_its_last_batch_and_runs_with_them(
-    blocks: BlockRange,
-) -> None:
-    """Two sessions batched once; the next step of one arrives alone at an idle executor. It waits (the window
-    is long here, so this cannot pass by timing) until its mate's step is queued, and they run as one batch; a
-    session never batched with anyone does not wait at all."""
-    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0))
+def test_a_decode_step_waits_for_a_session_due_by_its_pace_and_runs_with_it(blocks: BlockRange) -> None:
+    """Sessions a and b step once a second (a fake clock). At t=2 a's step reaches an idle executor first: b is
+    due (its last step plus its pace), so a waits (the window is long here, so this cannot pass by timing)
+    until b's step is queued, and they run as one batch. Far later nobody is due any more (a and b are more
+    than a window late): a new session's step runs at once."""
+    now = [0.0]
+    executor = Executor(
+        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0), clock=lambda: now[0]
+    )
+
+    def step(sid: str, position: int) -> Step:
+        return Step(sid, _hidden(blocks, 1, position), 0, 2, position)
 
     async def body() -> None:
         for sid in ("a", "b", "lone"):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
-        await asyncio.gather(
-            *(executor.forward(blocks, Step(s, _hidden(blocks, 1, i), 0, 2, 0)) for i, s in enumerate("ab"))
-        )
+        for position in (0, 1):
+            now[0] = float(position)
+            await asyncio.gather(
+                executor.forward(blocks, step("a", position)), executor.forward(blocks, step("b", position))
+            )
+        now[0] = 2.0
         before = executor.batches_run
-        first = asyncio.create_task(executor.forward(blocks, Step("a", _hidden(blocks, 1, 5), 0, 2, 1)))
+        first = asyncio.create_task(executor.forward(blocks, step("a", 2)))
         for _ in range(20):  # let the executor take "a" and start waiting for "b"
             await asyncio.sleep(0)
         assert not first.done() and executor.batches_run == before
-        await executor.forward(blocks, Step("b", _hidden(blocks, 1, 6), 0, 2, 1))
+        await executor.forward(blocks, step("b", 2))
         await first
         assert executor.batches_run - before == 1, "a and b should have run as one batch"
-        async with asyncio.timeout(30):  # nobody to wait for: it runs at once (the window is 600 s)
-            await executor.forward(blocks, Step("lone", _hidden(blocks, 1, 7), 0, 2, 0))
+        now[0] = 1000.0
+        async with asyncio.timeout(30):  # a and b are 997 s late: nobody to wait for (the window is 600 s)
+            await executor.forward(blocks, step("lone", 0))
+
+    asyncio.run(_with_executor(executor, body))
+
+
+def test_sessions_a_client_sends_as_groups_are_not_waited_for_by_their_pace(blocks: BlockRange) -> None:
+    """Two sessions of one client step once a second as a group (their client lines them up itself). At t=2
+    they are due, but a lone session's step waits for nobody (the window is long, so a wait would hang)."""
+    now = [0.0]
+    executor = Executor(
+        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=600.0), clock=lambda: now[0]
+    )
+
+    async def body() -> None:
+        for sid in ("g1", "g2", "x"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        for position in (0, 1):
+            now[0] = float(position)
+            group = (f"client/round{position}", 2)
+            await asyncio.gather(
+                *(executor.forward(blocks, Step(s, _hidden(blocks, 1, position), 0, 2, position), group)
+                  for s in ("g1", "g2"))
+            )  # fmt: skip
+        now[0] = 2.0
+        async with asyncio.timeout(30):
+            await executor.forward(blocks, Step("x", _hidden(blocks, 1, 9), 0, 2, 0))
 
     asyncio.run(_with_executor(executor, body))
 
