@@ -162,7 +162,8 @@ def linear(
     # core. torch's own ops apply torch's count in each thread first; oneDNN's and MKL's kernels called here do
     # not, so in a worker thread (a peer's executor, a client's head batcher) they ran on 2 cores each, their
     # second thread spinning between calls (a client process spent 2x the CPU per token). torch.get_num_threads
-    # applies torch's count to the calling thread (18 ns).
+    # applies torch's count to the calling thread the first time it runs there (18 ns): torch's lazy per-thread
+    # initialisation, not a documented promise, so test_matmul checks it in a fresh process.
     torch.get_num_threads()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed is not None and forms.packs(rows) and x.dtype == torch.float32 and x.device.type == "cpu":

@@ -96,7 +96,7 @@ class ExecutorConfig:
     # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones
     # due makes one batch of them, and fewer, bigger forward calls cost less per token (batch of 8 decode
     # steps ~1.6x one step). On 2 shared cores (scripts/bench_e2e.py, 8 client processes) 10 ms left a batch
-    # of ~2 steps; 25 ms made it ~3.5 and used less CPU per token; 50 ms waited longer than it saved.
+    # of ~2 steps; 25 ms made it ~3 and used less CPU per token; 50 ms waited longer than it saved.
     batch_window_s: float = setting(
         0.025, "a decode step waits at most this long for lone sessions due here by their pace (0: never)"
     )

@@ -107,8 +107,11 @@ class _Arrivals:
         last, _ = self._seen.pop(session_id, (None, math.inf))
         period = now - last if last is not None and now - last < _ARRIVALS_HORIZON_S else math.inf
         self._seen[session_id] = (now, period)
-        while next(iter(self._seen.values()))[0] < now - _ARRIVALS_HORIZON_S:  # gone quiet: forget it
+        while self._seen and next(iter(self._seen.values()))[0] < now - _ARRIVALS_HORIZON_S:  # gone quiet
             self._seen.popitem(last=False)
+
+    def forget(self, session_id: str) -> None:
+        self._seen.pop(session_id, None)
 
     def due(self, present: set[str | None], now: float, late_s: float, within_s: float) -> bool:
         """Whether a session other than ``present`` is due within ``within_s`` (its last arrival plus its last
@@ -140,7 +143,8 @@ class Executor:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.config = config or ExecutorConfig()
-        self.clock = clock  # only tells whether others decode now (_chunk_tokens); inject one in tests
+        # when decode steps arrive: whether others decode now (_chunk_tokens), which sessions are due (_Arrivals)
+        self.clock = clock
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         self._decode = _Lane(
@@ -164,9 +168,8 @@ class Executor:
         self.compute_s = 0.0
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
         self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
-        self._arrivals = (
-            _Arrivals()
-        )  # when each session's decode steps came (see ExecutorConfig.batch_window_s)
+        # when each lone session's decode steps came (see ExecutorConfig.batch_window_s)
+        self._arrivals = _Arrivals()
         # group -> its steps that ran here already: a group bigger than max_batch runs in parts, and the later
         # parts must not wait for steps that went with an earlier one
         self._group_ran: OrderedDict[Group, int] = OrderedDict()
@@ -386,7 +389,13 @@ class Executor:
             batch = self._take_batch(lane, batch[0], batch[1:])
         return batch
 
+    def forget(self, session_id: str) -> None:
+        """Session ``session_id`` closed here: no batch waits for its steps any more."""
+        self._arrivals.forget(session_id)
+
     def _due(self, batch: list[_Job], within_s: float) -> bool:
+        # Due by self.clock (time.monotonic outside tests); the wait itself is bounded in real time, so it ends
+        # even under a test's frozen clock.
         present = {job.session_id for job in batch}
         return self._arrivals.due(present, self.clock(), late_s=self.config.batch_window_s, within_s=within_s)
 

@@ -388,6 +388,7 @@ class Peer:
         if served.sessions.pop(key, None) is None:
             return
         self._sessions_changed.set()
+        self.executor.forget(key)
         # Not through the bounded queue: freeing memory must work most of all when the peer is busy.
         await self.executor.release(lambda: _forget(served.blocks, key))
         logger.debug("closed session %s", key[:8])

@@ -12,7 +12,7 @@ import torch
 from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
-from swarm.peer.executor import Executor, ExecutorConfig
+from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -296,6 +296,30 @@ def test_a_decode_step_waits_for_a_session_due_by_its_pace_and_runs_with_it(bloc
             await executor.forward(blocks, step("lone", 0))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_a_session_is_due_one_period_after_its_last_step_until_a_window_late() -> None:
+    """Steps at t=0 and t=1: due at 2, so within 25 ms of it, not half a period early, and not once it is
+    more than a window late; never for a batch it is already in; forgotten once closed or quiet too long."""
+    arrivals = _Arrivals()
+    window = 0.025
+
+    def due(now: float, present: set[str | None] | None = None) -> bool:
+        return arrivals.due(present or set(), now, late_s=window, within_s=window)
+
+    arrivals.note("a", 0.0)
+    assert not due(0.99)  # one step: no pace yet
+    arrivals.note("a", 1.0)
+    assert [due(t) for t in (1.5, 1.98, 2.0, 2.02, 2.03)] == [False, True, True, True, False]
+    assert not due(1.98, present={"a"})
+    arrivals.forget("a")
+    assert not due(1.98)
+    arrivals.note("b", 10.0)
+    arrivals.note("b", 11.0)
+    arrivals.note("c", 11.0 + _ARRIVALS_HORIZON_S + 1)  # b has been quiet past the horizon: forgotten
+    arrivals.note("c", 12.0 + _ARRIVALS_HORIZON_S + 1)
+    assert not due(12.0)
+    assert due(13.0 + _ARRIVALS_HORIZON_S + 1)  # c's own pace
 
 
 def test_sessions_a_client_sends_as_groups_are_not_waited_for_by_their_pace(blocks: BlockRange) -> None:
