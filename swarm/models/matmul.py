@@ -131,8 +131,21 @@ def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> boo
     )
 
 
+def _keep_torch_threads() -> None:
+    """Apply torch's thread count to the calling thread, before a kernel torch does not set it for.
+
+    OpenMP keeps a thread count per OS thread, and a thread that never set one runs parallel regions on every
+    core. torch's own ops apply torch's count in each thread first; the oneDNN and MKL kernels called below do
+    not, so in a worker thread (a peer's executor, a client's head batcher) they ran on 2 cores each, their
+    second thread spinning between calls (a client process spent 2x the CPU per token). torch.get_num_threads
+    applies the count the first time it runs in a thread (18 ns): torch's lazy per-thread initialisation, not a
+    documented promise, so test_matmul checks it in a fresh process."""
+    torch.get_num_threads()
+
+
 def _few_columns(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, K] @ weight.T as weight @ rows.T: [M, N]."""
+    _keep_torch_threads()
     count = rows.shape[0]
     if count == 1:
         rows = torch.cat((rows, rows))  # one column would take the slow kernel (see the module doc)
@@ -143,6 +156,7 @@ def _packed_product(
     rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packer: str
 ) -> torch.Tensor:
     """rows [M, K] @ weight.T (+ bias) through ``packed`` (``pack(weight, packer)``): [M, N]."""
+    _keep_torch_threads()
     rows = rows.contiguous()  # the packed kernels take rows laid out one after another
     if packer == "onednn":
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -158,13 +172,6 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] and weight [N, K]: [..., N], in the form ``forms`` gives for
     x's rows (``packed``: ``pack(weight, forms.packer)``, if the caller keeps one)."""
-    # OpenMP keeps a thread count per OS thread, and a thread that never set one runs parallel regions on every
-    # core. torch's own ops apply torch's count in each thread first; oneDNN's and MKL's kernels called here do
-    # not, so in a worker thread (a peer's executor, a client's head batcher) they ran on 2 cores each, their
-    # second thread spinning between calls (a client process spent 2x the CPU per token). torch.get_num_threads
-    # applies torch's count to the calling thread the first time it runs there (18 ns): torch's lazy per-thread
-    # initialisation, not a documented promise, so test_matmul checks it in a fresh process.
-    torch.get_num_threads()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed is not None and forms.packs(rows) and x.dtype == torch.float32 and x.device.type == "cpu":
         out = _packed_product(x.reshape(rows, x.shape[-1]), packed, weight, bias, forms.packer)
@@ -374,20 +381,20 @@ def _sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     for weight in weights:
         by_shape.setdefault(tuple(weight.shape), weight)
     first_of_shape = list(by_shape.values())
-    taken: list[torch.Tensor] = []
+    picked: list[torch.Tensor] = []
     seen: set[int] = set()
     size = 0
     for weight in [*first_of_shape, *weights]:
-        if size >= CALIBRATION_BYTES and len(taken) >= len(first_of_shape):
+        if size >= CALIBRATION_BYTES and len(picked) >= len(first_of_shape):
             break
         if id(weight) in seen:
             continue
         seen.add(id(weight))
         row_bytes = weight.shape[1] * weight.element_size()
         rows = max(1, min(weight.shape[0], CALIBRATION_BYTES // max(1, row_bytes)))
-        taken.append(weight[:rows])
+        picked.append(weight[:rows])
         size += rows * row_bytes
-    return taken
+    return picked
 
 
 def _time_forms(
