@@ -13,14 +13,13 @@ its oldest job and gathers the queued steps of *other* sessions on the *same* Bl
 A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment (``batch_window_s``) for the steps it expects: the rest of a group a
-client sent together (its sessions of one round, StepRequest.batch_id), and the sessions due here within the
-window. A session decoding at a steady pace comes back one period after its last step here (the time its step
-takes around the route and through its client); sessions of separate clients arrive out of step, and an idle
-executor would start each alone (the sessions of one client come as its groups, and are not tracked by pace).
-Waiting for the ones due lines them up, and once batched they travel the
-route together and come back together: on a CPU, where a decode step's cost is reading the weights, a forward
-call of 8 decode steps costs about 1.6 of one. A session that stops coming (it ended, or waits for its user) is
-no longer due once it is a window late.
+client sent together (its sessions of one round, StepRequest.batch_id), and the lone sessions due here within
+the window. A session decoding at a steady pace comes back one period after its last step here (the time its
+step takes around the route and through its client); sessions of separate clients arrive out of step, and an
+idle executor would start each alone (a client's own sessions come as its groups, not tracked by pace). Waiting
+for the ones due lines them up, and once batched they travel the route together and come back together: on a
+CPU, where a decode step's cost is reading the weights, a forward call of 8 decode steps costs about 1.6 of one.
+A session that stops coming (it ended, or waits for its user) is no longer due once it is a window late.
 
 Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
 KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
