@@ -50,6 +50,7 @@ MAX_MADDRS = 32
 MAX_TEXT_CHARS = 4096
 MAX_PROBE_BYTES = 64 * 1024**2
 MAX_BATCH_STEPS = 1024  # a client's decode steps sent together (StepRequest.batch_size)
+MAX_FORWARDED_STEPS = 256  # steps in one StepBatch (under the request's longest list, _REQUEST_ARRAY_LEN)
 MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 14 fields
 # Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
 # (MAX_ROUTE_HOPS hops of MAX_MADDRS multiaddrs of 512 characters: about 4.3 MB).
@@ -65,6 +66,7 @@ MAX_STEP_TIMEOUT_S = 3600.0
 _MAX_KIND_BYTES = {
     "step": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
     "step_reply": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
+    "steps": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,  # the steps' tensors together
     "probe": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
     "probe_reply": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
 }
@@ -152,6 +154,24 @@ class StepAck:
     """A step with ``wait_result`` accepted by this hop and every later one (their timings so far)."""
 
     timings: tuple[HopTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Decode steps of several sessions for the same next hop, forwarded by the hop before it in one message.
+
+    Each runs as its own ``rpc_step`` (its own deadline, session and route); only ``wait_result`` steps travel
+    so, since their answers are acknowledgements. A hop that does not know this kind answers ProtocolError, and
+    the sender then sends the steps one by one (swarm.peer.forwarding)."""
+
+    steps: tuple[StepRequest, ...]
+
+
+@dataclass(frozen=True)
+class StepBatchReply:
+    """One outcome per step of a StepBatch, in its order: accepted by every later hop, or the step's error."""
+
+    outcomes: tuple[StepAck | ErrorReply, ...]
 
 
 @dataclass(frozen=True)
@@ -288,11 +308,14 @@ class ErrorReply:
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
-Request = StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest | HandoverRequest
-Reply = StepReply | StepAck | CloseReply | InfoReply | ProbeReply | ErrorReply | HandoverReply
+Request = StepRequest | StepBatch | StepWait | CloseRequest | InfoRequest | ProbeRequest | HandoverRequest
+Reply = (
+    StepReply | StepAck | StepBatchReply | CloseReply | InfoReply | ProbeReply | ErrorReply | HandoverReply
+)
 
 _REQUEST_KINDS: dict[type, str] = {
     StepRequest: "step",
+    StepBatch: "steps",
     StepWait: "wait",
     CloseRequest: "close",
     InfoRequest: "info",
@@ -302,6 +325,7 @@ _REQUEST_KINDS: dict[type, str] = {
 _REPLY_KINDS: dict[type, str] = {
     StepReply: "step_reply",
     StepAck: "step_ack",
+    StepBatchReply: "steps_reply",
     CloseReply: "close_reply",
     InfoReply: "info_reply",
     ProbeReply: "probe_reply",
@@ -313,6 +337,7 @@ _REPLY_KIND_NAMES = frozenset(_REPLY_KINDS.values())
 # The reply each request verb expects (besides ErrorReply).
 REPLY_FOR: dict[type, type] = {
     StepRequest: StepReply,  # StepAck when it has wait_result
+    StepBatch: StepBatchReply,
     StepWait: StepReply,
     CloseRequest: CloseReply,
     InfoRequest: InfoReply,
@@ -322,7 +347,7 @@ REPLY_FOR: dict[type, type] = {
 
 
 def request_verb(request: Request) -> str:
-    """ "step", "wait", "close", "info" or "probe": the rpc_<verb> that handles this request."""
+    """ "step", "steps", "wait", "close", "info", "probe" or "handover": the rpc_<verb> that handles it."""
     return _REQUEST_KINDS[type(request)]
 
 
@@ -499,6 +524,10 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             batch_id=msg.batch_id,
             batch_size=msg.batch_size if msg.batch_size != 1 else 0,
         )
+    if isinstance(msg, StepBatch):
+        return {"steps": [_encode_body(step) for step in msg.steps]}
+    if isinstance(msg, StepBatchReply):
+        return {"outcomes": [[_REPLY_KINDS[type(o)], _encode_body(o)] for o in msg.outcomes]}
     if isinstance(msg, StepReply):
         return {"hidden": encode_tensor(msg.hidden), "timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepAck):
@@ -603,6 +632,21 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
     )
 
 
+def _items(body: dict[str, Any], key: str) -> list[Any]:
+    items = body.get(key)
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_FORWARDED_STEPS:
+        raise ProtocolError(f"{key} must be a list of 1 to {MAX_FORWARDED_STEPS} items")
+    return items
+
+
+def _decode_outcome(item: object) -> StepAck | ErrorReply:
+    if not isinstance(item, list) or len(item) != 2 or item[0] not in ("step_ack", "error"):
+        raise ProtocolError('steps_reply.outcomes must hold ["step_ack" | "error", body] pairs')
+    outcome = _decode_body(item[0], _map(item[1], item[0]))
+    assert isinstance(outcome, StepAck | ErrorReply)
+    return outcome
+
+
 def _decode_handover(body: dict[str, Any]) -> HandoverRequest:
     """A chunk's numbers, checked against each other; its shapes against the model are the receiver's check."""
     w = "handover"
@@ -642,6 +686,10 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))
     if kind == "step_ack":
         return StepAck(_decode_timings(body.get("timings", [])))
+    if kind == "steps":
+        return StepBatch(tuple(_decode_step(_map(step, "steps")) for step in _items(body, "steps")))
+    if kind == "steps_reply":
+        return StepBatchReply(tuple(_decode_outcome(item) for item in _items(body, "outcomes")))
     if kind == "wait":
         return StepWait(
             _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
@@ -823,6 +871,8 @@ __all__ = [
     "Reply",
     "Request",
     "StepAck",
+    "StepBatch",
+    "StepBatchReply",
     "StepReply",
     "StepRequest",
     "StepWait",

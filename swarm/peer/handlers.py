@@ -7,7 +7,9 @@ whom to ban. Without ``wait_result`` the last hop's output travels back up the c
 default for routes of two hops or more), the last hop acknowledges the step once accepted and gives its output
 to the client's StepWait (``rpc_wait``, see swarm.peer.handoff); each hop answers its caller with a StepAck as
 soon as the next hop has, so the acks travel back while the last hop computes and no relay is on the path of
-the output. A failure after the last hop accepted the step reaches the client through its wait.
+the output. A failure after the last hop accepted the step reaches the client through its wait. The decode
+steps of one executor batch bound for the same next hop leave as one message (``rpc_steps`` on the next hop,
+see swarm.peer.forwarding), each with its own outcome.
 
 Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
 (the reaper), or when the peer leaves (``Peer.drain``). A session is known by its id and its client (``origin``,
@@ -27,28 +29,33 @@ from dataclasses import replace
 
 from hivemind.p2p import P2P
 
-from swarm.errors import CapacityError, ProtocolError, SessionError
+from swarm.errors import CapacityError, ProtocolError, SessionError, SwarmError
 from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
 from swarm.models.spec import dtype_name
 from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Group, StepResult
+from swarm.peer.forwarding import Forwarder
 from swarm.peer.handoff import Handoff, Parked
 from swarm.peer.handover import Handovers
 from swarm.peer.state import Peer, Served, session_key
-from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked
+from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked, call_step_batch
 from swarm.types import LayerRange
 from swarm.wire import (
     CloseReply,
     CloseRequest,
+    ErrorReply,
     HandoverReply,
     HandoverRequest,
+    Hop,
     HopTiming,
     InfoReply,
     InfoRequest,
     ProbeReply,
     ProbeRequest,
     StepAck,
+    StepBatch,
+    StepBatchReply,
     StepReply,
     StepRequest,
     StepWait,
@@ -75,6 +82,8 @@ class PeerHandlers:
         # wait_result steps meet their clients' waits here (when we are the last hop of their route)
         self.handoff = Handoff()
         self.handover = Handovers(peer, p2p)  # sessions moved to, or from, another peer (swarm.peer.handover)
+        # wait_result steps on to their next hop, a batch's steps for one peer in one message
+        self.forwarder = Forwarder(self._send_step, self._send_steps)
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -102,6 +111,33 @@ class PeerHandlers:
                     return await self._step(request, remote_id)
             except TimeoutError:
                 raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
+
+    async def rpc_steps(self, request: StepBatch, remote_id: str) -> StepBatchReply:
+        """Steps the hop before us forwarded together (swarm.peer.forwarding): each runs as its own rpc_step,
+        and fails alone."""
+
+        async def one(step: StepRequest) -> StepAck | ErrorReply:
+            try:
+                if not step.wait_result or step.resend_tokens:
+                    raise ProtocolError("a forwarded batch carries wait_result steps only, and no resends")
+                reply = await self.rpc_step(step, remote_id)
+                assert isinstance(reply, StepAck)  # a wait_result step is acknowledged
+                return reply
+            except SwarmError as e:
+                return ErrorReply.from_error(e, self.peer_id)
+            except Exception as e:  # a bug must fail its own step only; the others and the peer go on
+                logger.exception("a forwarded step from %s failed", remote_id[-8:])
+                return ErrorReply.from_error(e, self.peer_id)
+
+        return StepBatchReply(tuple(await asyncio.gather(*(one(step) for step in request.steps))))
+
+    async def _send_step(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck:
+        return await call_step_acked(self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=timeout_s)
+
+    async def _send_steps(
+        self, hop: Hop, requests: list[StepRequest], timeout_s: float
+    ) -> list[StepAck | SwarmError]:
+        return await call_step_batch(self.p2p, hop.peer_id, requests, maddrs=hop.maddrs, timeout_s=timeout_s)
 
     async def _step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck:
         received = time.perf_counter()
@@ -148,9 +184,7 @@ class PeerHandlers:
         )
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
         if request.wait_result:
-            ack = await call_step_acked(
-                self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s
-            )
+            ack = await self.forwarder.forward(hop, downstream, timeout_s)
             return StepAck((_finish(timing, received), *ack.timings))
         reply = await call_step(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
         return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))

@@ -38,6 +38,7 @@ from swarm.models.spec import ModelSpec
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import Executor
 from swarm.peer.follow import PlanFollower
+from swarm.peer.forwarding import Forwarder
 from swarm.peer.handlers import PeerHandlers, reap_idle_sessions
 from swarm.peer.handover import HANDOVER_LINGER_S, Handovers
 from swarm.peer.measure import (
@@ -120,7 +121,7 @@ async def _serve(
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
             tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
-            tg.create_task(_log_batches(executor, BATCH_LOG_INTERVAL_S))
+            tg.create_task(_log_batches(executor, handlers.forwarder, BATCH_LOG_INTERVAL_S))
             tg.create_task(links.run())
             if config.plan:  # the election runs always; the planner plans while we hold the lease
                 election = Election(directory, config.election)
@@ -142,11 +143,13 @@ async def _serve(
         pass
 
 
-async def _log_batches(executor: Executor, interval_s: float) -> None:
+async def _log_batches(executor: Executor, forwarder: Forwarder, interval_s: float) -> None:
     """Log, for each busy interval, how many steps ran in how many forward calls: the mean batch the executor
     formed, and the share of the interval its forward calls took (scripts/bench_e2e.py reads both to check that
-    concurrent sessions' decode steps do batch, and where a round's time goes)."""
+    concurrent sessions' decode steps do batch, and where a round's time goes); and the steps per message sent
+    on to the next hops."""
     steps, batches, compute_s = executor.steps_run, executor.batches_run, executor.compute_s
+    sent, messages = forwarder.steps, forwarder.messages
     since = time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
@@ -154,14 +157,18 @@ async def _log_batches(executor: Executor, interval_s: float) -> None:
         if executor.batches_run > batches:
             new_steps, new_batches = executor.steps_run - steps, executor.batches_run - batches
             logger.info(
-                "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f, computing %.0f%%)",
+                "executor: %d steps in %d forward calls in the last %.0f s (mean batch %.2f, computing %.0f%%)"
+                "; %d steps forwarded in %d messages",
                 new_steps,
                 new_batches,
                 now - since,
                 new_steps / new_batches,
                 100 * (executor.compute_s - compute_s) / max(now - since, 1e-9),
+                forwarder.steps - sent,
+                forwarder.messages - messages,
             )
         steps, batches, compute_s, since = executor.steps_run, executor.batches_run, executor.compute_s, now
+        sent, messages = forwarder.steps, forwarder.messages
 
 
 def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:

@@ -8,6 +8,7 @@ from swarm.transport.calls import (
     call_probe,
     call_step,
     call_step_acked,
+    call_step_batch,
     call_wait,
     measure_link,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "call_probe",
     "call_step",
     "call_step_acked",
+    "call_step_batch",
     "call_wait",
     "dispatch",
     "measure_link",

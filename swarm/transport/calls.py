@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 from hivemind.p2p import P2P
 
-from swarm.errors import ProtocolError
+from swarm.errors import ProtocolError, SwarmError
 from swarm.transport.channel import call_raw, decode_off_loop
 from swarm.wire import (
     CloseReply,
@@ -31,6 +31,8 @@ from swarm.wire import (
     ProbeRequest,
     Request,
     StepAck,
+    StepBatch,
+    StepBatchReply,
     StepReply,
     StepRequest,
     StepWait,
@@ -117,6 +119,39 @@ async def call_step_acked(
     if not request.wait_result:
         raise ValueError("call_step_acked sends steps with wait_result set")
     return await _call(p2p, peer_id, request, StepAck, maddrs=maddrs, timeout_s=timeout_s)
+
+
+async def call_step_batch(
+    p2p: P2P,
+    peer_id: str,
+    requests: list[StepRequest],
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[StepAck | SwarmError]:
+    """Send several ``wait_result`` steps to ``peer_id`` as one message; per step, its StepAck or its error
+    (``failed_peer_id`` set, as call_step_acked would raise it). Raises like call_step when the message as a
+    whole fails; ProtocolError also from a peer that does not know StepBatch (then send them one by one)."""
+    if not requests or not all(r.wait_result and not r.resend_tokens for r in requests):
+        raise ValueError("call_step_batch sends one or more steps with wait_result set, and no resends")
+    reply = await _call(
+        p2p, peer_id, StepBatch(tuple(requests)), StepBatchReply, maddrs=maddrs, timeout_s=timeout_s
+    )
+    if len(reply.outcomes) != len(requests):
+        error = ProtocolError(
+            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(requests)} steps"
+        )
+        error.failed_peer_id = peer_id
+        raise error
+    outcomes: list[StepAck | SwarmError] = []
+    for outcome in reply.outcomes:
+        if isinstance(outcome, ErrorReply):
+            failure = outcome.to_error()
+            failure.failed_peer_id = outcome.failed_peer_id or peer_id
+            outcomes.append(failure)
+        else:
+            outcomes.append(outcome)
+    return outcomes
 
 
 async def call_wait(

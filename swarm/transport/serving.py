@@ -26,6 +26,8 @@ from swarm.wire import (
     ProbeRequest,
     Reply,
     StepAck,
+    StepBatch,
+    StepBatchReply,
     StepReply,
     StepRequest,
     StepWait,
@@ -44,6 +46,8 @@ class RpcHandler(Protocol):
     def peer_id(self) -> str: ...
 
     async def rpc_step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck: ...
+
+    async def rpc_steps(self, request: StepBatch, remote_id: str) -> StepBatchReply: ...
 
     async def rpc_wait(self, request: StepWait, remote_id: str) -> StepReply: ...
 

@@ -28,6 +28,8 @@ from swarm.wire import (
     Reply,
     Request,
     StepAck,
+    StepBatch,
+    StepBatchReply,
     StepReply,
     StepRequest,
     StepWait,
@@ -54,6 +56,16 @@ def messages() -> dict[str, Request | Reply]:
             "sess", 5, _tensor(torch.float32), 0, 2, 64, "hash", ROUTE, 30.0, wait_result=True
         ),
         "step_ack": StepAck((HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)),
+        "steps_request": StepBatch(
+            (
+                StepRequest(
+                    "sess", 5, _tensor(torch.float32)[:1], 0, 2, 64, "hash", ROUTE, 30.0, wait_result=True
+                ),
+            )
+        ),
+        "steps_reply": StepBatchReply(
+            (StepAck((HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)), ErrorReply("capacity", "full", "QmA"))
+        ),
         "step_wait_request": StepWait("sess", 5, 30.0),
         "step_reply": StepReply(_tensor(torch.float16), (HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)),
         "close_request": CloseRequest("sess", ROUTE),
@@ -67,12 +79,16 @@ def messages() -> dict[str, Request | Reply]:
 
 
 def _encode(message: Request | Reply) -> bytes:
-    if isinstance(message, StepRequest | StepWait | CloseRequest | InfoRequest | ProbeRequest):
+    if isinstance(message, StepRequest | StepBatch | StepWait | CloseRequest | InfoRequest | ProbeRequest):
         return encode_request(message)
     return encode_reply(message)
 
 
 def _same(a: object, b: object) -> bool:
+    if isinstance(a, StepBatch) and isinstance(b, StepBatch):
+        return len(a.steps) == len(b.steps) and all(
+            _same(x, y) for x, y in zip(a.steps, b.steps, strict=True)
+        )
     if isinstance(a, StepRequest | StepReply) and isinstance(b, type(a)):
         return (
             torch.equal(a.hidden, b.hidden) and a.hidden.dtype == b.hidden.dtype and _fields(a) == _fields(b)

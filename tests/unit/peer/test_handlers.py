@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.handlers import PeerHandlers
 from swarm.peer.state import Identity, Peer, Status
-from swarm.wire import CloseRequest, InfoRequest, ProbeRequest, StepRequest
+from swarm.wire import CloseRequest, ErrorReply, InfoRequest, ProbeRequest, StepBatch, StepRequest, StepWait
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,3 +208,30 @@ def test_a_step_whose_deadline_passes_while_queued_is_dropped_with_a_capacity_er
         assert h.in_flight == {}
 
     asyncio.run(body())
+
+
+def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
+    h = _handlers(Clock())
+    alone = _handlers(Clock())  # the same steps sent one by one, for the expected outputs
+
+    def forwarded(sid: str, hidden: torch.Tensor) -> StepRequest:
+        return replace(_step(h, sid, 0, 1, max_length=8), hidden=hidden, wait_result=True, origin="QmClient")
+
+    async def body() -> None:
+        hiddens = [torch.randn(1, h.peer.spec.hidden_size) for _ in range(3)]
+        steps = [forwarded(f"s{i}", hidden) for i, hidden in enumerate(hiddens)]
+        steps.insert(1, replace(steps[0], session_id="bad", hidden=torch.randn(1, 3)))  # wrong hidden size
+        steps.insert(3, replace(steps[0], session_id="relayed", wait_result=False))  # not a forwarded kind
+        reply = await h.rpc_steps(StepBatch(tuple(steps)), "QmPrevious")
+        kinds = [type(o).__name__ for o in reply.outcomes]
+        assert kinds == ["StepAck", "ErrorReply", "StepAck", "ErrorReply", "StepAck"]
+        assert [o.code for o in reply.outcomes if isinstance(o, ErrorReply)] == ["protocol", "protocol"]
+        for i, hidden in enumerate(hiddens):
+            out = await h.rpc_wait(StepWait(f"s{i}", 0, 10.0), "QmClient")
+            expected = await alone.rpc_step(
+                replace(_step(alone, f"s{i}", 0, 1, max_length=8), hidden=hidden), "QmClient"
+            )
+            assert torch.allclose(out.hidden, expected.hidden, atol=1e-5)
+        assert h.peer.session_count == 3, "the refused steps opened no session"
+
+    run_peers([h.peer, alone.peer], body)

@@ -1,0 +1,142 @@
+"""The Forwarder: one-token wait_result steps for the same next hop in one loop turn go as one message, each
+with its own outcome; anything else goes alone. The senders are recording fakes (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from swarm.errors import CapacityError, ProtocolError, SwarmError, TransportError
+from swarm.peer.forwarding import Forwarder
+from swarm.wire import Hop, HopTiming, StepAck, StepRequest
+
+pytestmark = pytest.mark.timeout(30)
+
+NEXT, OTHER = Hop("QmNext", (), 2, 4), Hop("QmOther", (), 2, 4)
+
+
+def _step(session_id: str, tokens: int = 1, wait_result: bool = True) -> StepRequest:
+    return StepRequest(session_id, 0, torch.zeros(tokens, 8), 2, 4, 64, "hash", wait_result=wait_result)
+
+
+def _ack(request: StepRequest, hop: Hop) -> StepAck:
+    return StepAck((HopTiming(hop.peer_id, 2, 4, 0.0, 0.0, float(len(request.session_id))),))
+
+
+class Senders:
+    """Records what went out: ("one", peer, [session]) or ("many", peer, [sessions]); fails as told."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, list[str]]] = []
+        self.fail_many: BaseException | None = None
+        self.refuse: set[str] = set()  # sessions whose step the next hop answers with an error
+
+    async def one(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck:
+        self.sent.append(("one", hop.peer_id, [request.session_id]))
+        await asyncio.sleep(0)
+        if request.session_id in self.refuse:
+            raise CapacityError(f"no room for {request.session_id}")
+        return _ack(request, hop)
+
+    async def many(
+        self, hop: Hop, requests: list[StepRequest], timeout_s: float
+    ) -> list[StepAck | SwarmError]:
+        self.sent.append(("many", hop.peer_id, [r.session_id for r in requests]))
+        await asyncio.sleep(0)
+        if self.fail_many is not None:
+            raise self.fail_many
+        return [
+            CapacityError(f"no room for {r.session_id}") if r.session_id in self.refuse else _ack(r, hop)
+            for r in requests
+        ]
+
+
+def _forward_all(forwarder: Forwarder, items: list[tuple[Hop, StepRequest]]) -> list[StepAck | BaseException]:
+    async def main() -> list[StepAck | BaseException]:
+        # every forward starts in the same loop turn, as the handlers of one executor batch resume together
+        return await asyncio.gather(
+            *(forwarder.forward(hop, req, 5.0) for hop, req in items), return_exceptions=True
+        )
+
+    return asyncio.run(main())
+
+
+def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_ack() -> None:
+    senders = Senders()
+    forwarder = Forwarder(senders.one, senders.many)
+    items = [(NEXT, _step(f"s{i}")) for i in range(6)] + [(OTHER, _step("o1")), (OTHER, _step("o22"))]
+    random.Random(3).shuffle(items)
+    results = _forward_all(forwarder, items)
+    for (hop, request), result in zip(items, results, strict=True):
+        assert result == _ack(request, hop), "each step gets the ack of its own step"
+    assert sorted((kind, peer, sorted(ids)) for kind, peer, ids in senders.sent) == [
+        ("many", "QmNext", [f"s{i}" for i in range(6)]),
+        ("many", "QmOther", ["o1", "o22"]),
+    ]
+    assert (forwarder.messages, forwarder.steps) == (2, 8)
+
+
+def test_a_lone_step_a_prefill_and_a_relayed_step_go_alone() -> None:
+    senders = Senders()
+    forwarder = Forwarder(senders.one, senders.many)
+    items = [
+        (NEXT, _step("prefill", tokens=5)),
+        (NEXT, _step("relayed", wait_result=False)),
+        (OTHER, _step("lone")),
+    ]
+    results = _forward_all(forwarder, items)
+    assert all(isinstance(r, StepAck) for r in results)
+    assert sorted(senders.sent) == [
+        ("one", "QmNext", ["prefill"]),
+        ("one", "QmNext", ["relayed"]),
+        ("one", "QmOther", ["lone"]),
+    ]
+
+
+def test_an_error_for_one_step_fails_that_step_only() -> None:
+    senders = Senders()
+    senders.refuse = {"s1"}
+    forwarder = Forwarder(senders.one, senders.many)
+    results = _forward_all(forwarder, [(NEXT, _step(f"s{i}")) for i in range(3)])
+    assert isinstance(results[1], CapacityError) and "s1" in str(results[1])
+    assert isinstance(results[0], StepAck) and isinstance(results[2], StepAck)
+
+
+def test_a_failed_message_fails_every_step_in_it() -> None:
+    senders = Senders()
+    senders.fail_many = TransportError("peer QmNext is unreachable")
+    forwarder = Forwarder(senders.one, senders.many)
+    results = _forward_all(forwarder, [(NEXT, _step(f"s{i}")) for i in range(3)])
+    assert all(isinstance(r, TransportError) for r in results)
+    assert [kind for kind, _, _ in senders.sent] == ["many"], (
+        "no step is sent twice after a transport failure"
+    )
+
+
+def test_a_hop_that_does_not_know_batches_gets_the_steps_one_by_one() -> None:
+    senders = Senders()
+    senders.fail_many = ProtocolError("unexpected message kind 'steps'")
+    senders.refuse = {"s2"}
+    forwarder = Forwarder(senders.one, senders.many)
+    results = _forward_all(forwarder, [(NEXT, _step(f"s{i}")) for i in range(3)])
+    assert [type(r) for r in results] == [StepAck, StepAck, CapacityError]
+    assert sorted(ids[0] for kind, _, ids in senders.sent if kind == "one") == ["s0", "s1", "s2"]
+
+
+def test_a_step_whose_caller_gave_up_is_not_sent() -> None:
+    senders = Senders()
+    forwarder = Forwarder(senders.one, senders.many)
+
+    async def main() -> list[StepAck | BaseException]:
+        tasks = [asyncio.create_task(forwarder.forward(NEXT, _step(f"s{i}"), 5.0)) for i in range(3)]
+        await asyncio.sleep(0)  # all three are held for this turn's message
+        tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert isinstance(results[1], StepAck) and isinstance(results[2], StepAck)
+    assert senders.sent == [("many", "QmNext", ["s1", "s2"])]
