@@ -67,6 +67,7 @@ _MAX_KIND_BYTES = {
     "step": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
     "step_reply": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
     "steps": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,  # the steps' tensors together
+    "steps_reply": MAX_TENSOR_BYTES + MAX_STRUCTURE_BYTES,
     "probe": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
     "probe_reply": MAX_PROBE_BYTES + MAX_STRUCTURE_BYTES,
 }
@@ -160,18 +161,18 @@ class StepAck:
 class StepBatch:
     """Decode steps of several sessions for the same next hop, forwarded by the hop before it in one message.
 
-    Each runs as its own ``rpc_step`` (its own deadline, session and route); only ``wait_result`` steps travel
-    so, since their answers are acknowledgements. A hop that does not know this kind answers ProtocolError, and
-    the sender then sends the steps one by one (swarm.peer.forwarding)."""
+    Each runs as its own ``rpc_step`` (its own deadline, session and route) and is answered as one: a StepAck
+    (``wait_result``) or the route's output (a relayed step). A hop that does not know this kind answers
+    ProtocolError, and the sender then sends the steps one by one (swarm.peer.forwarding)."""
 
     steps: tuple[StepRequest, ...]
 
 
 @dataclass(frozen=True)
 class StepBatchReply:
-    """One outcome per step of a StepBatch, in its order: accepted by every later hop, or the step's error."""
+    """One outcome per step of a StepBatch, in its order: what rpc_step answered it, or its error."""
 
-    outcomes: tuple[StepAck | ErrorReply, ...]
+    outcomes: tuple[StepAck | StepReply | ErrorReply, ...]
 
 
 @dataclass(frozen=True)
@@ -639,11 +640,11 @@ def _items(body: dict[str, Any], key: str) -> list[Any]:
     return items
 
 
-def _decode_outcome(item: object) -> StepAck | ErrorReply:
-    if not isinstance(item, list) or len(item) != 2 or item[0] not in ("step_ack", "error"):
-        raise ProtocolError('steps_reply.outcomes must hold ["step_ack" | "error", body] pairs')
+def _decode_outcome(item: object) -> StepAck | StepReply | ErrorReply:
+    if not isinstance(item, list) or len(item) != 2 or item[0] not in ("step_ack", "step_reply", "error"):
+        raise ProtocolError("steps_reply.outcomes must hold [step_ack | step_reply | error, body] pairs")
     outcome = _decode_body(item[0], _map(item[1], item[0]))
-    assert isinstance(outcome, StepAck | ErrorReply)
+    assert isinstance(outcome, StepAck | StepReply | ErrorReply)
     return outcome
 
 

@@ -3,13 +3,14 @@
 The executor runs the decode steps of several sessions as one forward call, and their handlers all resume in the
 same turn of the event loop, each with a step for its session's next hop. Sent one by one, every step costs a
 message and its acknowledgement through both p2pd daemons and both event loops: at 8 client processes on 3
-peers that was about 1.2 ms of CPU per step and peer, more than the step's own share of the forward call. The
-``Forwarder`` holds the steps bound for one peer until the loop's next turn and sends them together; the next
+peers, a middle peer's event loop spent about 1.5 ms of CPU per step (py-spy), mostly on messages, more than
+the step's own share of a forward call of 4. The ``Forwarder`` holds the steps bound for one peer until the loop's next turn and sends them together; the next
 hop runs each as its own step (its own deadline, session, route and errors) and answers one outcome per step.
 
-Only one-token ``wait_result`` steps are held (their answer is an acknowledgement; a prefill is one message
-anyway). A single step goes alone, as before. A next hop that does not know StepBatch answers ProtocolError
-before running anything, and its steps are then sent one by one.
+Only one-token steps are held (a prefill is one message anyway), whether sent with ``wait_result`` (answered by
+an acknowledgement) or relayed (answered by the route's output, which then travels back batched as well). A
+single step goes alone, as before. A next hop that does not know StepBatch answers ProtocolError before running
+anything, and its steps are then sent one by one.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from swarm.errors import ProtocolError, SwarmError
-from swarm.wire import Hop, StepAck, StepRequest
+from swarm.wire import Hop, StepAck, StepReply, StepRequest
 
 logger = logging.getLogger(__name__)
 
-SendOne = Callable[[Hop, StepRequest, float], Awaitable[StepAck]]  # (hop, step, timeout_s) -> its ack
-SendMany = Callable[[Hop, list[StepRequest], float], Awaitable[list[StepAck | SwarmError]]]
+Answer = StepAck | StepReply  # a wait_result step's acknowledgement, or a relayed step's output
+SendOne = Callable[[Hop, StepRequest, float], Awaitable[Answer]]  # (hop, step, timeout_s) -> its answer
+SendMany = Callable[[Hop, list[StepRequest], float], Awaitable[list[Answer | SwarmError]]]
 
 
 @dataclass
@@ -33,7 +35,7 @@ class _Held:
     hop: Hop
     request: StepRequest
     timeout_s: float
-    future: asyncio.Future[StepAck]
+    future: asyncio.Future[Answer]
 
 
 class Forwarder:
@@ -47,9 +49,9 @@ class Forwarder:
         self.messages = 0  # messages sent, and the steps they carried (the peer's log line shows the ratio)
         self.steps = 0
 
-    async def forward(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck:
-        """``request``'s StepAck from ``hop`` (and every hop after it), or its error, within ``timeout_s``."""
-        if request.hidden.shape[0] != 1 or not request.wait_result or request.resend_tokens:
+    async def forward(self, hop: Hop, request: StepRequest, timeout_s: float) -> Answer:
+        """``request``'s answer from ``hop`` (and every hop after it), or its error, within ``timeout_s``."""
+        if request.hidden.shape[0] != 1 or request.resend_tokens:
             self.messages += 1
             self.steps += 1
             return await self._send_one(hop, request, timeout_s)
@@ -88,27 +90,27 @@ class Forwarder:
                 _resolve(h.future, error=e)
             return
         for h, outcome in zip(held, outcomes, strict=True):
-            if isinstance(outcome, StepAck):
-                _resolve(h.future, ack=outcome)
-            else:
+            if isinstance(outcome, SwarmError):
                 _resolve(h.future, error=outcome)
+            else:
+                _resolve(h.future, answer=outcome)
 
-    async def _settle(self, held: _Held, sending: Awaitable[StepAck]) -> None:
+    async def _settle(self, held: _Held, sending: Awaitable[Answer]) -> None:
         try:
-            ack = await sending
+            answer = await sending
         except Exception as e:
             _resolve(held.future, error=e)
         else:
-            _resolve(held.future, ack=ack)
+            _resolve(held.future, answer=answer)
 
 
 def _resolve(
-    future: asyncio.Future[StepAck], ack: StepAck | None = None, error: BaseException | None = None
+    future: asyncio.Future[Answer], answer: Answer | None = None, error: BaseException | None = None
 ) -> None:
     if future.done():  # its handler gave up (deadline, cancelled)
         return
     if error is not None:
         future.set_exception(error)
     else:
-        assert ack is not None
-        future.set_result(ack)
+        assert answer is not None
+        future.set_result(answer)

@@ -9,7 +9,7 @@ to the client's StepWait (``rpc_wait``, see swarm.peer.handoff); each hop answer
 soon as the next hop has, so the acks travel back while the last hop computes and no relay is on the path of
 the output. A failure after the last hop accepted the step reaches the client through its wait. The decode
 steps of one executor batch bound for the same next hop leave as one message (``rpc_steps`` on the next hop,
-see swarm.peer.forwarding), each with its own outcome.
+see swarm.peer.forwarding), each with its own outcome, and so do relayed steps' outputs on their way back.
 
 Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
 (the reaper), or when the peer leaves (``Peer.drain``). A session is known by its id and its client (``origin``,
@@ -116,13 +116,11 @@ class PeerHandlers:
         """Steps the hop before us forwarded together (swarm.peer.forwarding): each runs as its own rpc_step,
         and fails alone."""
 
-        async def one(step: StepRequest) -> StepAck | ErrorReply:
+        async def one(step: StepRequest) -> StepAck | StepReply | ErrorReply:
             try:
-                if not step.wait_result or step.resend_tokens:
-                    raise ProtocolError("a forwarded batch carries wait_result steps only, and no resends")
-                reply = await self.rpc_step(step, remote_id)
-                assert isinstance(reply, StepAck)  # a wait_result step is acknowledged
-                return reply
+                if step.resend_tokens:
+                    raise ProtocolError("a resend goes alone, not in a forwarded batch")
+                return await self.rpc_step(step, remote_id)
             except SwarmError as e:
                 return ErrorReply.from_error(e, self.peer_id)
             except Exception as e:  # a bug must fail its own step only; the others and the peer go on
@@ -131,12 +129,16 @@ class PeerHandlers:
 
         return StepBatchReply(tuple(await asyncio.gather(*(one(step) for step in request.steps))))
 
-    async def _send_step(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck:
-        return await call_step_acked(self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=timeout_s)
+    async def _send_step(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck | StepReply:
+        if request.wait_result:
+            return await call_step_acked(
+                self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=timeout_s
+            )
+        return await call_step(self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=timeout_s)
 
     async def _send_steps(
         self, hop: Hop, requests: list[StepRequest], timeout_s: float
-    ) -> list[StepAck | SwarmError]:
+    ) -> list[StepAck | StepReply | SwarmError]:
         return await call_step_batch(self.p2p, hop.peer_id, requests, maddrs=hop.maddrs, timeout_s=timeout_s)
 
     async def _step(self, request: StepRequest, remote_id: str) -> StepReply | StepAck:
@@ -183,11 +185,10 @@ class PeerHandlers:
             origin=origin,
         )
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
-        if request.wait_result:
-            ack = await self.forwarder.forward(hop, downstream, timeout_s)
-            return StepAck((_finish(timing, received), *ack.timings))
-        reply = await call_step(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
-        return StepReply(reply.hidden, (_finish(timing, received), *reply.timings))
+        answer = await self.forwarder.forward(hop, downstream, timeout_s)
+        if isinstance(answer, StepAck):  # a wait_result step: its output goes to the client's wait
+            return StepAck((_finish(timing, received), *answer.timings))
+        return StepReply(answer.hidden, (_finish(timing, received), *answer.timings))
 
     async def _compute(self, served: Served, step: Step, group: Group | None = None) -> StepResult:
         try:

@@ -128,12 +128,13 @@ async def call_step_batch(
     *,
     maddrs: tuple[str, ...] | list[str] = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> list[StepAck | SwarmError]:
-    """Send several ``wait_result`` steps to ``peer_id`` as one message; per step, its StepAck or its error
-    (``failed_peer_id`` set, as call_step_acked would raise it). Raises like call_step when the message as a
-    whole fails; ProtocolError also from a peer that does not know StepBatch (then send them one by one)."""
-    if not requests or not all(r.wait_result and not r.resend_tokens for r in requests):
-        raise ValueError("call_step_batch sends one or more steps with wait_result set, and no resends")
+) -> list[StepAck | StepReply | SwarmError]:
+    """Send several steps to ``peer_id`` as one message; per step, what call_step (relayed) or call_step_acked
+    (``wait_result``) would return, or the error it would raise (``failed_peer_id`` set). Raises like call_step
+    when the message as a whole fails; ProtocolError also from a peer that does not know StepBatch (then send
+    them one by one). Resends go alone."""
+    if not requests or any(r.resend_tokens for r in requests):
+        raise ValueError("call_step_batch sends one or more steps, and no resends")
     reply = await _call(
         p2p, peer_id, StepBatch(tuple(requests)), StepBatchReply, maddrs=maddrs, timeout_s=timeout_s
     )
@@ -143,12 +144,18 @@ async def call_step_batch(
         )
         error.failed_peer_id = peer_id
         raise error
-    outcomes: list[StepAck | SwarmError] = []
-    for outcome in reply.outcomes:
+    outcomes: list[StepAck | StepReply | SwarmError] = []
+    for request, outcome in zip(requests, reply.outcomes, strict=True):
         if isinstance(outcome, ErrorReply):
             failure = outcome.to_error()
             failure.failed_peer_id = outcome.failed_peer_id or peer_id
             outcomes.append(failure)
+        elif isinstance(outcome, StepAck) != request.wait_result:
+            wrong = ProtocolError(
+                f"peer {peer_id} answered a {type(outcome).__name__} to the wrong kind of step"
+            )
+            wrong.failed_peer_id = peer_id
+            outcomes.append(wrong)
         else:
             outcomes.append(outcome)
     return outcomes

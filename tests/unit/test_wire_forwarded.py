@@ -15,6 +15,7 @@ from swarm.wire import (
     StepAck,
     StepBatch,
     StepBatchReply,
+    StepReply,
     StepRequest,
     decode_reply,
     decode_request,
@@ -42,9 +43,17 @@ def test_steps_and_outcomes_round_trip_in_order() -> None:
     assert all(
         torch.equal(a.hidden, b.hidden) and b.wait_result for a, b in zip(steps, back.steps, strict=True)
     )
-    outcomes = (StepAck((HopTiming("QmA", 0, 2, 0.1, 0.2, 0.3),)), ErrorReply("capacity", "full", "QmB"))
+    timing = HopTiming("QmA", 0, 2, 0.1, 0.2, 0.3)
+    output = torch.randn(1, 16)
+    outcomes = (StepAck((timing,)), ErrorReply("capacity", "full", "QmB"), StepReply(output, (timing,)))
     reply = decode_reply(encode_reply(StepBatchReply(outcomes)))
-    assert isinstance(reply, StepBatchReply) and reply.outcomes == outcomes
+    assert isinstance(reply, StepBatchReply) and reply.outcomes[:2] == outcomes[:2]
+    relayed = reply.outcomes[2]
+    assert (
+        isinstance(relayed, StepReply)
+        and torch.equal(relayed.hidden, output)
+        and relayed.timings == (timing,)
+    )
     error = reply.outcomes[1]
     assert isinstance(error, ErrorReply) and isinstance(error.to_error(), CapacityError)
 
@@ -74,7 +83,8 @@ def test_a_batch_over_the_step_limit_is_refused() -> None:
     "outcomes",
     [
         [],
-        [["step_reply", {"hidden": {}}]],  # only acks and errors answer forwarded steps
+        [["step_reply", {"hidden": {}}]],  # a relayed step's output without its tensor
+        [["close_reply", {"closed": True}]],  # not an answer to a step
         [["step_ack"]],
         ["step_ack"],
         [["error", {"code": 5}]],

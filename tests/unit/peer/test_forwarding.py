@@ -1,5 +1,5 @@
-"""The Forwarder: one-token wait_result steps for the same next hop in one loop turn go as one message, each
-with its own outcome; anything else goes alone. The senders are recording fakes (no network)."""
+"""The Forwarder: one-token steps for the same next hop in one loop turn go as one message, each with its own
+outcome; prefills go alone. The senders are recording fakes (no network)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from swarm.errors import CapacityError, ProtocolError, SwarmError, TransportError
-from swarm.peer.forwarding import Forwarder
-from swarm.wire import Hop, HopTiming, StepAck, StepRequest
+from swarm.peer.forwarding import Answer, Forwarder
+from swarm.wire import Hop, HopTiming, StepAck, StepReply, StepRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,8 +22,12 @@ def _step(session_id: str, tokens: int = 1, wait_result: bool = True) -> StepReq
     return StepRequest(session_id, 0, torch.zeros(tokens, 8), 2, 4, 64, "hash", wait_result=wait_result)
 
 
-def _ack(request: StepRequest, hop: Hop) -> StepAck:
-    return StepAck((HopTiming(hop.peer_id, 2, 4, 0.0, 0.0, float(len(request.session_id))),))
+def _answer(request: StepRequest, hop: Hop) -> Answer:
+    """What ``hop`` answers ``request``: an ack naming it, or (relayed) an output made from the step's own."""
+    timings = (HopTiming(hop.peer_id, 2, 4, 0.0, 0.0, float(len(request.session_id))),)
+    if request.wait_result:
+        return StepAck(timings)
+    return StepReply(request.hidden + len(request.session_id), timings)
 
 
 class Senders:
@@ -34,44 +38,47 @@ class Senders:
         self.fail_many: BaseException | None = None
         self.refuse: set[str] = set()  # sessions whose step the next hop answers with an error
 
-    async def one(self, hop: Hop, request: StepRequest, timeout_s: float) -> StepAck:
+    async def one(self, hop: Hop, request: StepRequest, timeout_s: float) -> Answer:
         self.sent.append(("one", hop.peer_id, [request.session_id]))
         await asyncio.sleep(0)
         if request.session_id in self.refuse:
             raise CapacityError(f"no room for {request.session_id}")
-        return _ack(request, hop)
+        return _answer(request, hop)
 
     async def many(
         self, hop: Hop, requests: list[StepRequest], timeout_s: float
-    ) -> list[StepAck | SwarmError]:
+    ) -> list[Answer | SwarmError]:
         self.sent.append(("many", hop.peer_id, [r.session_id for r in requests]))
         await asyncio.sleep(0)
         if self.fail_many is not None:
             raise self.fail_many
         return [
-            CapacityError(f"no room for {r.session_id}") if r.session_id in self.refuse else _ack(r, hop)
+            CapacityError(f"no room for {r.session_id}") if r.session_id in self.refuse else _answer(r, hop)
             for r in requests
         ]
 
 
-def _forward_all(forwarder: Forwarder, items: list[tuple[Hop, StepRequest]]) -> list[StepAck | BaseException]:
-    async def main() -> list[StepAck | BaseException]:
+def _forward_all(forwarder: Forwarder, items: list[tuple[Hop, StepRequest]]) -> list[Answer | BaseException]:
+    async def main() -> list[Answer | BaseException]:
         # every forward starts in the same loop turn, as the handlers of one executor batch resume together
-        return await asyncio.gather(
-            *(forwarder.forward(hop, req, 5.0) for hop, req in items), return_exceptions=True
-        )
+        forwards = (forwarder.forward(hop, request, 5.0) for hop, request in items)
+        return await asyncio.gather(*forwards, return_exceptions=True)
 
     return asyncio.run(main())
 
 
-def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_ack() -> None:
+def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_answer() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
-    items = [(NEXT, _step(f"s{i}")) for i in range(6)] + [(OTHER, _step("o1")), (OTHER, _step("o22"))]
+    items = [(NEXT, _step(f"s{i}", wait_result=i % 2 == 0)) for i in range(6)]  # relayed steps go too
+    items += [(OTHER, _step("o1")), (OTHER, _step("o22"))]
     random.Random(3).shuffle(items)
     results = _forward_all(forwarder, items)
     for (hop, request), result in zip(items, results, strict=True):
-        assert result == _ack(request, hop), "each step gets the ack of its own step"
+        expected = _answer(request, hop)
+        assert isinstance(result, type(expected)) and result.timings == expected.timings, "each gets its own"
+        if isinstance(result, StepReply) and isinstance(expected, StepReply):
+            assert torch.equal(result.hidden, expected.hidden)
     assert sorted((kind, peer, sorted(ids)) for kind, peer, ids in senders.sent) == [
         ("many", "QmNext", [f"s{i}" for i in range(6)]),
         ("many", "QmOther", ["o1", "o22"]),
@@ -79,19 +86,16 @@ def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_ack()
     assert (forwarder.messages, forwarder.steps) == (2, 8)
 
 
-def test_a_lone_step_a_prefill_and_a_relayed_step_go_alone() -> None:
+def test_a_prefill_and_a_lone_step_go_alone() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
-    items = [
-        (NEXT, _step("prefill", tokens=5)),
-        (NEXT, _step("relayed", wait_result=False)),
-        (OTHER, _step("lone")),
-    ]
+    items = [(NEXT, _step("prefill", tokens=5)), (NEXT, _step("p2", tokens=2))]
+    items.append((OTHER, _step("lone", wait_result=False)))
     results = _forward_all(forwarder, items)
-    assert all(isinstance(r, StepAck) for r in results)
+    assert [type(r) for r in results] == [StepAck, StepAck, StepReply]
     assert sorted(senders.sent) == [
+        ("one", "QmNext", ["p2"]),
         ("one", "QmNext", ["prefill"]),
-        ("one", "QmNext", ["relayed"]),
         ("one", "QmOther", ["lone"]),
     ]
 
@@ -130,7 +134,7 @@ def test_a_step_whose_caller_gave_up_is_not_sent() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
 
-    async def main() -> list[StepAck | BaseException]:
+    async def main() -> list[Answer | BaseException]:
         tasks = [asyncio.create_task(forwarder.forward(NEXT, _step(f"s{i}"), 5.0)) for i in range(3)]
         await asyncio.sleep(0)  # all three are held for this turn's message
         tasks[0].cancel()

@@ -221,17 +221,23 @@ def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
         hiddens = [torch.randn(1, h.peer.spec.hidden_size) for _ in range(3)]
         steps = [forwarded(f"s{i}", hidden) for i, hidden in enumerate(hiddens)]
         steps.insert(1, replace(steps[0], session_id="bad", hidden=torch.randn(1, 3)))  # wrong hidden size
-        steps.insert(3, replace(steps[0], session_id="relayed", wait_result=False))  # not a forwarded kind
+        steps.insert(
+            3, replace(steps[0], session_id="relayed", wait_result=False)
+        )  # answered with its output
         reply = await h.rpc_steps(StepBatch(tuple(steps)), "QmPrevious")
         kinds = [type(o).__name__ for o in reply.outcomes]
-        assert kinds == ["StepAck", "ErrorReply", "StepAck", "ErrorReply", "StepAck"]
-        assert [o.code for o in reply.outcomes if isinstance(o, ErrorReply)] == ["protocol", "protocol"]
+        assert kinds == ["StepAck", "ErrorReply", "StepAck", "StepReply", "StepAck"]
+        assert [o.code for o in reply.outcomes if isinstance(o, ErrorReply)] == ["protocol"]
         for i, hidden in enumerate(hiddens):
             out = await h.rpc_wait(StepWait(f"s{i}", 0, 10.0), "QmClient")
             expected = await alone.rpc_step(
                 replace(_step(alone, f"s{i}", 0, 1, max_length=8), hidden=hidden), "QmClient"
             )
             assert torch.allclose(out.hidden, expected.hidden, atol=1e-5)
-        assert h.peer.session_count == 3, "the refused steps opened no session"
+        relayed = await alone.rpc_step(
+            replace(_step(alone, "relayed", 0, 1, max_length=8), hidden=hiddens[0]), "QmClient"
+        )
+        assert torch.allclose(reply.outcomes[3].hidden, relayed.hidden, atol=1e-5)  # type: ignore[union-attr]
+        assert h.peer.session_count == 4, "the refused step opened no session"
 
     run_peers([h.peer, alone.peer], body)
