@@ -50,6 +50,8 @@ MAX_MADDRS = 32
 MAX_TEXT_CHARS = 4096
 MAX_PROBE_BYTES = 64 * 1024**2
 MAX_BATCH_STEPS = 1024  # a client's decode steps sent together (StepRequest.batch_size)
+# how a peer refuses a message kind it does not know (one of a later release): the sender may then send as before
+UNKNOWN_KIND = "unexpected message kind"
 MAX_FORWARDED_STEPS = 256  # steps in one StepBatch (under the request's longest list, _REQUEST_ARRAY_LEN)
 MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 14 fields
 # Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
@@ -162,8 +164,9 @@ class StepBatch:
     """Decode steps of several sessions for the same next hop, forwarded by the hop before it in one message.
 
     Each runs as its own ``rpc_step`` (its own deadline, session and route) and is answered as one: a StepAck
-    (``wait_result``) or the route's output (a relayed step). A hop that does not know this kind answers
-    ProtocolError, and the sender then sends the steps one by one (swarm.peer.forwarding)."""
+    (``wait_result``) or the route's output (a relayed step). The reply comes once every step is answered, so a
+    sender holds together only steps answered at once (swarm.peer.forwarding). A hop that does not know this
+    kind answers ProtocolError (UNKNOWN_KIND), and the sender then sends the steps one by one."""
 
     steps: tuple[StepRequest, ...]
 
@@ -799,7 +802,7 @@ def _peek(data: bytes | bytearray | memoryview, kinds: frozenset[str]) -> str:
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version} received, this side speaks {PROTOCOL_VERSION}")
     if not isinstance(kind, str) or kind not in kinds:
-        raise ProtocolError(f"unexpected message kind {kind!r}; expected one of {sorted(kinds)}")
+        raise ProtocolError(f"{UNKNOWN_KIND} {kind!r}; expected one of {sorted(kinds)}")
     return kind
 
 
@@ -877,6 +880,7 @@ __all__ = [
     "StepReply",
     "StepRequest",
     "StepWait",
+    "UNKNOWN_KIND",
     "decode_reply",
     "decode_request",
     "decode_tensor",

@@ -1,16 +1,24 @@
-"""Decode steps leaving this peer for the same next hop go as one message (a StepBatch), not one each.
+"""Steps leaving this peer for the last hop of their routes go together: one message (a StepBatch), not one each.
 
 The executor runs the decode steps of several sessions as one forward call, and their handlers all resume in the
 same turn of the event loop, each with a step for its session's next hop. Sent one by one, every step costs a
 message and its acknowledgement through both p2pd daemons and both event loops: at 8 client processes on 3
 peers, a middle peer's event loop spent about 1.5 ms of CPU per step (py-spy), mostly on messages, more than
-the step's own share of a forward call of 4. The ``Forwarder`` holds the steps bound for one peer until the loop's next turn and sends them together; the next
-hop runs each as its own step (its own deadline, session, route and errors) and answers one outcome per step.
+the step's own share of a forward call of 4. The ``Forwarder`` holds the steps bound for one peer until the
+loop's next turn and sends them together; the next hop runs each as its own step (its own deadline, session and
+errors) and answers one outcome per step.
 
-Only one-token steps are held (a prefill is one message anyway), whether sent with ``wait_result`` (answered by
-an acknowledgement) or relayed (answered by the route's output, which then travels back batched as well). A
-single step goes alone, as before. A next hop that does not know StepBatch answers ProtocolError before running
-anything, and its steps are then sent one by one.
+Which steps. The reply to a message comes when its last step is answered, so the steps of one message share
+their slowest one's delay. Only steps the next hop answers at once are held: one-token ``wait_result`` steps for
+which it is the last hop, which it parks for the client's wait and acknowledges (swarm.peer.handoff), whatever
+the step's session is doing further on. A step with hops after the next one is acknowledged only once they have
+accepted it, and a relayed step only once its route has computed it: held with others, a slow or hostile hop
+further down one route would hold back the acknowledgements of sessions that never pass it. Those go alone, as
+do prefills (one message each anyway).
+
+A single step goes alone, as before. A next hop of an earlier release answers that it does not know the message
+kind, before running anything, and its steps are then sent one by one; any other failure of the message is the
+failure of each of its steps (it may have run them: they are never sent twice).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from swarm.errors import ProtocolError, SwarmError
-from swarm.wire import Hop, StepAck, StepReply, StepRequest
+from swarm.wire import MAX_FORWARDED_STEPS, UNKNOWN_KIND, Hop, StepAck, StepReply, StepRequest
 
 logger = logging.getLogger(__name__)
 
@@ -44,29 +52,34 @@ class Forwarder:
     def __init__(self, send_one: SendOne, send_many: SendMany) -> None:
         self._send_one = send_one
         self._send_many = send_many
-        self._held: dict[str, list[_Held]] = {}  # next hop's peer id -> steps for it, in arrival order
+        # next hop (peer id, addresses) -> steps for it, in arrival order: steps that name other addresses for the
+        # same peer go apart, so a route with wrong ones fails only its own steps
+        self._held: dict[tuple[str, tuple[str, ...]], list[_Held]] = {}
         self._sending: set[asyncio.Task[None]] = set()
         self.messages = 0  # messages sent, and the steps they carried (the peer's log line shows the ratio)
         self.steps = 0
 
     async def forward(self, hop: Hop, request: StepRequest, timeout_s: float) -> Answer:
         """``request``'s answer from ``hop`` (and every hop after it), or its error, within ``timeout_s``."""
-        if request.hidden.shape[0] != 1 or request.resend_tokens:
+        if not answered_at_once(request):
             self.messages += 1
             self.steps += 1
             return await self._send_one(hop, request, timeout_s)
         loop = asyncio.get_running_loop()
         held = _Held(hop, request, timeout_s, loop.create_future())
-        queue = self._held.setdefault(hop.peer_id, [])
+        key = (hop.peer_id, hop.maddrs)
+        queue = self._held.setdefault(key, [])
         queue.append(held)
         if len(queue) == 1:  # the first for this hop this turn: the other handlers resumed with it add theirs
-            loop.call_soon(self._flush, hop.peer_id)
+            loop.call_soon(self._flush, key)
         return await held.future
 
-    def _flush(self, peer_id: str) -> None:
-        held = [h for h in self._held.pop(peer_id, []) if not h.future.cancelled()]
-        if held:
-            task = asyncio.get_running_loop().create_task(self._send(held))
+    def _flush(self, key: tuple[str, tuple[str, ...]]) -> None:
+        held = [h for h in self._held.pop(key, []) if not h.future.cancelled()]
+        for start in range(0, len(held), MAX_FORWARDED_STEPS):
+            task = asyncio.get_running_loop().create_task(
+                self._send(held[start : start + MAX_FORWARDED_STEPS])
+            )
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
@@ -79,7 +92,12 @@ class Forwarder:
         timeout_s = max(h.timeout_s for h in held)
         try:
             outcomes = await self._send_many(held[0].hop, [h.request for h in held], timeout_s)
-        except ProtocolError as e:  # e.g. a peer of an earlier release: nothing ran there
+        except ProtocolError as e:
+            if UNKNOWN_KIND not in str(e):  # it may have run them: they fail, as in any failed message
+                for h in held:
+                    _resolve(h.future, error=e)
+                return
+            # a peer of an earlier release, which refused the message unread: nothing ran there
             logger.debug("sending %d steps one by one to %s: %s", len(held), held[0].hop.peer_id[-8:], e)
             await asyncio.gather(
                 *(self._settle(h, self._send_one(h.hop, h.request, h.timeout_s)) for h in held)
@@ -102,6 +120,17 @@ class Forwarder:
             _resolve(held.future, error=e)
         else:
             _resolve(held.future, answer=answer)
+
+
+def answered_at_once(request: StepRequest) -> bool:
+    """Whether the next hop answers ``request`` as soon as it has it: a one-token ``wait_result`` step (not a
+    resend) for which it is the last hop. Only these are held and sent together (see the module doc)."""
+    return (
+        request.hidden.shape[0] == 1
+        and request.wait_result
+        and not request.route_rest
+        and not request.resend_tokens
+    )
 
 
 def _resolve(

@@ -1,5 +1,5 @@
-"""The Forwarder: one-token steps for the same next hop in one loop turn go as one message, each with its own
-outcome; prefills go alone. The senders are recording fakes (no network)."""
+"""The Forwarder: one-token wait_result steps for the same last hop in one loop turn go as one message, each with
+its own outcome; steps the next hop does not answer at once go alone. The senders are recording fakes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.timeout(30)
 NEXT, OTHER = Hop("QmNext", (), 2, 4), Hop("QmOther", (), 2, 4)
 
 
-def _step(session_id: str, tokens: int = 1, wait_result: bool = True) -> StepRequest:
-    return StepRequest(session_id, 0, torch.zeros(tokens, 8), 2, 4, 64, "hash", wait_result=wait_result)
+def _step(
+    session_id: str, tokens: int = 1, wait_result: bool = True, rest: tuple[Hop, ...] = ()
+) -> StepRequest:
+    return StepRequest(session_id, 0, torch.zeros(tokens, 8), 2, 4, 64, "hash", rest, wait_result=wait_result)
 
 
 def _answer(request: StepRequest, hop: Hop) -> Answer:
@@ -70,8 +72,7 @@ def _forward_all(forwarder: Forwarder, items: list[tuple[Hop, StepRequest]]) -> 
 def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_answer() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
-    items = [(NEXT, _step(f"s{i}", wait_result=i % 2 == 0)) for i in range(6)]  # relayed steps go too
-    items += [(OTHER, _step("o1")), (OTHER, _step("o22"))]
+    items = [(NEXT, _step(f"s{i}")) for i in range(6)] + [(OTHER, _step("o1")), (OTHER, _step("o22"))]
     random.Random(3).shuffle(items)
     results = _forward_all(forwarder, items)
     for (hop, request), result in zip(items, results, strict=True):
@@ -86,18 +87,34 @@ def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_answe
     assert (forwarder.messages, forwarder.steps) == (2, 8)
 
 
-def test_a_prefill_and_a_lone_step_go_alone() -> None:
+def test_steps_not_answered_at_once_and_a_lone_step_go_alone() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
-    items = [(NEXT, _step("prefill", tokens=5)), (NEXT, _step("p2", tokens=2))]
-    items.append((OTHER, _step("lone", wait_result=False)))
+    items = [
+        (NEXT, _step("prefill", tokens=5)),
+        (NEXT, _step("relayed", wait_result=False)),  # answered once its route has computed it
+        (NEXT, _step("further", rest=(OTHER,))),  # acknowledged once the hop after the next one has it
+        (NEXT, _step("further2", rest=(OTHER,))),
+        (OTHER, _step("lone")),
+    ]
     results = _forward_all(forwarder, items)
-    assert [type(r) for r in results] == [StepAck, StepAck, StepReply]
+    assert [type(r) for r in results] == [StepAck, StepReply, StepAck, StepAck, StepAck]
     assert sorted(senders.sent) == [
-        ("one", "QmNext", ["p2"]),
+        ("one", "QmNext", ["further"]),
+        ("one", "QmNext", ["further2"]),
         ("one", "QmNext", ["prefill"]),
+        ("one", "QmNext", ["relayed"]),
         ("one", "QmOther", ["lone"]),
     ]
+
+
+def test_steps_naming_other_addresses_for_the_same_peer_go_apart() -> None:
+    senders = Senders()
+    forwarder = Forwarder(senders.one, senders.many)
+    elsewhere = Hop("QmNext", ("/ip4/127.0.0.1/tcp/9/p2p/QmNext",), 2, 4)
+    items = [(NEXT, _step("a")), (NEXT, _step("b")), (elsewhere, _step("c")), (elsewhere, _step("d"))]
+    _forward_all(forwarder, items)
+    assert sorted(ids for _, _, ids in senders.sent) == [["a", "b"], ["c", "d"]]
 
 
 def test_an_error_for_one_step_fails_that_step_only() -> None:
@@ -128,6 +145,15 @@ def test_a_hop_that_does_not_know_batches_gets_the_steps_one_by_one() -> None:
     results = _forward_all(forwarder, [(NEXT, _step(f"s{i}")) for i in range(3)])
     assert [type(r) for r in results] == [StepAck, StepAck, CapacityError]
     assert sorted(ids[0] for kind, _, ids in senders.sent if kind == "one") == ["s0", "s1", "s2"]
+
+
+def test_a_message_that_failed_otherwise_is_not_sent_again_step_by_step() -> None:
+    senders = Senders()
+    senders.fail_many = ProtocolError("peer QmNext answered 2 outcomes for 3 steps")  # it may have run them
+    forwarder = Forwarder(senders.one, senders.many)
+    results = _forward_all(forwarder, [(NEXT, _step(f"s{i}")) for i in range(3)])
+    assert all(isinstance(r, ProtocolError) for r in results)
+    assert [kind for kind, _, _ in senders.sent] == ["many"]
 
 
 def test_a_step_whose_caller_gave_up_is_not_sent() -> None:
