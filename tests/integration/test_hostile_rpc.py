@@ -10,18 +10,29 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 import psutil
 import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import CapacityError
+from swarm.errors import CapacityError, ProtocolError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import LocalSwarm, PeerProcess, swarm_client
-from swarm.transport import call_step
+from swarm.transport import call_step, call_step_batch, call_wait
 from swarm.transport.channel import call_raw
-from swarm.wire import ErrorReply, Hop, StepRequest, decode_reply
+from swarm.wire import (
+    MAX_FORWARDED_STEPS,
+    ErrorReply,
+    Hop,
+    StepBatch,
+    StepBatchReply,
+    StepRequest,
+    StepWait,
+    decode_reply,
+    encode_request,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -153,5 +164,60 @@ def test_a_route_through_a_hop_that_is_no_peer_of_the_swarm_is_refused(
                 raise AssertionError(f"never refused; answers: {answers}")
             reply = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
             assert reply.hidden.shape == (2, tiny.spec.hidden_size)  # and it keeps serving
+
+    asyncio.run(body())
+
+
+def test_forwarded_step_batches_over_real_p2p_answer_each_step_and_refuse_bad_ones_alone(
+    peer: PeerProcess, tiny: ModelSource
+) -> None:
+    """A StepBatch (what a hop sends its route's last hop, swarm.peer.forwarding) from a real libp2p node: each
+    good step is acknowledged and its output waits for the client's wait, equal to the same step sent alone; a
+    bad step is refused in its own outcome; a batch over MAX_FORWARDED_STEPS is refused whole; the peer serves on."""
+
+    async def body() -> None:
+        async with swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            good = [replace(_step(tiny, uuid.uuid4().hex, 1, 4), wait_result=True) for _ in range(3)]
+            bad_size = replace(good[0], session_id=uuid.uuid4().hex, hidden=torch.randn(1, 3))
+            rest = (Hop(peer.peer_id, (), 3, 6),)  # a resend names hops to send to, or it does not decode
+            resend = replace(
+                good[0],
+                session_id=uuid.uuid4().hex,
+                resend_tokens=1,
+                hidden=torch.empty(0, tiny.spec.hidden_size),
+                end=3,
+                route_rest=rest,
+            )
+            broken = replace(resend, route_rest=())
+            raw = await call_raw(
+                p2p, peer.peer_id, encode_request(StepBatch((good[0], broken))), timeout_s=30
+            )
+            # a step that does not decode makes the message malformed: it is refused whole
+            refused = decode_reply(raw)
+            assert isinstance(refused, ErrorReply) and refused.code == "protocol", refused
+            batch = (good[0], bad_size, good[1], resend, good[2])  # raw: our call_step_batch sends no resend
+            raw = await call_raw(
+                p2p, peer.peer_id, encode_request(StepBatch(batch)), maddrs=peer.maddrs, timeout_s=30
+            )
+            reply = decode_reply(raw)
+            assert isinstance(reply, StepBatchReply), reply
+            kinds = [type(o).__name__ for o in reply.outcomes]
+            assert kinds == ["StepAck", "ErrorReply", "StepAck", "ErrorReply", "StepAck"]
+            errors = [o for o in reply.outcomes if isinstance(o, ErrorReply)]
+            assert [e.code for e in errors] == ["protocol", "protocol"] and "resend" in errors[1].message
+            for step in good:
+                waited = await call_wait(p2p, peer.peer_id, StepWait(step.session_id, 0, 30.0), timeout_s=30)
+                alone = await call_step(
+                    p2p,
+                    peer.peer_id,
+                    replace(step, session_id=uuid.uuid4().hex, wait_result=False),
+                    timeout_s=30,
+                )
+                assert torch.allclose(waited.hidden, alone.hidden, atol=1e-5)
+            too_many = [replace(good[0], session_id=uuid.uuid4().hex) for _ in range(MAX_FORWARDED_STEPS + 1)]
+            with pytest.raises(ProtocolError):
+                await call_step_batch(p2p, peer.peer_id, too_many, maddrs=peer.maddrs, timeout_s=30)
+            ok = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
+            assert ok.hidden.shape == (2, tiny.spec.hidden_size)
 
     asyncio.run(body())
