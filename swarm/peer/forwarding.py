@@ -92,19 +92,15 @@ class Forwarder:
         timeout_s = max(h.timeout_s for h in held)
         try:
             outcomes = await self._send_many(held[0].hop, [h.request for h in held], timeout_s)
-        except ProtocolError as e:
-            if UNKNOWN_KIND not in str(e):  # it may have run them: they fail, as in any failed message
-                for h in held:
-                    _resolve(h.future, error=e)
+        except Exception as e:
+            if isinstance(e, ProtocolError) and UNKNOWN_KIND in str(e):
+                # a peer of an earlier release, which refused the message unread: nothing ran there
+                logger.debug("sending %d steps one by one to %s: %s", len(held), held[0].hop.peer_id[-8:], e)
+                await asyncio.gather(
+                    *(self._settle(h, self._send_one(h.hop, h.request, h.timeout_s)) for h in held)
+                )
                 return
-            # a peer of an earlier release, which refused the message unread: nothing ran there
-            logger.debug("sending %d steps one by one to %s: %s", len(held), held[0].hop.peer_id[-8:], e)
-            await asyncio.gather(
-                *(self._settle(h, self._send_one(h.hop, h.request, h.timeout_s)) for h in held)
-            )
-            return
-        except Exception as e:  # the message failed as a whole: every step of it did
-            for h in held:
+            for h in held:  # the message failed as a whole (it may have run them): every step of it did
                 _resolve(h.future, error=e)
             return
         for h, outcome in zip(held, outcomes, strict=True):

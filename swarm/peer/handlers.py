@@ -40,6 +40,7 @@ from swarm.peer.handoff import Handoff, Parked
 from swarm.peer.handover import Handovers
 from swarm.peer.state import Peer, Served, session_key
 from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked, call_step_batch
+from swarm.transport.serving import error_reply
 from swarm.types import LayerRange
 from swarm.wire import (
     CloseReply,
@@ -122,11 +123,8 @@ class PeerHandlers:
                 if step.resend_tokens:
                     raise ProtocolError("a resend goes alone, not in a forwarded batch")
                 return await self.rpc_step(step, remote_id)
-            except SwarmError as e:
-                return ErrorReply.from_error(e, self.peer_id)
-            except Exception as e:  # a bug must fail its own step only; the others and the peer go on
-                logger.exception("a forwarded step from %s failed", remote_id[-8:])
-                return ErrorReply.from_error(e, self.peer_id)
+            except Exception as e:  # fails its own step only; the others and the peer go on
+                return error_reply(e, self.peer_id, remote_id)
 
         return StepBatchReply(tuple(await asyncio.gather(*(one(step) for step in request.steps))))
 

@@ -60,6 +60,16 @@ class RpcHandler(Protocol):
     async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply: ...
 
 
+def error_reply(error: Exception, peer_id: str, remote_id: str) -> ErrorReply:
+    """What a request from ``remote_id`` that failed here with ``error`` is answered: a SwarmError keeps its
+    code; anything else is a bug here, logged with its traceback and reported as a plain SwarmError."""
+    if isinstance(error, SwarmError):
+        logger.info("request from %s failed: %s: %s", remote_id[-8:], error.code, error)
+    else:  # a bug in a handler must not take the peer down; report it, keep serving
+        logger.error("handler failed on a request from %s", remote_id[-8:], exc_info=error)
+    return ErrorReply.from_error(error, peer_id)
+
+
 async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
     """Decode, call ``handler.rpc_<verb>``, encode; every failure becomes an encoded ErrorReply."""
     reply: Reply
@@ -67,12 +77,8 @@ async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
         request = await decode_off_loop(decode_request, data)
         method = getattr(handler, f"rpc_{request_verb(request)}")
         reply = await method(request, remote_id)
-    except SwarmError as e:
-        logger.info("request from %s failed: %s: %s", remote_id[-8:], e.code, e)
-        reply = ErrorReply.from_error(e, handler.peer_id)
-    except Exception as e:  # a bug in a handler must not take the peer down; report it, keep serving
-        logger.exception("handler failed on a request from %s", remote_id[-8:])
-        reply = ErrorReply.from_error(e, handler.peer_id)
+    except Exception as e:
+        reply = error_reply(e, handler.peer_id, remote_id)
     try:
         return encode_reply(reply)
     except SwarmError as e:  # e.g. a reply tensor in a dtype the wire does not carry
