@@ -23,7 +23,11 @@ A session that stops coming (it ended, or waits for its user) is no longer due o
 
 Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
 KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
-lane they run on. The BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+lane they run on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued
+after it go on meanwhile: clients open sessions all the time (every spot-check opens some), and a call waiting
+in line held every decode step behind it until the chunk ended (traced: decode steps queued 45-125 ms behind a
+session open while a 128-token chunk ran). The BlockRange's own admission check (free cache tokens) turns into
+a CapacityError.
 
 Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt
 as consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the
@@ -158,6 +162,8 @@ class Executor:
         self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)
         # held while a prefill chunk or a plain call runs: calls (open, close, moves) change caches and ranges
         self._calls_apart = asyncio.Lock()
+        # calls the decode lane took, waiting for their turn (unbounded: each was admitted to the lane's queue)
+        self._calls: asyncio.Queue[_Job] = asyncio.Queue()
         self._turns: dict[
             str, tuple[asyncio.Lock, int]
         ] = {}  # session -> (its lock, steps holding or waiting)
@@ -177,7 +183,7 @@ class Executor:
 
     @property
     def queued(self) -> int:
-        return self._decode.queue.qsize() + self._prefill.queue.qsize()
+        return self._decode.queue.qsize() + self._prefill.queue.qsize() + self._calls.qsize()
 
     def _submit(self, job: _Job) -> asyncio.Future[Any]:
         lane = self._prefill if job.tokens > 1 else self._decode
@@ -189,7 +195,8 @@ class Executor:
         return job.future
 
     async def call(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the torch thread, in queue order with the steps.
+        """Run ``fn`` on the torch thread after the steps queued before it, and while no prefill chunk runs;
+        calls run in the order they were made.
 
         A job whose caller is cancelled before it starts is skipped; one already running runs to its end.
         """
@@ -332,12 +339,14 @@ class Executor:
             async with asyncio.TaskGroup() as lanes:
                 lanes.create_task(self._serve(self._decode))
                 lanes.create_task(self._serve(self._prefill))
+                lanes.create_task(self._serve_calls())
         finally:
-            for lane in (self._decode, self._prefill):
-                while not lane.queue.empty():
-                    job = lane.queue.get_nowait()
+            for queue in (self._decode.queue, self._prefill.queue, self._calls):
+                while not queue.empty():
+                    job = queue.get_nowait()
                     if not job.future.done():
                         job.future.set_exception(CapacityError("peer is shutting down"))
+            for lane in (self._decode, self._prefill):
                 lane.thread.shutdown(wait=False, cancel_futures=True)
 
     async def _serve(self, lane: _Lane) -> None:
@@ -349,16 +358,27 @@ class Executor:
             batch = self._take_batch(lane, first)
             if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
                 batch = await self._wait_for_due(lane, batch)
-            if lane is self._decode and batch[0].step is not None:  # decode steps run beside a chunk
-                await self._execute(loop, lane, batch)
+            if lane is self._decode:
+                if batch[0].step is None:  # it waits for a running chunk, not the steps queued after it
+                    self._calls.put_nowait(batch[0])
+                    continue
+                await self._execute(loop, lane, batch)  # decode steps run beside a chunk
                 self._stepped.set()
                 continue
             async with self._calls_apart:  # a chunk and a plain call never run together
                 started = time.perf_counter()
                 await self._execute(loop, lane, batch)
             self._stepped.set()
-            if lane is self._prefill:
-                await self._pause_prefill(time.perf_counter() - started)
+            await self._pause_prefill(time.perf_counter() - started)
+
+    async def _serve_calls(self) -> None:
+        """Run the calls the decode lane took, in order, on its thread, each while no chunk runs."""
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self._calls.get()
+            async with self._calls_apart:
+                await self._execute(loop, self._decode, [job])
+            self._stepped.set()  # a call may extend a cache (a hand-over's chunk): steps waiting for it look again
 
     async def _pause_prefill(self, chunk_s: float) -> None:
         """After a chunk that took ``chunk_s``, leave the machine to decoding sessions for a while, if any

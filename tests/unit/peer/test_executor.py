@@ -228,6 +228,57 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
     assert nice[8] == min(19, nice[1] + 5)
 
 
+def test_a_call_waiting_for_a_running_chunk_does_not_hold_back_the_decode_steps_queued_after_it(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session opened while a chunk runs waits for the chunk's end, but the decode step queued after the open
+    runs at once: the chunk's forward blocks until that step's result is back. The open still never runs beside
+    the chunk, and still runs after the step queued before it."""
+    executor = Executor()
+    decoded, chunk_running = threading.Event(), threading.Event()
+    order: list[str] = []
+    real_forward = blocks.forward
+
+    def gated(steps: list[Step]) -> list[torch.Tensor]:
+        if steps[0].hidden.shape[0] > 1:
+            chunk_running.set()
+            try:
+                assert decoded.wait(30), "the decode step waited for the chunk behind the open"
+                return real_forward(steps)
+            finally:
+                chunk_running.clear()
+                order.append("chunk")
+        order.extend(f"step {step.session_id}" for step in steps)
+        return real_forward(steps)
+
+    def open_x() -> None:
+        assert not chunk_running.is_set(), "a session was opened while a chunk ran"
+        order.append("open x")
+        blocks.open_session("x", 16)
+
+    monkeypatch.setattr(blocks, "forward", gated)
+
+    async def body() -> None:
+        for sid in ("p", "d", "e"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        chunk = asyncio.ensure_future(executor.forward(blocks, Step("p", _hidden(blocks, 8, 1), 0, 2, 0)))
+        while not chunk_running.is_set():
+            await asyncio.sleep(0.001)
+        before = asyncio.ensure_future(executor.forward(blocks, Step("e", _hidden(blocks, 1, 3), 0, 2, 0)))
+        await asyncio.sleep(0)  # queued: the open comes after it
+        opened = asyncio.ensure_future(executor.call(open_x))
+        await asyncio.sleep(0)
+        await executor.forward(blocks, Step("d", _hidden(blocks, 1, 2), 0, 2, 0))
+        assert not opened.done()
+        decoded.set()
+        await asyncio.gather(chunk, before, opened)
+        for sid in ("p", "d", "e", "x"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
+    assert order.index("step e") < order.index("step d") < order.index("chunk") < order.index("open x")
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 100.0
