@@ -162,7 +162,8 @@ class Executor:
         self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)
         # held while a prefill chunk or a plain call runs: calls (open, close, moves) change caches and ranges
         self._calls_apart = asyncio.Lock()
-        # calls the decode lane took, waiting for their turn (unbounded: each was admitted to the lane's queue)
+        # calls the decode lane took, waiting for their turn. Unbounded, though out of the lane's bounded queue: every
+        # open holds a session slot first (SessionConfig.max_open, per-remote caps), a hand-over one per session
         self._calls: asyncio.Queue[_Job] = asyncio.Queue()
         self._turns: dict[
             str, tuple[asyncio.Lock, int]
