@@ -356,13 +356,13 @@ class Executor:
             first = await lane.queue.get()
             if first.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
                 continue
+            if first.call is not None:  # it waits for a running chunk beside the lane, not before its steps
+                self._calls.put_nowait(first)
+                continue
             batch = self._take_batch(lane, first)
             if self.config.batch_window_s > 0 or self.config.group_window_s > 0:
                 batch = await self._wait_for_due(lane, batch)
             if lane is self._decode:
-                if batch[0].step is None:  # it waits for a running chunk, not the steps queued after it
-                    self._calls.put_nowait(batch[0])
-                    continue
                 await self._execute(loop, lane, batch)  # decode steps run beside a chunk
                 self._stepped.set()
                 continue

@@ -63,6 +63,12 @@ async def _call(
     except ProtocolError as e:
         e.failed_peer_id = peer_id
         raise
+    return _answer(reply, expected, peer_id)
+
+
+def _answer(reply: object, expected: type[_R], peer_id: str) -> _R:
+    """``reply`` from ``peer_id`` as the ``expected`` answer; its ErrorReply, or an answer of the wrong kind, raised
+    as an error with ``failed_peer_id`` set."""
     if isinstance(reply, ErrorReply):
         error = reply.to_error()
         error.failed_peer_id = reply.failed_peer_id or peer_id
@@ -146,18 +152,11 @@ async def call_step_batch(
         raise error
     outcomes: list[StepAck | StepReply | SwarmError] = []
     for request, outcome in zip(requests, reply.outcomes, strict=True):
-        if isinstance(outcome, ErrorReply):
-            failure = outcome.to_error()
-            failure.failed_peer_id = outcome.failed_peer_id or peer_id
-            outcomes.append(failure)
-        elif isinstance(outcome, StepAck) != request.wait_result:
-            wrong = ProtocolError(
-                f"peer {peer_id} answered a {type(outcome).__name__} to the wrong kind of step"
-            )
-            wrong.failed_peer_id = peer_id
-            outcomes.append(wrong)
-        else:
-            outcomes.append(outcome)
+        expected: type[StepAck | StepReply] = StepAck if request.wait_result else StepReply
+        try:
+            outcomes.append(_answer(outcome, expected, peer_id))
+        except SwarmError as e:
+            outcomes.append(e)
     return outcomes
 
 
