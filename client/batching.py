@@ -98,7 +98,8 @@ class _Lane:
     """One group of sessions with rounds of its own (see HeadBatcher)."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, asyncio.Future[Rounded], object]] = []
+        # (hidden [H], its future, its member, whether its argmax is all it needs)
+        self.pending: list[tuple[torch.Tensor, asyncio.Future[Rounded], object, bool]] = []
         self.running = False  # a round of this lane is waiting or computing
         self.stepping: set[object] = (
             set()
@@ -169,18 +170,23 @@ class HeadBatcher:
         state.late.discard(member)
         self._start_if_complete(state)
 
-    async def logits(self, hidden: torch.Tensor, member: object = None, lane: int = 0) -> torch.Tensor:
-        """hidden [H] (the last layer's output for one position) -> logits [V] in float32, for ``member``."""
-        return (await self.logits_in_round(hidden, member, lane))[0]
+    async def logits(
+        self, hidden: torch.Tensor, member: object = None, lane: int = 0, argmax_only: bool = False
+    ) -> torch.Tensor:
+        """hidden [H] (the last layer's output for one position) -> logits [V] in float32, for ``member``.
+        ``argmax_only``: only the argmax need be exact (Head.logits); a round screens when all its rows say so."""
+        return (await self.logits_in_round(hidden, member, lane, argmax_only))[0]
 
-    async def logits_in_round(self, hidden: torch.Tensor, member: object = None, lane: int = 0) -> Rounded:
+    async def logits_in_round(
+        self, hidden: torch.Tensor, member: object = None, lane: int = 0, argmax_only: bool = False
+    ) -> Rounded:
         """`logits`, and the round that computed them: the sessions of one round send their next steps together,
         and tell the peers so (StepRequest.batch_id, see Round)."""
         if hidden.ndim != 1:
             raise ValueError(f"hidden must be 1-D [H], got shape {tuple(hidden.shape)}")
         state = self._lanes[lane]
         future: asyncio.Future[Rounded] = asyncio.get_running_loop().create_future()
-        state.pending.append((hidden, future, member))
+        state.pending.append((hidden, future, member, argmax_only))
         state.stepping.discard(member)
         state.late.discard(member)
         if not state.running:
@@ -225,28 +231,29 @@ class HeadBatcher:
             self._next_round(state)
             return
         loop = asyncio.get_running_loop()
-        done = loop.run_in_executor(self._thread, self._run, [h for h, _, _ in batch])
+        argmax_only = all(entry[3] for entry in batch)
+        done = loop.run_in_executor(self._thread, self._run, [entry[0] for entry in batch], argmax_only)
         done.add_done_callback(lambda outcome: self._finish(state, batch, outcome))
 
-    def _run(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+    def _run(self, hiddens: list[torch.Tensor], argmax_only: bool) -> list[torch.Tensor | Exception]:
         """One [N, H] -> [N, V] call; if it fails, each row alone, so one bad row fails only its own session."""
         try:
-            return list(self.head.logits(torch.stack(hiddens)).unbind(0))
+            return list(self.head.logits(torch.stack(hiddens), argmax_only).unbind(0))
         except Exception as error:
             if len(hiddens) == 1:
                 return [error]
-        return [self._alone(h) for h in hiddens]
+        return [self._alone(h, argmax_only) for h in hiddens]
 
-    def _alone(self, hidden: torch.Tensor) -> torch.Tensor | Exception:
+    def _alone(self, hidden: torch.Tensor, argmax_only: bool) -> torch.Tensor | Exception:
         try:
-            return self.head.logits(hidden[None])[0]
+            return self.head.logits(hidden[None], argmax_only)[0]
         except Exception as error:
             return error
 
     def _finish(
         self,
         state: _Lane,
-        batch: list[tuple[torch.Tensor, asyncio.Future[Rounded], object]],
+        batch: list[tuple[torch.Tensor, asyncio.Future[Rounded], object, bool]],
         outcome: asyncio.Future[list[torch.Tensor | Exception]],
     ) -> None:
         if outcome.cancelled():  # the thread was shut down under us (client closing)
@@ -260,11 +267,11 @@ class HeadBatcher:
             self.largest = max(self.largest, len(batch))
         members = [
             member
-            for (_, future, member), result in zip(batch, results, strict=True)
+            for (_, future, member, _), result in zip(batch, results, strict=True)
             if member is not None and not future.done() and not isinstance(result, BaseException)
         ]
         round_ = Round(members)
-        for (_, future, _), result in zip(batch, results, strict=True):
+        for (_, future, _, _), result in zip(batch, results, strict=True):
             if future.done():  # its session was cancelled meanwhile
                 continue
             if isinstance(result, BaseException):
@@ -300,7 +307,7 @@ class _LastHidden:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.embed(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         return hidden
 
 
@@ -335,8 +342,8 @@ class BatchedSession(InferenceSession):
         self.lane = batcher.lane()  # the group of sessions whose rounds we share
         self.round: Round | None = None  # the round of our last logits: our next decode step goes with it
 
-    async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
-        """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
+    async def forward(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor:
+        """Send `new_ids` through the swarm and return the logits[V] after the last of them (InferenceSession)."""
         round_, self.round, self.batch = self.round, None, NO_BATCH
         decode = len(new_ids) == 1
         try:
@@ -357,7 +364,7 @@ class BatchedSession(InferenceSession):
             self.batch = NO_BATCH  # a later step must not go under this round's id
             self.batcher.leave(self, self.lane)
             raise
-        logits, self.round = await self.batcher.logits_in_round(hidden, self, self.lane)
+        logits, self.round = await self.batcher.logits_in_round(hidden, self, self.lane, argmax_only)
         return logits
 
     async def close(self) -> None:

@@ -220,7 +220,8 @@ class AsyncSwarmClient:
         sampler = _sampler(temperature, top_p, top_k, repetition_penalty, seed)
         session = self.new_session(len(request.prompt_ids) + max_new_tokens)
         try:
-            async with aclosing(generate_text(session, request, sampler.sample, self.tokenizer)) as pieces:
+            pieces_of = generate_text(session, request, sampler.sample, self.tokenizer, sampler.params.greedy)
+            async with aclosing(pieces_of) as pieces:
                 async for piece in pieces:
                     yield piece
         finally:
@@ -239,7 +240,7 @@ class AsyncSwarmClient:
         request = GenerationRequest(tuple(input_ids), max_new_tokens, self.eos_ids, yield_eos=yield_eos)
         session = self.new_session(len(input_ids) + max_new_tokens)
         try:
-            return [t async for t in generate_ids(session, request, Sampler(params).sample)]
+            return [t async for t in generate_ids(session, request, Sampler(params).sample, params.greedy)]
         finally:
             await session.close()
 

@@ -19,7 +19,8 @@ Pick = Callable[[torch.Tensor, Sequence[int]], int]  # (logits[V], token ids so 
 
 
 class Forward(Protocol):
-    async def forward(self, new_ids: Sequence[int]) -> torch.Tensor: ...  # -> logits[V] after the last id
+    # -> logits[V] after the last id; with argmax_only, only their argmax is sure to be exact (a greedy pick)
+    async def forward(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -41,16 +42,19 @@ class GenerationRequest:
             raise ValueError("stop strings must be non-empty")
 
 
-async def generate_ids(session: Forward, request: GenerationRequest, pick: Pick) -> AsyncGenerator[int, None]:
+async def generate_ids(
+    session: Forward, request: GenerationRequest, pick: Pick, argmax_only: bool = False
+) -> AsyncGenerator[int, None]:
     """Yield new token ids as they are sampled; stops at an EOS id or after max_new_tokens.
 
     The prompt goes through the swarm as one prefill step, then each sampled token as one decode step; the
-    last sampled token is never sent, since nothing would read its output.
+    last sampled token is never sent, since nothing would read its output. ``argmax_only`` says that `pick`
+    reads only the argmax of the logits (greedy, SamplingParams.greedy): the head may then skip the rest.
     """
     if request.max_new_tokens == 0:
         return
     history = list(request.prompt_ids)
-    logits = await session.forward(request.prompt_ids)
+    logits = await session.forward(request.prompt_ids, argmax_only)
     for i in range(request.max_new_tokens):
         token = pick(logits, history)
         if token in request.eos_ids:
@@ -60,11 +64,11 @@ async def generate_ids(session: Forward, request: GenerationRequest, pick: Pick)
         history.append(token)
         yield token
         if i + 1 < request.max_new_tokens:
-            logits = await session.forward([token])
+            logits = await session.forward([token], argmax_only)
 
 
 async def timed_ids(
-    session: Forward, request: GenerationRequest, pick: Pick
+    session: Forward, request: GenerationRequest, pick: Pick, argmax_only: bool = False
 ) -> tuple[list[int], list[float]]:
     """The tokens of `generate_ids`, and perf_counter times: before the prefill, then as each token arrives.
 
@@ -72,7 +76,7 @@ async def timed_ids(
     the decode steps times[-1] - times[1].
     """
     tokens, times = [], [time.perf_counter()]
-    async with aclosing(generate_ids(session, request, pick)) as stream:
+    async with aclosing(generate_ids(session, request, pick, argmax_only)) as stream:
         async for token in stream:
             times.append(time.perf_counter())
             tokens.append(token)
@@ -151,12 +155,12 @@ def _overlap(text: str, stop: str) -> int:
 
 
 async def generate_text(
-    session: Forward, request: GenerationRequest, pick: Pick, tokenizer: Any
+    session: Forward, request: GenerationRequest, pick: Pick, tokenizer: Any, argmax_only: bool = False
 ) -> AsyncGenerator[str, None]:
     """Yield text pieces as tokens arrive; stop strings end generation and are not yielded."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(request.stop)
-    async with aclosing(generate_ids(session, request, pick)) as tokens:
+    async with aclosing(generate_ids(session, request, pick, argmax_only)) as tokens:
         async for token in tokens:
             text, stopped = stops.push(detok.push(token))
             if text:

@@ -55,7 +55,9 @@ class Head(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # ids[T] -> hidden[T, H]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # hidden[T, H] -> logits[T, V]
+    # hidden[T, H] -> logits[T, V]; argmax_only: only each row's argmax must be exact, entries that cannot be it
+    # may be -inf (swarm.models.argmax)
+    def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor: ...
 
 
 class Chain(CheckChain, Protocol):
@@ -174,8 +176,9 @@ class InferenceSession:
     def position(self) -> int:
         return len(self.token_ids)
 
-    async def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
-        """Send `new_ids` through the swarm and return the logits[V] after the last of them."""
+    async def forward(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor:
+        """Send `new_ids` through the swarm and return the logits[V] after the last of them (with
+        ``argmax_only``, only their argmax is sure to be exact: Head.logits)."""
         self._check_forward(new_ids)
         if not self.stages:
             await self.open()
@@ -193,7 +196,7 @@ class InferenceSession:
         self._filled = set(self.stages)
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
-        return self.head.logits(out[-1:])[0]
+        return self.head.logits(out[-1:], argmax_only)[0]
 
     def _check_forward(self, new_ids: Sequence[int]) -> None:
         """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""

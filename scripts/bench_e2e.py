@@ -120,7 +120,7 @@ async def timeline(client: AsyncSwarmClient, ids: Sequence[int], new_tokens: int
     session = client.new_session(len(ids) + new_tokens)
     try:
         _tokens, times = await timed_ids(
-            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample
+            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample, argmax_only=True
         )
     finally:
         await session.close()
@@ -141,7 +141,7 @@ async def swarm_decode(
     session = client.new_session(len(ids) + new_tokens)
     try:
         tokens, times = await timed_ids(
-            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample
+            session, greedy_request(ids, new_tokens), Sampler(SamplingParams()).sample, argmax_only=True
         )
     finally:
         await session.close()
@@ -245,7 +245,9 @@ async def decode_during_prefill(
         session = client.new_session(len(ids) + cap)
         pick = Sampler(SamplingParams()).sample
         try:
-            async with contextlib.aclosing(generate_ids(session, greedy_request(ids, cap), pick)) as stream:
+            async with contextlib.aclosing(
+                generate_ids(session, greedy_request(ids, cap), pick, True)
+            ) as stream:
                 last = None
                 async for _ in stream:
                     now = time.perf_counter()

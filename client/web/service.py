@@ -148,7 +148,8 @@ class SwarmGenerator:
         outcome = Outcome(finish_reason="cancelled", prompt_tokens=len(ids))
         self.metrics.active.inc()
         try:
-            async with aclosing(generate_text(session, job, counter.pick, self.client.tokenizer)) as pieces:
+            text = generate_text(session, job, counter.pick, self.client.tokenizer, sampler.params.greedy)
+            async with aclosing(text) as pieces:
                 async for event in _with_failover_notices(pieces, session):
                     if isinstance(event, Piece) and outcome.ttft_s is None:
                         outcome.ttft_s = self.clock() - arrived_at

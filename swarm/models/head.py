@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, screen_available, screened_rows
 from swarm.models.matmul import Forms, calibrate, linear, taken
 from swarm.models.spec import ModelSpec
 
@@ -32,6 +33,23 @@ class ClientHead:
         # the form of the LM head worth taking on this CPU, as measured (swarm.models.matmul); a packed copy
         # where it pays, as large as the LM head (113 MB for the default model; CPU float32 heads only)
         self.use_forms(calibrate([lm_head_weight], packing=True))
+        # greedy steps: the argmax through an int8 screen, for inputs of up to this many rows (swarm.models.argmax)
+        self.screen: ArgmaxScreen | None = None
+        self.screened_rows = 0
+        if self.device.type == "cpu" and self.dtype == torch.float32 and screen_available():
+            self._calibrate_screen()
+
+    def _calibrate_screen(self) -> None:
+        screen = ArgmaxScreen(self.lm_head_weight)
+        # embedding rows spread over the vocabulary stand in for last hidden states: their logits have a clear top
+        ids = torch.linspace(0, self.spec.vocab_size - 1, max(ROWS_TIMED)).long()
+        with torch.no_grad():
+            rows = screened_rows(self._dense, screen, self.norm(self.embed_weight[ids]))
+        self.use_screen(screen if rows else None, rows)
+
+    def use_screen(self, screen: ArgmaxScreen | None, rows: int) -> None:
+        """Screen greedy inputs of 1 to ``rows`` rows through ``screen`` (None or 0: never)."""
+        self.screen, self.screened_rows = (screen, rows) if screen is not None and rows > 0 else (None, 0)
 
     def use_forms(self, forms: Forms) -> None:
         """Take ``forms`` for the LM head from now on, keeping a packed copy of it only if they use one."""
@@ -54,11 +72,20 @@ class ClientHead:
         return F.embedding(token_ids.to(self.device), self.embed_weight)
 
     @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (output of the last layer) -> logits [..., V] in float32."""
+    def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """hidden [..., H] (output of the last layer) -> logits [..., V] in float32.
+
+        ``argmax_only`` (a greedy pick reads nothing else): each row's argmax is that of its exact logits, and
+        entries that cannot be it may be -inf instead of their logit (see swarm.models.argmax)."""
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
+        rows = normed.reshape(-1, self.hidden_size)  # [N, H]
+        if argmax_only and self.screen is not None and 0 < rows.shape[0] <= self.screened_rows:
+            return self.screen.logits(rows, self._dense).reshape(*normed.shape[:-1], -1)
+        return self._dense(normed)
+
+    def _dense(self, normed: torch.Tensor) -> torch.Tensor:
         return linear(normed, self.lm_head_weight, None, self.forms, self._packed).float()
 
 
@@ -82,6 +109,11 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
+    @property
+    def greedy(self) -> bool:
+        """Whether a pick reads only the argmax of the logits (as it is: no penalty rewrites them first)."""
+        return self.temperature == 0.0 and self.repetition_penalty == 1.0
+
 
 class Sampler:
     """Picks tokens from logits with its own seeded generator: the same seed gives the same tokens."""
@@ -96,7 +128,7 @@ class Sampler:
         if logits.ndim != 1:
             raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
         p = self.params
-        if p.temperature == 0.0 and p.repetition_penalty == 1.0:  # greedy: nothing to rewrite, so no copy
+        if p.greedy:  # nothing to rewrite, so no copy
             return int(logits.detach().argmax())
         scores = logits.detach().float().cpu().clone()  # [V]
         if p.repetition_penalty != 1.0 and len(previous_token_ids):

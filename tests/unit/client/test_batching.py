@@ -12,6 +12,7 @@ import torch
 
 from client.batching import HeadBatcher, Round
 from client.session import NO_BATCH
+from swarm.models.argmax import ArgmaxScreen
 from swarm.models.head import ClientHead, SamplingParams
 from swarm.models.loading import ModelSource
 from tests.unit.client.test_local_generation import (
@@ -29,6 +30,7 @@ class CountingHead:
     def __init__(self, head: ClientHead) -> None:
         self.head = head
         self.batch_rows: list[int] = []
+        self.argmax_only: list[bool] = []
 
     @property
     def hidden_size(self) -> int:
@@ -37,9 +39,10 @@ class CountingHead:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.embed(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         self.batch_rows.append(hidden.shape[0])
-        return self.head.logits(hidden)
+        self.argmax_only.append(argmax_only)
+        return self.head.logits(hidden, argmax_only)
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
@@ -79,6 +82,33 @@ def test_requests_of_one_tick_run_as_one_head_call_with_the_same_rows(tiny_sourc
     alone = head.head.logits(hiddens)
     for got, want in zip(rows, alone, strict=True):
         assert torch.allclose(got, want, atol=1e-5) and int(got.argmax()) == int(want.argmax())
+    batcher.close()
+
+
+def test_a_round_screens_its_head_call_only_when_every_row_needs_just_the_argmax(
+    tiny_source: ModelSource,
+) -> None:
+    inner = tiny_source.load_head()
+    inner.use_screen(ArgmaxScreen(inner.lm_head_weight), 8)
+    head = CountingHead(inner)
+    batcher = HeadBatcher(head)
+    hiddens = torch.randn(4, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    dense = inner.logits(hiddens)
+
+    async def ask(flags: list[bool]) -> list[torch.Tensor]:
+        order = list(range(len(flags)))
+        random.Random(len(flags)).shuffle(order)  # who asks first must not matter
+        asked = [batcher.logits(hiddens[i], argmax_only=flags[i]) for i in order]
+        got = await asyncio.gather(*asked)
+        return [got[order.index(i)] for i in range(len(flags))]
+
+    greedy = asyncio.run(ask([True] * 4))
+    mixed = asyncio.run(ask([True, False, True, True]))
+    assert head.argmax_only == [True, False] and head.batch_rows == [4, 4]
+    assert not all(bool(torch.isfinite(row).all()) for row in greedy)  # screened: -inf where ruled out
+    assert all(bool(torch.isfinite(row).all()) for row in mixed)  # one row wants them all: dense for all
+    for rows in (greedy, mixed):
+        assert [int(r.argmax()) for r in rows] == dense.argmax(-1).tolist()
     batcher.close()
 
 
