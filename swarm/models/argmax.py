@@ -66,13 +66,17 @@ class ArgmaxScreen:
         instead, so screening never costs much more than the dense head."""
         screened, bound = self.bounds(normed)
         floor = (screened - bound).amax(dim=1, keepdim=True)  # some row's exact logit is at least this
+        keep = screened + bound >= floor  # [N, V]
+        flat = keep.sum(dim=1) > self.weight.shape[0] * MOST_KEPT  # [N]
+        keep[flat] = False
         out = torch.full_like(screened, float("-inf"))
-        for r, keep in enumerate(screened + bound >= floor):
-            kept = keep.nonzero().flatten()
-            if kept.numel() > self.weight.shape[0] * MOST_KEPT:
+        _, tokens = keep.nonzero(as_tuple=True)  # the kept vocabulary rows of every input row, in row order
+        kept = tokens.split(keep.sum(dim=1).tolist())
+        for r in range(normed.shape[0]):
+            if flat[r]:
                 out[r] = dense(normed[r : r + 1])[0]
-            else:
-                out[r, kept] = F.linear(normed[r : r + 1], self.weight.index_select(0, kept))[0]
+            else:  # one input row at a time, as transformers computes a decode step: the same float32 products
+                out[r, kept[r]] = F.linear(normed[r : r + 1], self.weight.index_select(0, kept[r]))[0]
         return out
 
     def bounds(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
