@@ -145,9 +145,10 @@ class StepRequest:
     # [position, position + resend_tokens) on to ``route_rest`` as an ordinary step (swarm.peer.outputs), so a
     # failover refills only the stages it replaced. ``hidden`` is then [0, H]: on the wire, only H travels.
     resend_tokens: int = 0
-    # The client's decode steps of other sessions sent together with this one (one round of its batched head):
-    # ``batch_size`` steps in all, under ``batch_id``. A hop's executor waits a moment for the rest of them
-    # (ExecutorConfig.batch_window_s), so they run as one forward call instead of splitting by arrival.
+    # The decode steps of other sessions sent together with this one: a client's round of its batched head, or
+    # the lone steps one forward call of the hop before computed for this hop: ``batch_size`` steps in all,
+    # under ``batch_id`` (a group of its sender's). A hop's executor waits a moment for the rest of them
+    # (ExecutorConfig.group_window_s), so they run as one forward call instead of splitting by arrival.
     batch_id: str = ""
     batch_size: int = 1
 

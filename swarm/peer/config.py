@@ -96,13 +96,14 @@ class ExecutorConfig:
     # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones
     # due makes one batch of them, and fewer, bigger forward calls cost less per token (batch of 8 decode
     # steps ~1.6x one step). On 2 shared cores (scripts/bench_e2e.py, 8 client processes) 10 ms left a batch
-    # of ~2 steps and 25 ms ~3. 80 ms lets two groups half a period apart merge (traced: one batch of 8 per hop
-    # within ~1 s, a round every ~70 ms) and gave 99.6 tok/s mean at 8 processes against 95.9, but at 4 processes
-    # two runs of five fell to 49 and 57 tok/s (the others 75-82; 72-78 at 25 ms): hops waited for sessions due
-    # by their pace that were held at another hop, waiting in turn (a pace wait at the route's first hop only,
-    # later hops batching what one forward call sent them, would avoid that; not built yet).
+    # of ~2 steps and 25 ms ~3. 80 ms lets two groups half a period apart merge: traced, one batch of 8 per hop
+    # within ~1 s, a round every ~70 ms. While every hop waited by pace, 80 ms also stalled 4 processes in two
+    # runs of five (49 and 57 tok/s against 72-82): a hop waited for sessions held at another hop, waiting in
+    # turn. Now only a route's first hop waits by pace (later hops get the steps of one forward call as a group):
+    # 8 processes 104.4 / 100.9 tok/s at 80 ms against 90.6 / 92.0 at 25, 4 processes 80.7 / 82.1 / 84.2
+    # against 74.1 / 75.4 / 77.2 (alternated runs).
     batch_window_s: float = setting(
-        0.025, "a decode step waits at most this long for lone sessions due here by their pace (0: never)"
+        0.08, "a decode step waits at most this long for lone sessions due here by their pace (0: never)"
     )
     # A client sends its sessions' steps of one round one after another, ~1 ms apart: 16 of them take longer
     # than batch_window_s to arrive, and they are known to come (StepRequest.batch_size).

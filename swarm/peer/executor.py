@@ -12,14 +12,16 @@ its oldest job and gathers the queued steps of *other* sessions on the *same* Bl
 ``BlockRange.forward`` call, within a budget of steps and tokens: continuous batching at step granularity.
 A full queue is a CapacityError at once, not a backlog.
 
-A batch of decode steps waits a moment (``batch_window_s``) for the steps it expects: the rest of a group a
-client sent together (its sessions of one round, StepRequest.batch_id), and the lone sessions due here within
-the window. A session decoding at a steady pace comes back one period after its last step here (the time its
-step takes around the route and through its client); sessions of separate clients arrive out of step, and an
-idle executor would start each alone (a client's own sessions come as its groups, not tracked by pace). Waiting
-for the ones due lines them up, and once batched they travel the route together and come back together: on a
-CPU, where a decode step's cost is reading the weights, a forward call of 8 decode steps costs about 1.6 of one.
-A session that stops coming (it ended, or waits for its user) is no longer due once it is a window late.
+A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
+client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
+and the lone sessions due here within ``batch_window_s``. A session decoding at a steady pace comes back one
+period after its last step here (the time its step takes around the route and through its client); sessions of
+separate clients arrive out of step, and an idle executor would start each alone (a client's own sessions come
+as its groups, not tracked by pace). Waiting for the ones due lines them up, and once batched they travel the
+route together as a group and come back together: on a CPU, where a decode step's cost is reading the weights,
+a forward call of 8 decode steps costs about 1.6 of one. Only a route's first hop sees lone sessions (later
+hops get groups), so only it waits by pace. A session that stops coming (it ended, or waits for its user) is no
+longer due once it is a window late.
 
 Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
 KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
@@ -43,6 +45,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -69,6 +72,9 @@ class StepResult:
     hidden: torch.Tensor
     queue_s: float  # from submit to the start of its forward call
     compute_s: float  # the forward call it was part of
+    # the lone decode steps of its forward call going on to the same next hop, as a group for that hop to wait
+    # for (a fresh id, their count); None when it goes on alone (see Executor.forward)
+    onward_group: Group | None = None
 
 
 @dataclass
@@ -78,6 +84,9 @@ class _Job:
     blocks: BlockRange | None  # what the step runs on
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
+    onward: str = (
+        ""  # the next hop it goes on to, if any (its forward call's steps for one hop go as a group)
+    )
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # its forward call began (it runs to its end even if its caller gives up)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # ... and has ended
@@ -222,8 +231,16 @@ class Executor:
         except RuntimeError:  # shut down: the caches it would free are gone with the thread
             logger.debug("executor shut down; nothing to release")
 
-    async def forward(self, blocks: BlockRange, step: Step, group: Group | None = None) -> StepResult:
+    async def forward(
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+    ) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
+
+        ``onward`` names the next hop of a step that goes on: the lone decode steps of one forward call bound for
+        the same hop get one ``onward_group``, and the hop waits for all of them to batch them again (they reach
+        it one message each, ~1 ms apart). Lone sessions are waited for by their pace (``batch_window_s``) only
+        where they come lone, at the first hop: a later hop that waited for a session due by its pace could be
+        waiting for one held at another hop, itself waiting (traced with 80 ms windows).
 
         A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
         runs as consecutive chunks, each its own job (see _chunk_tokens): other sessions' steps queued meanwhile
@@ -242,7 +259,7 @@ class Executor:
         if self._failed.get(sid, -1) >= step.position:
             del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
         try:
-            result = await self._forward_chunks(blocks, step, group)
+            result = await self._forward_chunks(blocks, step, group, onward)
         except BaseException:
             self._failed[sid] = step.position
             while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
@@ -271,11 +288,13 @@ class Executor:
             self._stepped.clear()
             await self._stepped.wait()
 
-    async def _forward_chunks(self, blocks: BlockRange, step: Step, group: Group | None = None) -> StepResult:
+    async def _forward_chunks(
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+    ) -> StepResult:
         """``step`` as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is queued."""
         tokens = step.hidden.shape[0]
         if tokens <= self._chunk_tokens():
-            return await self._forward_job(blocks, step, group)
+            return await self._forward_job(blocks, step, group, onward)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
@@ -301,9 +320,11 @@ class Executor:
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
         return config.prefill_chunk_tokens
 
-    async def _forward_job(self, blocks: BlockRange, step: Step, group: Group | None = None) -> StepResult:
+    async def _forward_job(
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+    ) -> StepResult:
         loop = asyncio.get_running_loop()
-        job = _Job(None, step, blocks, loop.create_future(), group)
+        job = _Job(None, step, blocks, loop.create_future(), group, onward)
         async with self._turn(step.session_id):
             try:
                 result: StepResult = await self._submit(job)
@@ -499,9 +520,12 @@ class Executor:
         self.batches_run += 1
         self.steps_run += len(jobs)
         self.compute_s += compute_s
+        onward = _onward_groups(jobs)
         for job, hidden in zip(jobs, outputs, strict=True):
             if not job.future.done():
-                job.future.set_result(StepResult(hidden, started - job.submitted, compute_s))
+                job.future.set_result(
+                    StepResult(hidden, started - job.submitted, compute_s, onward.get(id(job)))
+                )
 
     async def _call(
         self, loop: asyncio.AbstractEventLoop, lane: _Lane, job: _Job, call: Callable[[], Any]
@@ -517,6 +541,15 @@ class Executor:
             return
         if not job.future.done():  # else its caller gave up while it ran
             job.future.set_result(result)
+
+
+def _onward_groups(jobs: list[_Job]) -> dict[int, Group]:
+    """The groups the lone decode steps of one forward call form at their next hops: (a fresh id, how many go
+    to that hop), by id(job), for hops that more than one goes to. A client's group goes on as it came."""
+    lone = [job for job in jobs if job.onward and job.group is None and job.tokens == 1]
+    counts = Counter(job.onward for job in lone)
+    batch_id = secrets.token_hex(8)
+    return {id(job): (batch_id, counts[job.onward]) for job in lone if counts[job.onward] > 1}
 
 
 def _fail(job: _Job, error: BaseException) -> None:

@@ -156,14 +156,16 @@ class PeerHandlers:
             key, remote_id, layers, request.position, request.max_length_tokens
         )
         step = Step(key, request.hidden.to(served.blocks.dtype), request.start, request.end, request.position)
-        group = (f"{origin}/{request.batch_id}", request.batch_size) if request.batch_size > 1 else None
+        # keyed by who sent it: a client's round, or the steps one forward call of the hop before sent here
+        group = (f"{remote_id}/{request.batch_id}", request.batch_size) if request.batch_size > 1 else None
         if request.wait_result and not request.route_rest:  # the last hop: the client's wait computes it
             parked = Parked(served, step, deadline, received, group)
             self.handoff.park(request.session_id, request.position, parked)
             return StepAck(
                 (_finish(HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0), received),)
             )
-        result = await self._compute(served, step, group)
+        onward = request.route_rest[0].peer_id if request.route_rest else ""
+        result = await self._compute(served, step, group, onward)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -183,16 +185,23 @@ class PeerHandlers:
             timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
             origin=origin,
         )
+        if (
+            result.onward_group is not None and request.batch_size <= 1
+        ):  # computed with others going there too
+            batch_id, batch_size = result.onward_group
+            downstream = replace(downstream, batch_id=batch_id, batch_size=batch_size)
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
         answer = await self.forwarder.forward(hop, downstream, timeout_s)
         if isinstance(answer, StepAck):  # a wait_result step: its output goes to the client's wait
             return StepAck((_finish(timing, received), *answer.timings))
         return StepReply(answer.hidden, (_finish(timing, received), *answer.timings))
 
-    async def _compute(self, served: Served, step: Step, group: Group | None = None) -> StepResult:
+    async def _compute(
+        self, served: Served, step: Step, group: Group | None = None, onward: str = ""
+    ) -> StepResult:
         try:
             async with self.handover.step(step.session_id or ""):  # waits while the session is handed over
-                result = await self.peer.executor.forward(served.blocks, step, group)
+                result = await self.peer.executor.forward(served.blocks, step, group, onward)
         finally:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:

@@ -547,3 +547,42 @@ def test_a_decode_step_whose_caller_gave_up_while_it_waited_for_its_group_never_
             await executor.call(lambda s=sid: blocks.close_session(s))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_lone_decode_steps_of_one_forward_call_go_on_as_a_group_per_next_hop(blocks: BlockRange) -> None:
+    """Five decode steps run as one forward call: the three lone ones bound for hop B get one group of 3 for
+    B, the one bound for C goes on alone, the client's grouped one keeps its client's group, and the last hop's
+    step (no next hop) has none. A later call gets a fresh group id."""
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=0.0, group_window_s=0.0))
+    onward = {"b1": "QmB", "b2": "QmB", "b3": "QmB", "c1": "QmC", "last": ""}
+    sessions = [*onward, "grouped"]
+    random_order = sessions[:]
+    __import__("random").Random(5).shuffle(random_order)  # which session asks first must not matter
+
+    async def step_all(position: int) -> dict[str, object]:
+        before = executor.batches_run
+        results = await asyncio.gather(
+            *(
+                executor.forward(
+                    blocks,
+                    Step(sid, _hidden(blocks, 1, position), 0, 2, position),
+                    ("client/round", 1) if sid == "grouped" else None,
+                    onward.get(sid, "QmB"),
+                )
+                for sid in random_order
+            )
+        )
+        assert executor.batches_run - before == 1, "the six decode steps should make one forward call"
+        return {sid: r.onward_group for sid, r in zip(random_order, results, strict=True)}
+
+    async def body() -> tuple[dict[str, object], dict[str, object]]:
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        return await step_all(0), await step_all(1)
+
+    first, second = asyncio.run(_with_executor(executor, body))  # type: ignore[misc]
+    for groups in (first, second):
+        assert {groups["b1"], groups["b2"], groups["b3"]} == {groups["b1"]}
+        assert groups["b1"] is not None and groups["b1"][1] == 3  # type: ignore[index]
+        assert groups["c1"] is None and groups["last"] is None and groups["grouped"] is None
+    assert first["b1"][0] != second["b1"][0]  # type: ignore[index]
