@@ -13,7 +13,7 @@ s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j), accumula
 
     |x . w_j - a_j| <=  |x - xb|_1 max|w_j|                 (rounding x to bf16)
                       + |xb|_1 max|w_j - q_j s_j|           (quantising w_j)
-                      + 2^-8 |xb|_1 max|w_j|                (a kernel that rounds q_j s_j to bf16 first)
+                      + 2^-8 |xb|_1 max|w_j| (1 + 2^-7)     (a kernel that rounds q_j s_j to bf16 first)
                       + H 2^-22 (|x|_1 + |xb|_1) max|w_j|   (float32 sums: the kernel's, and the reference's own)
                       + 2^-8 |a_j|                          (the bf16 result)
 
@@ -51,6 +51,8 @@ class ArgmaxScreen:
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.ndim != 2:
             raise ValueError("ArgmaxScreen takes a 2-D float32 CPU weight")
+        if not screen_available(weight.shape[1]):
+            raise ValueError(f"no int8 screen for rows of {weight.shape[1]} (see screen_available)")
         self.weight = weight  # the exact rows the kept candidates are computed from
         self.row_max = weight.abs().amax(dim=1)  # [V]
         self.scales = (self.row_max / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
@@ -87,7 +89,7 @@ class ArgmaxScreen:
         xb_norm = rounded.abs().sum(dim=1, keepdim=True)  # [N, 1]
         per_max = (  # the terms that scale with a row's largest weight (module docstring)
             (normed - rounded).abs().sum(dim=1, keepdim=True)
-            + xb_norm * 2.0**-8
+            + xb_norm * 2.0**-8 * (1 + 2.0**-7)  # |q_j s_j| <= max|w_j| (1 + 2^-8)
             + (normed.abs().sum(dim=1, keepdim=True) + xb_norm) * self._sum_rounding
         )
         return screened, self.row_max * per_max + self.quantisation_error * xb_norm + screened.abs() * 2.0**-8
@@ -130,6 +132,8 @@ def _best_time(run: Callable[[], object], clock: Callable[[], float]) -> float:
     return best
 
 
-def screen_available() -> bool:
-    """Whether this torch has the weight-only int8 kernel the screen runs on."""
-    return hasattr(torch, "_weight_int8pack_mm")
+def screen_available(hidden_size: int) -> bool:
+    """Whether this torch has the weight-only int8 kernel the screen runs on, for rows of ``hidden_size``: its
+    CPU kernel reads the rows in blocks of 16 (32 for AVX2) without checking the end (torch 2.13: garbage or a
+    crash for 40)."""
+    return hasattr(torch, "_weight_int8pack_mm") and hidden_size % 32 == 0

@@ -36,7 +36,7 @@ class ClientHead:
         # greedy steps: the argmax through an int8 screen, for inputs of up to this many rows (swarm.models.argmax)
         self.screen: ArgmaxScreen | None = None
         self.screened_rows = 0
-        if self.device.type == "cpu" and self.dtype == torch.float32 and screen_available():
+        if self.device.type == "cpu" and self.dtype == torch.float32 and screen_available(self.hidden_size):
             self._calibrate_screen()
 
     def _calibrate_screen(self) -> None:

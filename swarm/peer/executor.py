@@ -84,9 +84,8 @@ class _Job:
     blocks: BlockRange | None  # what the step runs on
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
-    onward: str = (
-        ""  # the next hop it goes on to, if any (its forward call's steps for one hop go as a group)
-    )
+    onward: str = ""  # the next hop it goes on to, if any (its forward call's steps for it go as a group)
+    paced: bool = True  # a decode step at its route's first hop: its batch may wait for sessions due here
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # its forward call began (it runs to its end even if its caller gives up)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # ... and has ended
@@ -232,15 +231,16 @@ class Executor:
             logger.debug("executor shut down; nothing to release")
 
     async def forward(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
     ) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
         ``onward`` names the next hop of a step that goes on: the lone decode steps of one forward call bound for
         the same hop get one ``onward_group``, and the hop waits for all of them to batch them again (they reach
         it one message each, ~1 ms apart). Lone sessions are waited for by their pace (``batch_window_s``) only
-        where they come lone, at the first hop: a later hop that waited for a session due by its pace could be
-        waiting for one held at another hop, itself waiting (traced with 80 ms windows).
+        where they come lone, at the first hop (``paced``; False for a step another hop sent): a later hop that
+        waited for a session due by its pace could be waiting for one held at another hop, itself waiting
+        (traced with 80 ms windows).
 
         A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
         runs as consecutive chunks, each its own job (see _chunk_tokens): other sessions' steps queued meanwhile
@@ -253,13 +253,15 @@ class Executor:
             group = None  # only decode steps wait for each other
         if step.hidden.shape[0] == 1:
             self._last_decode_s = self.clock()
-            if group is None:  # a client's lone session: nothing else lines its steps up with others'
+            if (
+                group is None and paced
+            ):  # a client's lone session: nothing else lines its steps up with others'
                 self._arrivals.note(sid, self._last_decode_s)
         await self._in_order(blocks, step)
         if self._failed.get(sid, -1) >= step.position:
             del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
         try:
-            result = await self._forward_chunks(blocks, step, group, onward)
+            result = await self._forward_chunks(blocks, step, group, onward, paced)
         except BaseException:
             self._failed[sid] = step.position
             while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
@@ -289,12 +291,12 @@ class Executor:
             await self._stepped.wait()
 
     async def _forward_chunks(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
     ) -> StepResult:
         """``step`` as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is queued."""
         tokens = step.hidden.shape[0]
         if tokens <= self._chunk_tokens():
-            return await self._forward_job(blocks, step, group, onward)
+            return await self._forward_job(blocks, step, group, onward, paced)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
@@ -321,10 +323,10 @@ class Executor:
         return config.prefill_chunk_tokens
 
     async def _forward_job(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = ""
+        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
     ) -> StepResult:
         loop = asyncio.get_running_loop()
-        job = _Job(None, step, blocks, loop.create_future(), group, onward)
+        job = _Job(None, step, blocks, loop.create_future(), group, onward, paced)
         async with self._turn(step.session_id):
             try:
                 result: StepResult = await self._submit(job)
@@ -421,7 +423,8 @@ class Executor:
             grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
             window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
-            if left <= 0 or not (grouped or self._due(batch, left)):
+            paced = any(job.paced and job.group is None for job in batch)  # later hops get groups (forward)
+            if left <= 0 or not (grouped or (paced and self._due(batch, left))):
                 break
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
@@ -544,12 +547,13 @@ class Executor:
 
 
 def _onward_groups(jobs: list[_Job]) -> dict[int, Group]:
-    """The groups the lone decode steps of one forward call form at their next hops: (a fresh id, how many go
-    to that hop), by id(job), for hops that more than one goes to. A client's group goes on as it came."""
-    lone = [job for job in jobs if job.onward and job.group is None and job.tokens == 1]
-    counts = Counter(job.onward for job in lone)
+    """The groups the decode steps of one forward call form at their next hops: (a fresh id, how many go to
+    that hop), by id(job), for hops that more than one goes to. Only steps whose callers still wait count: the
+    others are never sent on. A client's round is regrouped too: the next hop gets what this call computed."""
+    going = [job for job in jobs if job.onward and job.tokens == 1 and not job.future.done()]
+    counts = Counter(job.onward for job in going)
     batch_id = secrets.token_hex(8)
-    return {id(job): (batch_id, counts[job.onward]) for job in lone if counts[job.onward] > 1}
+    return {id(job): (batch_id, counts[job.onward]) for job in going if counts[job.onward] > 1}
 
 
 def _fail(job: _Job, error: BaseException) -> None:

@@ -165,7 +165,7 @@ class PeerHandlers:
                 (_finish(HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0), received),)
             )
         onward = request.route_rest[0].peer_id if request.route_rest else ""
-        result = await self._compute(served, step, group, onward)
+        result = await self._compute(served, step, group, onward, paced=not request.origin)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
@@ -185,11 +185,10 @@ class PeerHandlers:
             timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
             origin=origin,
         )
-        if (
-            result.onward_group is not None and request.batch_size <= 1
-        ):  # computed with others going there too
-            batch_id, batch_size = result.onward_group
-            downstream = replace(downstream, batch_id=batch_id, batch_size=batch_size)
+        # the next hop waits for the steps this forward call computed for it (none: it goes alone), not for the
+        # group this step came in: some of that may have run apart here, or go on to other hops
+        batch_id, batch_size = result.onward_group or ("", 1)
+        downstream = replace(downstream, batch_id=batch_id, batch_size=batch_size)
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
         answer = await self.forwarder.forward(hop, downstream, timeout_s)
         if isinstance(answer, StepAck):  # a wait_result step: its output goes to the client's wait
@@ -197,11 +196,11 @@ class PeerHandlers:
         return StepReply(answer.hidden, (_finish(timing, received), *answer.timings))
 
     async def _compute(
-        self, served: Served, step: Step, group: Group | None = None, onward: str = ""
+        self, served: Served, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
     ) -> StepResult:
         try:
             async with self.handover.step(step.session_id or ""):  # waits while the session is handed over
-                result = await self.peer.executor.forward(served.blocks, step, group, onward)
+                result = await self.peer.executor.forward(served.blocks, step, group, onward, paced)
         finally:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:
@@ -249,7 +248,8 @@ class PeerHandlers:
                 async with asyncio.timeout(request.timeout_s):
                     parked = await self.handoff.take(request.session_id, request.position)
                     async with asyncio.timeout(max(1e-3, parked.deadline - time.perf_counter())):
-                        result = await self._compute(parked.served, parked.step, parked.group)
+                        # parked: the last hop of a longer route, so the hop before sent it (not paced here)
+                        result = await self._compute(parked.served, parked.step, parked.group, paced=False)
             except TimeoutError:
                 raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
         step = parked.step

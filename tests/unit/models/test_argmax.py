@@ -18,7 +18,7 @@ from swarm.models.loading import ModelSource
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not screen_available(), reason="this torch has no weight-only int8 kernel"),
+    pytest.mark.skipif(not screen_available(64), reason="this torch has no weight-only int8 kernel"),
 ]
 
 
@@ -85,6 +85,12 @@ def test_near_ties_are_both_kept_and_settled_exactly() -> None:
     got = screen.logits(x, _dense(weight))
     assert bool(torch.isfinite(got[0, [twin_a, twin_b]]).all())
     assert int(got.argmax()) == int(F.linear(x, weight).argmax())
+
+
+def test_no_screen_for_rows_the_int8_kernel_cannot_read_safely() -> None:
+    assert not screen_available(40) and screen_available(576)
+    with pytest.raises(ValueError, match="no int8 screen"):
+        ArgmaxScreen(torch.randn(64, 40))
 
 
 def test_a_flat_row_gets_all_its_logits_from_the_dense_head() -> None:

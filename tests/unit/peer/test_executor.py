@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
-from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals
+from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals, _Job, _onward_groups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -549,15 +550,15 @@ def test_a_decode_step_whose_caller_gave_up_while_it_waited_for_its_group_never_
     asyncio.run(_with_executor(executor, body))
 
 
-def test_lone_decode_steps_of_one_forward_call_go_on_as_a_group_per_next_hop(blocks: BlockRange) -> None:
-    """Five decode steps run as one forward call: the three lone ones bound for hop B get one group of 3 for
-    B, the one bound for C goes on alone, the client's grouped one keeps its client's group, and the last hop's
-    step (no next hop) has none. A later call gets a fresh group id."""
+def test_decode_steps_of_one_forward_call_go_on_as_a_group_per_next_hop(blocks: BlockRange) -> None:
+    """Five decode steps run as one forward call: the three lone ones and the client-grouped one bound for hop B
+    get one group of 4 for B (a client's round is regrouped by what ran together), the one bound for C goes on
+    alone, and the last hop's step (no next hop) has none. A later call gets a fresh group id."""
     executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=0.0, group_window_s=0.0))
     onward = {"b1": "QmB", "b2": "QmB", "b3": "QmB", "c1": "QmC", "last": ""}
     sessions = [*onward, "grouped"]
     random_order = sessions[:]
-    __import__("random").Random(5).shuffle(random_order)  # which session asks first must not matter
+    random.Random(5).shuffle(random_order)  # which session asks first must not matter
 
     async def step_all(position: int) -> dict[str, object]:
         before = executor.batches_run
@@ -582,7 +583,49 @@ def test_lone_decode_steps_of_one_forward_call_go_on_as_a_group_per_next_hop(blo
 
     first, second = asyncio.run(_with_executor(executor, body))  # type: ignore[misc]
     for groups in (first, second):
-        assert {groups["b1"], groups["b2"], groups["b3"]} == {groups["b1"]}
-        assert groups["b1"] is not None and groups["b1"][1] == 3  # type: ignore[index]
-        assert groups["c1"] is None and groups["last"] is None and groups["grouped"] is None
+        assert {groups[s] for s in ("b1", "b2", "b3", "grouped")} == {groups["b1"]}
+        assert groups["b1"] is not None and groups["b1"][1] == 4  # type: ignore[index]
+        assert groups["c1"] is None and groups["last"] is None
     assert first["b1"][0] != second["b1"][0]  # type: ignore[index]
+
+
+def test_an_onward_group_counts_only_the_steps_whose_callers_still_wait(blocks: BlockRange) -> None:
+    """A step whose caller gave up (deadline) while its forward call ran is never sent on: not counted."""
+
+    async def body() -> dict[int, tuple[str, int]]:
+        loop = asyncio.get_running_loop()
+        jobs = [
+            _Job(None, Step(f"s{i}", _hidden(blocks, 1, i), 0, 2, 0), blocks, loop.create_future())
+            for i in range(3)
+        ]
+        for job in jobs:
+            job.onward = "QmB"
+        jobs[1].future.cancel()
+        return _onward_groups(jobs)
+
+    groups = asyncio.run(body())
+    assert sorted(groups.values()) == [(next(iter(groups.values()))[0], 2)] * 2 and len(groups) == 2
+
+
+def test_a_step_another_hop_sent_never_waits_for_sessions_by_their_pace(blocks: BlockRange) -> None:
+    """Sessions p and q step once a second, sent on by another hop (not paced). At t=2 q is due, but p's step
+    does not wait for it (the window is long, so a wait would hang past the test's timeout)."""
+    now = [0.0]
+    executor = Executor(
+        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0), clock=lambda: now[0]
+    )
+
+    async def body() -> None:
+        for sid in ("p", "q"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        for position in (0, 1):
+            now[0] = float(position)
+            for sid in ("p", "q"):
+                await executor.forward(
+                    blocks, Step(sid, _hidden(blocks, 1, position), 0, 2, position), paced=False
+                )
+        now[0] = 2.0
+        async with asyncio.timeout(30):
+            await executor.forward(blocks, Step("p", _hidden(blocks, 1, 9), 0, 2, 2), paced=False)
+
+    asyncio.run(_with_executor(executor, body))

@@ -41,15 +41,17 @@ def test_steps_computed_together_reach_the_next_hop_as_one_group_it_runs_togethe
     """A's executor says its two decode steps (of two clients) were one forward call going on to B as a group.
     B waits for a group's missing steps for ten minutes here, so it computes them only if the group it
     expects is the one that comes: keyed by the clients (as before), it would never be complete. A step its
-    client sent in a round keeps the client's group."""
+    client sent in a round goes on in A's group too (what ran together at A), not in the client's."""
     a = _handlers("QmA", 0, 2, Executor())
     b = _handlers("QmB", 2, 4, Executor(ExecutorConfig(batch_window_s=0.0, group_window_s=600.0)))
     spec = a.peer.spec
     sent_to_b: list[StepRequest] = []
     forward = a.peer.executor.forward
 
-    async def a_forward(blocks: Any, step: Step, group: Any = None, onward: str = "") -> StepResult:
-        result = await forward(blocks, step, group, onward)
+    async def a_forward(
+        blocks: Any, step: Step, group: Any = None, onward: str = "", paced: bool = True
+    ) -> StepResult:
+        result = await forward(blocks, step, group, onward, paced)
         decode = step.hidden.shape[0] == 1
         return replace(result, onward_group=("fromA", 2)) if decode and onward == "QmB" else result
 
@@ -87,9 +89,48 @@ def test_steps_computed_together_reach_the_next_hop_as_one_group_it_runs_togethe
         async with asyncio.timeout(30):
             outs = await asyncio.gather(*(step(sid, 4, t) for sid, t in tokens.items()))
         decode = sent_to_b[-2:]
-        expected = ("round7", 2) if client_group else ("fromA", 2)
-        assert [(r.batch_id, r.batch_size) for r in decode] == [expected, expected]
+        assert [(r.batch_id, r.batch_size) for r in decode] == [("fromA", 2)] * 2
         assert b.peer.executor.batches_run - before == 1  # one forward call for the two
         assert all(o.shape == (1, spec.hidden_size) for o in outs) and len(alone) == 2
+
+    run_peers([a.peer, b.peer], body)
+
+
+def test_a_step_computed_alone_goes_on_alone_even_if_its_client_sent_it_in_a_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's round ("round7", 2) is not passed on: the next hop would wait for a step that ran apart."""
+    a = _handlers("QmA", 0, 2, Executor())
+    b = _handlers("QmB", 2, 4, Executor())
+    spec = a.peer.spec
+    sent_to_b: list[StepRequest] = []
+
+    async def to_b(p2p: Any, peer_id: str, request: StepRequest, **_: Any) -> StepAck:
+        sent_to_b.append(request)
+        reply = await b.rpc_step(request, "QmA")
+        assert isinstance(reply, StepAck)
+        return reply
+
+    monkeypatch.setattr(handlers_module, "call_step_acked", to_b)
+    hop = Hop("QmB", ("/ip4/127.0.0.1/tcp/1/p2p/QmB",), 2, 4)
+
+    async def body() -> None:
+        for position, tokens in ((0, 3), (3, 1)):
+            base = StepRequest(
+                "s1",
+                position,
+                torch.randn(tokens, spec.hidden_size),
+                0,
+                2,
+                16,
+                spec.weights_hash,
+                (hop,),
+                10.0,
+                True,
+            )
+            await a.rpc_step(replace(base, batch_id="round7", batch_size=2), CLIENTS["s1"])
+            reply = await b.rpc_wait(StepWait("s1", position, 10.0), CLIENTS["s1"])
+            assert isinstance(reply, StepReply)
+        assert [(r.batch_id, r.batch_size) for r in sent_to_b] == [("", 1), ("", 1)]
 
     run_peers([a.peer, b.peer], body)

@@ -45,9 +45,11 @@ class Swarm:
         self.a_steps: list[tuple[int, int]] = []  # (position, tokens) of every step A's executor ran
         forward = self.a.peer.executor.forward
 
-        async def spy(blocks: Any, step: Step, group: Any = None, onward: str = "") -> StepResult:
+        async def spy(
+            blocks: Any, step: Step, group: Any = None, onward: str = "", paced: bool = True
+        ) -> StepResult:
             self.a_steps.append((step.position, step.hidden.shape[0]))
-            return await forward(blocks, step, group, onward)
+            return await forward(blocks, step, group, onward, paced)
 
         async def to_b(p2p: Any, peer_id: str, request: StepRequest, **_: Any) -> StepAck:
             assert peer_id == "QmB"
