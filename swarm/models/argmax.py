@@ -69,11 +69,13 @@ class ArgmaxScreen:
         screened, bound = self.bounds(normed)
         floor = (screened - bound).amax(dim=1, keepdim=True)  # some row's exact logit is at least this
         keep = screened + bound >= floor  # [N, V]
-        flat = keep.sum(dim=1) > self.weight.shape[0] * MOST_KEPT  # [N]
+        counts = keep.sum(dim=1)  # [N]
+        flat = counts > self.weight.shape[0] * MOST_KEPT  # [N]
         keep[flat] = False
+        counts[flat] = 0
         out = torch.full_like(screened, float("-inf"))
         _, tokens = keep.nonzero(as_tuple=True)  # the kept vocabulary rows of every input row, in row order
-        kept = tokens.split(keep.sum(dim=1).tolist())
+        kept = tokens.split(counts.tolist())
         for r in range(normed.shape[0]):
             if flat[r]:
                 out[r] = dense(normed[r : r + 1])[0]

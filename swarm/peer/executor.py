@@ -72,8 +72,8 @@ class StepResult:
     hidden: torch.Tensor
     queue_s: float  # from submit to the start of its forward call
     compute_s: float  # the forward call it was part of
-    # the lone decode steps of its forward call going on to the same next hop, as a group for that hop to wait
-    # for (a fresh id, their count); None when it goes on alone (see Executor.forward)
+    # the decode steps of its forward call going on to the same next hop, as a group for that hop to wait for
+    # (a fresh id, their count); None when it goes on alone (see Executor.forward)
     onward_group: Group | None = None
 
 
@@ -85,7 +85,9 @@ class _Job:
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
     onward: str = ""  # the next hop it goes on to, if any (its forward call's steps for it go as a group)
-    paced: bool = True  # a decode step at its route's first hop: its batch may wait for sessions due here
+    paced: bool = (
+        False  # a lone decode step at its route's first hop: its batch may wait for sessions due here
+    )
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # its forward call began (it runs to its end even if its caller gives up)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # ... and has ended
@@ -235,9 +237,9 @@ class Executor:
     ) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
-        ``onward`` names the next hop of a step that goes on: the lone decode steps of one forward call bound for
-        the same hop get one ``onward_group``, and the hop waits for all of them to batch them again (they reach
-        it one message each, ~1 ms apart). Lone sessions are waited for by their pace (``batch_window_s``) only
+        ``onward`` names the next hop of a step that goes on: the decode steps of one forward call bound for the
+        same hop get one ``onward_group``, and the hop waits for all of them to batch them again (they reach it
+        one message each, ~1 ms apart). Lone sessions are waited for by their pace (``batch_window_s``) only
         where they come lone, at the first hop (``paced``; False for a step another hop sent): a later hop that
         waited for a session due by its pace could be waiting for one held at another hop, itself waiting
         (traced with 80 ms windows).
@@ -251,11 +253,11 @@ class Executor:
             return await self._forward_job(blocks, step)
         if step.hidden.shape[0] != 1:
             group = None  # only decode steps wait for each other
+        # a client's lone session at its first hop: nothing else lines its steps up with others'
+        paced = paced and group is None and step.hidden.shape[0] == 1
         if step.hidden.shape[0] == 1:
             self._last_decode_s = self.clock()
-            if (
-                group is None and paced
-            ):  # a client's lone session: nothing else lines its steps up with others'
+            if paced:
                 self._arrivals.note(sid, self._last_decode_s)
         await self._in_order(blocks, step)
         if self._failed.get(sid, -1) >= step.position:
@@ -291,7 +293,12 @@ class Executor:
             await self._stepped.wait()
 
     async def _forward_chunks(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None = None,
+        onward: str = "",
+        paced: bool = False,
     ) -> StepResult:
         """``step`` as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is queued."""
         tokens = step.hidden.shape[0]
@@ -323,7 +330,12 @@ class Executor:
         return config.prefill_chunk_tokens
 
     async def _forward_job(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None = None,
+        onward: str = "",
+        paced: bool = False,
     ) -> StepResult:
         loop = asyncio.get_running_loop()
         job = _Job(None, step, blocks, loop.create_future(), group, onward, paced)
@@ -423,7 +435,7 @@ class Executor:
             grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
             window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
-            paced = any(job.paced and job.group is None for job in batch)  # later hops get groups (forward)
+            paced = any(job.paced for job in batch)  # later hops get groups (see forward)
             if left <= 0 or not (grouped or (paced and self._due(batch, left))):
                 break
             self._arrived.clear()
@@ -552,6 +564,8 @@ def _onward_groups(jobs: list[_Job]) -> dict[int, Group]:
     others are never sent on. A client's round is regrouped too: the next hop gets what this call computed."""
     going = [job for job in jobs if job.onward and job.tokens == 1 and not job.future.done()]
     counts = Counter(job.onward for job in going)
+    if not any(count > 1 for count in counts.values()):
+        return {}  # most calls: prefill chunks, or steps for different hops
     batch_id = secrets.token_hex(8)
     return {id(job): (batch_id, counts[job.onward]) for job in going if counts[job.onward] > 1}
 
