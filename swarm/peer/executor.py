@@ -250,7 +250,9 @@ class Executor:
         session's cache from where the last one ended, so the output is the whole step's."""
         sid = step.session_id
         if sid is None:
-            return await self._forward_job(blocks, step)
+            return await self._forward_job(
+                _Job(None, step, blocks, asyncio.get_running_loop().create_future())
+            )
         if step.hidden.shape[0] != 1:
             group = None  # only decode steps wait for each other
         # a client's lone session at its first hop: nothing else lines its steps up with others'
@@ -263,7 +265,8 @@ class Executor:
         if self._failed.get(sid, -1) >= step.position:
             del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
         try:
-            result = await self._forward_chunks(blocks, step, group, onward, paced)
+            job = _Job(None, step, blocks, asyncio.get_running_loop().create_future(), group, onward, paced)
+            result = await self._forward_chunks(job)
         except BaseException:
             self._failed[sid] = step.position
             while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
@@ -292,25 +295,22 @@ class Executor:
             self._stepped.clear()
             await self._stepped.wait()
 
-    async def _forward_chunks(
-        self,
-        blocks: BlockRange,
-        step: Step,
-        group: Group | None = None,
-        onward: str = "",
-        paced: bool = False,
-    ) -> StepResult:
-        """``step`` as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is queued."""
+    async def _forward_chunks(self, job: _Job) -> StepResult:
+        """``job``'s step as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is
+        queued (a chunk is a prefill: no group, not paced, not sent on as a group)."""
+        step, blocks = job.step, job.blocks
+        assert step is not None and blocks is not None
         tokens = step.hidden.shape[0]
         if tokens <= self._chunk_tokens():
-            return await self._forward_job(blocks, step, group, onward, paced)
+            return await self._forward_job(job)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
         while offset < tokens:
             hidden = step.hidden[offset : offset + self._chunk_tokens()]  # [<=chunk, H]
+            chunk = Step(step.session_id, hidden, step.start, step.end, step.position + offset)
             part = await self._forward_job(
-                blocks, Step(step.session_id, hidden, step.start, step.end, step.position + offset)
+                _Job(None, chunk, blocks, asyncio.get_running_loop().create_future())
             )
             parts.append(part.hidden)
             offset += hidden.shape[0]
@@ -329,17 +329,10 @@ class Executor:
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
         return config.prefill_chunk_tokens
 
-    async def _forward_job(
-        self,
-        blocks: BlockRange,
-        step: Step,
-        group: Group | None = None,
-        onward: str = "",
-        paced: bool = False,
-    ) -> StepResult:
-        loop = asyncio.get_running_loop()
-        job = _Job(None, step, blocks, loop.create_future(), group, onward, paced)
-        async with self._turn(step.session_id):
+    async def _forward_job(self, job: _Job) -> StepResult:
+        # its queue time starts here, after the waits for its session's order
+        job.submitted = time.perf_counter()
+        async with self._turn(job.session_id):
             try:
                 result: StepResult = await self._submit(job)
             except asyncio.CancelledError:
