@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,8 +211,12 @@ class BlockRange:
             )
 
     @torch.no_grad()  # not inference_mode: callers may modify outputs in place
-    def forward(self, steps: Sequence[Step]) -> list[torch.Tensor]:
-        """Run every step; returns one hidden tensor [T, hidden_size] per step, in order, on self.device."""
+    def forward(
+        self, steps: Sequence[Step], between_layers: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
+        """Run every step; returns one hidden tensor [T, hidden_size] per step, in order, on self.device.
+        ``between_layers`` is called before each layer after the first (the executor's prefill lane waits there
+        for a decode step running beside it)."""
         seen: set[str] = set()
         for step in steps:
             self.validate(step)
@@ -234,11 +238,11 @@ class BlockRange:
             else:
                 outputs[i] = self._run_stateless(step)
         for group in groups.values():
-            for i, out in zip(group, self._run([steps[i] for i in group]), strict=True):
+            for i, out in zip(group, self._run([steps[i] for i in group], between_layers), strict=True):
                 outputs[i] = out
         return [out for out in outputs if out is not None]
 
-    def _run(self, steps: list[Step]) -> list[torch.Tensor]:
+    def _run(self, steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Session steps with the same [start, end), any number of tokens each (decode steps and prefill chunks
         alike), as one batch: their N tokens in all go through norms, projections and MLP as one [1, N, H]
         tensor; attention runs per step over its own session's cache."""
@@ -255,6 +259,8 @@ class BlockRange:
         caches = [self.cache.get(s.session_id or "") for s in steps]
         attention = [self._attention_mask(s.position, t) for s, t in zip(steps, sizes, strict=True)]
         for layer in range(start, end):
+            if between_layers is not None and layer > start:
+                between_layers()
             h = self._layer(layer, h, cos, sin, _Ragged(caches, sizes, attention))
         return list(h[0].split(sizes))
 

@@ -83,12 +83,20 @@ class ExecutorConfig:
     prefill_nice: int = setting(
         10, "OS niceness (0-19) of the thread that runs prefill chunks, above the decode thread's"
     )
-    # Niceness gives decode the core, not the memory bus and caches: three peers prefilling one long prompt at
-    # once (pipelined) slowed every decode step on the machine by 1.5-2x through memory, the client's LM head
-    # most (113 MB read per call). Pausing between chunks while others decode leaves them that headroom; a long
-    # prompt on an idle peer runs at full speed.
+    # Niceness gives decode the core, not the GIL, the caches and the hand-offs around it: three peers on one
+    # machine prefilling one long prompt at once (pipelined) slowed every part of a decode round, each hop's
+    # forward call, the hops between them and the client's head. The peers of one device now take turns for
+    # their chunks while sessions decode there (swarm/peer/turns.py), and a chunk waits between two layers for a
+    # decode call running beside it. With both, a pause between chunks no longer helps: share 0.5 against 1,
+    # decode p99 during a 2048-token prefill 67-71 against 68-70 ms, the prefill 12.3-13.2 against 10.9-11.3 s
+    # (scripts/bench_e2e.py, 2 cores); before, the pause had held that p99 near 2x the p50 alone.
+    prefill_turns: bool = setting(
+        True,
+        "let prefill chunks run beside those of other peers on this device while sessions decode here",
+        flag="--executor-no-prefill-turns",
+    )
     busy_prefill_share: float = setting(
-        0.5,
+        1.0,
         "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
     )
 

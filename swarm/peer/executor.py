@@ -5,12 +5,14 @@ runs on (a peer serves one range, or two while it moves). Each thread serves its
 steps and plain calls on one, prefill chunks on the other, at a lower OS priority (``prefill_nice``). Prefill
 is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
 computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
-behind the chunks. Niceness does not share the memory bus and caches, so while others decode here the
-prefill lane also pauses between chunks (``busy_prefill_share``). A long prefill runs as chunks, small ones
-while other sessions decode here (on a GPU the decode kernels still queue behind a chunk's). Each lane takes
-its oldest job and gathers the queued steps of *other* sessions on the *same* BlockRange into one
-``BlockRange.forward`` call, within a budget of steps and tokens: continuous batching at step granularity.
-A full queue is a CapacityError at once, not a backlog.
+behind the chunks. Niceness does not give it the GIL, the caches or the hand-offs around the step, so a chunk
+also waits between two of its layers for the decode call running beside it, and while others decode here the
+peers of one device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses). A
+long prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
+queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
+*same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
+tokens held to one small chunk's while others decode): continuous batching at step granularity. A full queue is
+a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
 client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
@@ -52,6 +54,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -59,6 +62,7 @@ import torch
 from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
 from swarm.peer.config import ExecutorConfig
+from swarm.peer.turns import turn
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -154,8 +158,10 @@ class Executor:
         name: str = "torch",
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        turns: Path | None = None,
     ) -> None:
         self.config = config or ExecutorConfig()
+        self.turns = turns  # the lock file of this device's prefill turns (swarm/peer/turns.py), if any
         # when decode steps arrive: whether others decode now (_chunk_tokens), which sessions are due (_Arrivals)
         self.clock = clock
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
@@ -191,6 +197,9 @@ class Executor:
         self._group_ran: OrderedDict[Group, int] = OrderedDict()
         # set whenever a job is queued: a batch waiting for the steps it expects looks again
         self._arrived = asyncio.Event()
+        # the decode lane's forward call running now, set once it has ended (_yield_to_decode)
+        self._decode_call = threading.Event()
+        self._decode_call.set()
 
     @property
     def queued(self) -> int:
@@ -462,12 +471,17 @@ class Executor:
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
         blocks on this lane (decode steps, or prefill chunks) within ``max_batch`` steps and ``max_batch_tokens``
-        tokens; the rest of the queue keeps its order, and no step is taken past an earlier one of its own
-        session."""
+        tokens (prefill chunks: ``_chunk_tokens()``); the rest of the queue keeps its order, and no step is taken
+        past an earlier one of its own session."""
         if first.session_id is None:
             return [first]
         batch, kept = [first, *(taken or [])], []
         tokens = sum(job.tokens for job in batch)
+        # the per-call token budget: a prefill lane's batch of chunks is held to one chunk's while others decode
+        # (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as 96 tokens
+        budget = self.config.max_batch_tokens
+        if lane is self._prefill:
+            budget = min(budget, self._chunk_tokens())
         # in the batch, or skipped: later steps of theirs must not overtake
         sessions = {job.session_id for job in batch}
         while not lane.queue.empty():
@@ -475,7 +489,7 @@ class Executor:
             if job.future.cancelled():
                 continue
             sid = job.session_id
-            fits = len(batch) < self.config.max_batch and tokens + job.tokens <= self.config.max_batch_tokens
+            fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens
@@ -511,7 +525,12 @@ class Executor:
         blocks = jobs[0].blocks
         assert blocks is not None  # a step job always names its blocks
         try:
-            outputs = await loop.run_in_executor(lane.thread, blocks.forward, steps)
+            if lane is self._decode:
+                outputs = await loop.run_in_executor(lane.thread, self._decode_forward, blocks, steps)
+            else:
+                outputs = await loop.run_in_executor(
+                    lane.thread, self._prefill_forward, blocks, steps, self._decoding()
+                )
         except Exception as e:
             if len(jobs) == 1:
                 if not isinstance(e, SwarmError):
@@ -534,6 +553,31 @@ class Executor:
                 job.future.set_result(
                     StepResult(hidden, started - job.submitted, compute_s, onward.get(id(job)))
                 )
+
+    def _decode_forward(self, blocks: BlockRange, steps: list[Step]) -> list[torch.Tensor]:
+        """``blocks.forward(steps)`` on the decode thread, marked as running for the prefill thread."""
+        running = threading.Event()
+        self._decode_call = running
+        try:
+            return blocks.forward(steps)
+        finally:
+            running.set()
+
+    def _prefill_forward(self, blocks: BlockRange, steps: list[Step], take_turn: bool) -> list[torch.Tensor]:
+        """``blocks.forward(steps)`` on the prefill thread, giving way to decode steps between layers, and in
+        this device's turn (``self.turns``) if ``take_turn`` (others decode here)."""
+        if not (take_turn and self.turns is not None):
+            return blocks.forward(steps, self._yield_to_decode)
+        with turn(self.turns):
+            return blocks.forward(steps, self._yield_to_decode)
+
+    def _yield_to_decode(self) -> None:
+        """Between two layers of a chunk, on the prefill thread: wait for the decode call running now, if any.
+
+        A chunk's layers and a decode step share this process's GIL and the core's caches (on a GPU, the
+        device's queue), so the decode step, the latency-bound one, goes first. Waiting for the call running now,
+        never for the next, keeps a chunk going at least a layer per decode call under back-to-back ones."""
+        self._decode_call.wait()
 
     async def _call(
         self, loop: asyncio.AbstractEventLoop, lane: _Lane, job: _Job, call: Callable[[], Any]

@@ -289,3 +289,20 @@ def test_packed_copies_are_timed_and_kept_only_within_the_memory_given(tiny_sour
     assert len(roomy._packed) == 2 * 7 and roomy.forms.packed_rows == {3}  # 7 projections a layer
     bf16 = tiny_source.load_blocks(0, 2, dtype="bfloat16", cache_tokens=100, pack_bytes=2**40)
     assert bf16._packed == {} and bf16.forms == PLAIN  # packed weights are float32 only
+
+
+def test_between_layers_is_called_before_each_layer_after_the_first_and_changes_nothing(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    """A session step's forward over layers [1, 5) calls ``between_layers`` 3 times, each time once the layer
+    before it has written its cache, and outputs exactly what a forward without it does."""
+    hidden = torch.randn(6, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(8))
+    outputs, seen = [], []
+    for hook in (False, True):
+        blocks = tiny_source.load_blocks(0, 6, cache_tokens=100)
+        blocks.open_session("s", 16)
+
+        def between_layers(blocks=blocks) -> None:  # type: ignore[no-untyped-def]
+            seen.append([blocks.session_length("s", layer) for layer in range(1, 5)])
+
+        outputs.append(blocks.forward([Step("s", hidden, 1, 5, 0)], between_layers if hook else None)[0])
+    assert seen == [[6, 0, 0, 0], [6, 6, 0, 0], [6, 6, 6, 0]]
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)

@@ -6,6 +6,8 @@ import asyncio
 import os
 import random
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,12 +208,12 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
     nice: dict[int, int] = {}
     real_forward = blocks.forward
 
-    def gated(steps: list[Step]) -> list[torch.Tensor]:
+    def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         tokens = steps[0].hidden.shape[0]
         nice[tokens] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         if tokens > 1:
             assert decoded.wait(30), "the decode step waited for the chunk"
-        return real_forward(steps)
+        return real_forward(steps, between_layers)
 
     monkeypatch.setattr(blocks, "forward", gated)
 
@@ -240,17 +242,17 @@ def test_a_call_waiting_for_a_running_chunk_does_not_hold_back_the_decode_steps_
     order: list[str] = []
     real_forward = blocks.forward
 
-    def gated(steps: list[Step]) -> list[torch.Tensor]:
+    def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         if steps[0].hidden.shape[0] > 1:
             chunk_running.set()
             try:
                 assert decoded.wait(30), "the decode step waited for the chunk behind the open"
-                return real_forward(steps)
+                return real_forward(steps, between_layers)
             finally:
                 chunk_running.clear()
                 order.append("chunk")
         order.extend(f"step {step.session_id}" for step in steps)
-        return real_forward(steps)
+        return real_forward(steps, between_layers)
 
     def open_x() -> None:
         assert not chunk_running.is_set(), "a session was opened while a chunk ran"
@@ -491,12 +493,12 @@ def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_for
     calls: list[int] = []
     real_forward = blocks.forward
 
-    def gated(steps: list[Step]) -> list[torch.Tensor]:
+    def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         calls.append(steps[0].hidden.shape[0])
         if steps[0].hidden.shape[0] > 1:
             entered.set()
             assert release.wait(30)
-        return real_forward(steps)
+        return real_forward(steps, between_layers)
 
     monkeypatch.setattr(blocks, "forward", gated)
 
@@ -629,3 +631,140 @@ def test_a_step_another_hop_sent_never_waits_for_sessions_by_their_pace(blocks: 
             await executor.forward(blocks, Step("p", _hidden(blocks, 1, 9), 0, 2, 2), paced=False)
 
     asyncio.run(_with_executor(executor, body))
+
+
+def _gate_forward(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, hold: dict[str, threading.Event | None]
+) -> dict[str, threading.Event]:
+    """Make ``blocks.forward`` of a step of a session in ``hold`` wait for its event (None: never); returns, per
+    session, an event set once its forward has begun."""
+    began = {sid: threading.Event() for sid in hold}
+    real_forward = blocks.forward
+
+    def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        for step in steps:
+            release = hold.get(step.session_id or "")
+            if step.session_id in began:
+                began[step.session_id].set()
+            if release is not None:
+                assert release.wait(30), "never released"
+        return real_forward(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", gated)
+    return began
+
+
+@pytest.mark.parametrize("decoding", [True, False])
+def test_prefill_chunks_of_two_peers_on_one_device_take_turns_only_while_others_decode(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, decoding: bool
+) -> None:
+    """Two executors sharing one turns file (two peers on one device): while someone decodes on each, the
+    second one's chunk begins only once the first one's has ended; while nobody decodes, both run at once."""
+    blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
+    turns = tmp_path / "turns.lock"
+    first, second = (Executor(ExecutorConfig(decode_recent_s=60.0), turns=turns) for _ in range(2))
+    release = threading.Event()
+    began = _gate_forward(blocks, monkeypatch, {"a": release, "b": None})
+    sessions = ((first, "a"), (second, "b"), (first, "da"), (second, "db"))
+
+    async def body() -> None:
+        for executor, sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        if decoding:
+            await first.forward(blocks, Step("da", _hidden(blocks, 1, 1), 0, 2, 0))
+            await second.forward(blocks, Step("db", _hidden(blocks, 1, 2), 0, 2, 0))
+        chunk_a = asyncio.ensure_future(first.forward(blocks, Step("a", _hidden(blocks, 4, 3), 0, 2, 0)))
+        assert await asyncio.to_thread(began["a"].wait, 30)
+        chunk_b = asyncio.ensure_future(second.forward(blocks, Step("b", _hidden(blocks, 4, 4), 0, 2, 0)))
+        # while a's chunk holds the turn, b's begins only if it takes no turn (given ample time to)
+        beside = await asyncio.to_thread(began["b"].wait, 2.0 if decoding else 30)
+        release.set()
+        await asyncio.gather(chunk_a, chunk_b)
+        assert beside is not decoding
+        assert began["b"].is_set()
+        for executor, sid in sessions:
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    async def both() -> None:
+        await _with_executor(second, lambda: _with_executor(first, body))
+
+    asyncio.run(both())
+
+
+def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_beside_it(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's forward is held; a chunk of another session started beside it runs its first layer, then
+    waits before its second until the decode call has ended."""
+    release = threading.Event()
+    began = _gate_forward(blocks, monkeypatch, {"yield-d": release})
+    real_forward = blocks.forward
+    reached, passed = threading.Event(), threading.Event()
+
+    def watched(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        def hook() -> None:
+            reached.set()
+            assert between_layers is not None
+            between_layers()
+            passed.set()
+
+        return real_forward(steps, hook if steps[0].hidden.shape[0] > 1 else None)
+
+    monkeypatch.setattr(blocks, "forward", watched)
+    executor = Executor()
+
+    async def body() -> None:
+        for sid in ("yield-d", "yield-p"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        decode = asyncio.ensure_future(
+            executor.forward(blocks, Step("yield-d", _hidden(blocks, 1, 1), 0, 2, 0))
+        )
+        assert await asyncio.to_thread(began["yield-d"].wait, 30)
+        chunk = asyncio.ensure_future(
+            executor.forward(blocks, Step("yield-p", _hidden(blocks, 4, 2), 0, 2, 0))
+        )
+        assert await asyncio.to_thread(reached.wait, 30), (
+            "the chunk's first layer runs beside the decode call"
+        )
+        assert not await asyncio.to_thread(passed.wait, 1.0), "its second waits for the decode call"
+        release.set()
+        await asyncio.gather(decode, chunk)
+        assert passed.is_set()
+        for sid in ("yield-d", "yield-p"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
+
+
+def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within_the_busy_chunk_budget() -> (
+    None
+):
+    """Three 8-token prefills queued together run as one forward call when nobody decodes here, and as three
+    while someone does (busy_chunk_tokens=8: the budget of a call, not only of a chunk)."""
+    blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
+    clock = _Clock()
+    config = ExecutorConfig(prefill_chunk_tokens=32, busy_chunk_tokens=8, decode_recent_s=1.0)
+    executor = Executor(config, clock=clock)
+    sessions = ["budget-x", "budget-y", "budget-z", "budget-d"]
+
+    async def calls_for_three(position: int) -> int:
+        before = executor.batches_run
+        await asyncio.gather(
+            *(
+                executor.forward(blocks, Step(sid, _hidden(blocks, 8, i), 0, 2, position))
+                for i, sid in enumerate(sessions[:3])
+            )
+        )
+        return executor.batches_run - before
+
+    async def body() -> list[int]:
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 64))
+        quiet = await calls_for_three(0)
+        await executor.forward(blocks, Step("budget-d", _hidden(blocks, 1, 5), 0, 2, 0))  # someone decodes
+        busy = await calls_for_three(8)
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return [quiet, busy]
+
+    assert asyncio.run(_with_executor(executor, body)) == [1, 3]
