@@ -6,7 +6,9 @@ machine three chunks then ran beside every decode step, and each hop of a decode
 hand-offs between threads and processes, and the client's head, slowed at once (decode p99 while a 2048-token
 prompt was prefilled: 85-96 ms, 2.0-2.2x the p50 alone; taking turns: 67-71 ms, 1.5-1.6x, with the prompt's
 prefill 12-30 % slower; scripts/bench_e2e.py). Turns are taken only while sessions decode on the peer: a prompt
-on an idle swarm keeps its pipeline's peers computing together.
+on an idle swarm keeps its pipeline's peers computing together. A chunk of a long prefill takes its turn alone;
+short prefills (a spot-check's window, a chat's next message: one call each) share theirs, so they wait for a
+long prompt's chunk but not for each other (see Executor._prefill_forward).
 
 A turn is an exclusive ``flock`` on a file per device in the cache directory: the kernel drops it with the
 process, so a peer that dies never holds it. Peers of other users, or of another cache directory, do not see it.
@@ -33,11 +35,11 @@ def turns_path(device: str, directory: Path | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def turn(path: Path) -> Iterator[None]:
-    """Hold ``path``'s turn: wait for the peer holding it, if any (call it on a worker thread, never on the
-    event loop)."""
+def turn(path: Path, alone: bool) -> Iterator[None]:
+    """Hold ``path``'s turn, ``alone`` or shared with other shared holders: wait while another peer holds it
+    alone, or, to hold it alone, while anyone holds it (call it on a worker thread, never on the event loop)."""
     with open(path, "a+b") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)
+        fcntl.flock(file, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:
             yield
         finally:

@@ -654,15 +654,27 @@ def _gate_forward(
     return began
 
 
-@pytest.mark.parametrize("decoding", [True, False])
-def test_prefill_chunks_of_two_peers_on_one_device_take_turns_only_while_others_decode(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, decoding: bool
+@pytest.mark.parametrize(
+    ("decoding", "tokens", "waits"),
+    [
+        (True, (4, 4), True),
+        (True, (4, 2), True),
+        (True, (2, 4), True),
+        (True, (2, 2), False),
+        (False, (4, 4), False),
+    ],
+)
+def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, decoding: bool, tokens: tuple[int, int], waits: bool
 ) -> None:
-    """Two executors sharing one turns file (two peers on one device): while someone decodes on each, the
-    second one's chunk begins only once the first one's has ended; while nobody decodes, both run at once."""
+    """Two executors sharing one turns file (two peers on one device) prefill ``tokens`` each, the first one held
+    in its first call. While someone decodes on each, a chunk of a prefill longer than a chunk (busy_chunk_tokens=2)
+    runs alone, and a short prefill beside other short ones only: the second begins at once only if both are
+    short. While nobody decodes, no turns are taken."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     turns = tmp_path / "turns.lock"
-    first, second = (Executor(ExecutorConfig(decode_recent_s=60.0), turns=turns) for _ in range(2))
+    config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0)
+    first, second = (Executor(config, turns=turns) for _ in range(2))
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"a": release, "b": None})
     sessions = ((first, "a"), (second, "b"), (first, "da"), (second, "db"))
@@ -673,14 +685,18 @@ def test_prefill_chunks_of_two_peers_on_one_device_take_turns_only_while_others_
         if decoding:
             await first.forward(blocks, Step("da", _hidden(blocks, 1, 1), 0, 2, 0))
             await second.forward(blocks, Step("db", _hidden(blocks, 1, 2), 0, 2, 0))
-        chunk_a = asyncio.ensure_future(first.forward(blocks, Step("a", _hidden(blocks, 4, 3), 0, 2, 0)))
+        chunk_a = asyncio.ensure_future(
+            first.forward(blocks, Step("a", _hidden(blocks, tokens[0], 3), 0, 2, 0))
+        )
         assert await asyncio.to_thread(began["a"].wait, 30)
-        chunk_b = asyncio.ensure_future(second.forward(blocks, Step("b", _hidden(blocks, 4, 4), 0, 2, 0)))
+        chunk_b = asyncio.ensure_future(
+            second.forward(blocks, Step("b", _hidden(blocks, tokens[1], 4), 0, 2, 0))
+        )
         # while a's chunk holds the turn, b's begins only if it takes no turn (given ample time to)
-        beside = await asyncio.to_thread(began["b"].wait, 2.0 if decoding else 30)
+        beside = await asyncio.to_thread(began["b"].wait, 2.0 if waits else 30)
         release.set()
         await asyncio.gather(chunk_a, chunk_b)
-        assert beside is not decoding
+        assert beside is not waits
         assert began["b"].is_set()
         for executor, sid in sessions:
             await executor.call(lambda s=sid: blocks.close_session(s))
