@@ -4,27 +4,37 @@ Several peers on one machine (a demo, a CPU host, a GPU shared by two peers) eac
 A pipelined long prompt (HPipe) keeps every peer of its route prefilling at once: on the 2-core benchmark
 machine three chunks then ran beside every decode step, and each hop of a decode round, its forward call, its
 hand-offs between threads and processes, and the client's head, slowed at once (decode p99 while a 2048-token
-prompt was prefilled: 85-96 ms, 2.0-2.2x the p50 alone; taking turns: 67-71 ms, 1.5-1.6x, with the prompt's
+prompt was prefilled: 85-96 ms, 2.0-2.2x the p50 alone; taking turns: 67-73 ms, 1.5-1.7x, with the prompt's
 prefill 12-30 % slower; scripts/bench_e2e.py). Turns are taken only while sessions decode on the peer: a prompt
 on an idle swarm keeps its pipeline's peers computing together. A chunk of a long prefill takes its turn alone;
 short prefills (a spot-check's window, a chat's next message: one call each) share theirs, so they wait for a
 long prompt's chunk but not for each other (see Executor._prefill_forward).
 
-A turn is an exclusive ``flock`` on a file per device in the cache directory: the kernel drops it with the
-process, so a peer that dies never holds it. Peers of other users, or of another cache directory, do not see it.
+A turn is a ``flock`` on a file per device in the cache directory: the kernel drops it with the process, so a
+peer that dies never holds it. A peer that hangs holding it (stopped, or its device stuck) would hold up every
+other peer's prefills: a turn not had within ``wait_s`` (a chunk takes well under a second) is gone without,
+and so is every turn for ``skip_s`` after that. Peers of other users, or of another cache directory, do not see
+the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from swarm.config import cache_dir
+
+logger = logging.getLogger(__name__)
 
 
 def turns_path(device: str, directory: Path | None = None) -> Path:
@@ -34,13 +44,92 @@ def turns_path(device: str, directory: Path | None = None) -> Path:
     return (directory or cache_dir()) / f"prefill-turns-{name}.lock"
 
 
-@contextlib.contextmanager
-def turn(path: Path, alone: bool) -> Iterator[None]:
-    """Hold ``path``'s turn, ``alone`` or shared with other shared holders: wait while another peer holds it
-    alone, or, to hold it alone, while anyone holds it (call it on a worker thread, never on the event loop)."""
-    with open(path, "a+b") as file:
-        fcntl.flock(file, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+class DeviceTurns:
+    """This peer's side of its device's turns, used from one thread (the prefill thread).
+
+    The lock is waited for on a thread of its own, so that the wait can end: a wait given up on leaves that
+    thread blocked until the lock comes, and it lets the lock go at once then."""
+
+    def __init__(
+        self,
+        path: Path,
+        wait_s: float = 2.0,
+        skip_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.wait_s = wait_s
+        self.skip_s = skip_s
+        self.clock = clock
+        self._skip_until = -float("inf")
+        self._locker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-turns")
+
+    @contextlib.contextmanager
+    def turn(self, alone: bool) -> Iterator[bool]:
+        """Hold the turn for the ``with`` body, ``alone`` or shared with other shared holders; yields whether it
+        was had (False: gone without, see the module doc)."""
+        if self.clock() < self._skip_until:
+            yield False
+            return
+        wait = _Wait(open(self.path, "a+b"))  # closed by whoever lets the lock go
+        mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+        if not wait.now(mode):  # most turns are free: no hop to the locker thread then
+            self._locker.submit(wait.lock, mode)
+        if not wait.had(self.wait_s):
+            self._skip_until = self.clock() + self.skip_s
+            logger.warning(
+                "no prefill turn on %s within %.1f s (a peer holds it); prefilling without turns for %.0f s",
+                self.path.name,
+                self.wait_s,
+                self.skip_s,
+            )
+            yield False
+            return
         try:
-            yield
+            yield True
         finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
+            wait.unlock()
+
+    def close(self) -> None:
+        self._locker.shutdown(wait=False, cancel_futures=True)
+
+
+class _Wait:
+    """One wait for the lock on the locker thread, which the prefill thread may give up on."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self._state = threading.Lock()
+        self._locked = threading.Event()
+        self._given_up = False
+
+    def now(self, mode: int) -> bool:
+        """Take the lock if it is free now."""
+        try:
+            fcntl.flock(self.file, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._locked.set()
+        return True
+
+    def lock(self, mode: int) -> None:
+        fcntl.flock(self.file, mode)
+        with self._state:
+            if not self._given_up:
+                self._locked.set()
+                return
+        self.unlock()  # nobody waits for it any more
+
+    def had(self, timeout_s: float) -> bool:
+        """Whether the lock came within ``timeout_s``; if not, it is let go as soon as it comes."""
+        if self._locked.wait(timeout_s):
+            return True
+        with self._state:
+            if self._locked.is_set():  # it came just now
+                return True
+            self._given_up = True
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()

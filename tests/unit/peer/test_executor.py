@@ -16,6 +16,7 @@ from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
 from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals, _Job, _onward_groups
+from swarm.peer.turns import DeviceTurns
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -674,7 +675,7 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     turns = tmp_path / "turns.lock"
     config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0)
-    first, second = (Executor(config, turns=turns) for _ in range(2))
+    first, second = (Executor(config, turns=DeviceTurns(turns)) for _ in range(2))
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"a": release, "b": None})
     sessions = ((first, "a"), (second, "b"), (first, "da"), (second, "db"))
