@@ -386,8 +386,6 @@ class Executor:
                         job.future.set_exception(CapacityError("peer is shutting down"))
             for lane in (self._decode, self._prefill):
                 lane.thread.shutdown(wait=False, cancel_futures=True)
-            if self.turns is not None:
-                self.turns.close()
 
     async def _serve(self, lane: _Lane) -> None:
         loop = asyncio.get_running_loop()

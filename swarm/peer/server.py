@@ -51,7 +51,7 @@ from swarm.peer.measure import (
 )
 from swarm.peer.planner_service import PlannerService
 from swarm.peer.state import Identity, Peer, Served
-from swarm.peer.turns import DeviceTurns, turns_path
+from swarm.peer.turns import TURNS_SUPPORTED, DeviceTurns, turns_path
 from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -107,7 +107,8 @@ async def _serve(
     directory = Directory(dht, directory_config, shape=shape)
     identity = _identity(config, source.spec, dht)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
-    turns = DeviceTurns(turns_path(config.device)) if config.executor.prefill_turns else None
+    taking_turns = config.executor.prefill_turns and TURNS_SUPPORTED
+    turns = DeviceTurns(turns_path(config.device)) if taking_turns else None
     executor = Executor(config.executor, name=f"torch-{config.device}", turns=turns)
     peer = Peer(identity, source.spec, executor, config.sessions, read_live=directory.read_peers)
     announcer = Announcer(directory, peer.record)

@@ -20,13 +20,11 @@ the file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -34,7 +32,13 @@ import torch
 
 from swarm.config import cache_dir
 
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): peers go without turns
+    fcntl = None  # type: ignore[assignment]
+
 logger = logging.getLogger(__name__)
+TURNS_SUPPORTED = fcntl is not None
 
 
 def turns_path(device: str, directory: Path | None = None) -> Path:
@@ -47,8 +51,10 @@ def turns_path(device: str, directory: Path | None = None) -> Path:
 class DeviceTurns:
     """This peer's side of its device's turns, used from one thread (the prefill thread).
 
-    The lock is waited for on a thread of its own, so that the wait can end: a wait given up on leaves that
-    thread blocked until the lock comes, and it lets the lock go at once then."""
+    A lock not free at once is waited for on a daemon thread of its own, so that the wait can end: a wait given
+    up on leaves that thread blocked until the lock comes, and it lets the lock go at once then. While such a
+    wait is still pending, no other is started (each holds a file open). A turn that fails for another reason
+    (the cache directory unwritable, a file system without locks) is gone without, and so are all after it."""
 
     def __init__(
         self,
@@ -62,20 +68,30 @@ class DeviceTurns:
         self.skip_s = skip_s
         self.clock = clock
         self._skip_until = -float("inf")
-        self._locker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-turns")
+        self.waiting: threading.Thread | None = None  # a wait given up on, until the lock has come and gone
+        self._broken = False
 
     @contextlib.contextmanager
     def turn(self, alone: bool) -> Iterator[bool]:
         """Hold the turn for the ``with`` body, ``alone`` or shared with other shared holders; yields whether it
         was had (False: gone without, see the module doc)."""
-        if self.clock() < self._skip_until:
+        if self._broken or self.clock() < self._skip_until or (self.waiting and self.waiting.is_alive()):
             yield False
             return
-        wait = _Wait(open(self.path, "a+b"))  # closed by whoever lets the lock go
         mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
-        if not wait.now(mode):  # most turns are free: no hop to the locker thread then
-            self._locker.submit(wait.lock, mode)
+        try:
+            wait = _Wait(open(self.path, "a+b"))  # closed by whoever lets the lock go
+            free = wait.now(mode)  # most turns are: no other thread then
+        except OSError as e:
+            self._broken = True
+            logger.warning("prefill turns on %s failed (%s); this peer goes without them", self.path, e)
+            yield False
+            return
+        if not free:
+            locker = threading.Thread(target=wait.lock, args=(mode,), name="prefill-turn", daemon=True)
+            locker.start()
         if not wait.had(self.wait_s):
+            self.waiting = locker
             self._skip_until = self.clock() + self.skip_s
             logger.warning(
                 "no prefill turn on %s within %.1f s (a peer holds it); prefilling without turns for %.0f s",
@@ -89,9 +105,6 @@ class DeviceTurns:
             yield True
         finally:
             wait.unlock()
-
-    def close(self) -> None:
-        self._locker.shutdown(wait=False, cancel_futures=True)
 
 
 class _Wait:
@@ -109,11 +122,19 @@ class _Wait:
             fcntl.flock(self.file, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        except OSError:
+            self.file.close()
+            raise
         self._locked.set()
         return True
 
     def lock(self, mode: int) -> None:
-        fcntl.flock(self.file, mode)
+        try:
+            fcntl.flock(self.file, mode)
+        except OSError:
+            logger.warning("waiting for a prefill turn failed", exc_info=True)
+            self.file.close()
+            return  # the prefill thread's wait times out
         with self._state:
             if not self._given_up:
                 self._locked.set()

@@ -675,7 +675,7 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     turns = tmp_path / "turns.lock"
     config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0)
-    first, second = (Executor(config, turns=DeviceTurns(turns)) for _ in range(2))
+    first, second = (Executor(config, turns=DeviceTurns(turns, wait_s=60.0)) for _ in range(2))
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"a": release, "b": None})
     sessions = ((first, "a"), (second, "b"), (first, "da"), (second, "db"))

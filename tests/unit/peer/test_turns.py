@@ -35,7 +35,8 @@ def test_a_turn_held_by_a_hung_peer_is_gone_without_for_a_while_and_let_go_once_
         with turns.turn(alone=False) as had:
             assert not had
         fcntl.flock(hung, fcntl.LOCK_UN)
-    turns._locker.submit(lambda: None).result(timeout=30)  # the given-up wait has had the lock and let it go
+    assert turns.waiting is not None
+    turns.waiting.join(30)  # the given-up wait has had the lock and let it go
     with open(path, "a+b") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the lock was kept
         fcntl.flock(other, fcntl.LOCK_UN)
@@ -51,4 +52,3 @@ def test_a_turn_held_by_a_hung_peer_is_gone_without_for_a_while_and_let_go_once_
                 raise AssertionError("the turn is held alone: a shared lock must not be had beside it")
             except BlockingIOError:
                 pass
-    turns.close()
