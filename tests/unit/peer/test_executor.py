@@ -15,6 +15,7 @@ import torch
 from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
+from swarm.peer import turns as turns_module
 from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals, _Job, _onward_groups
 from swarm.peer.turns import DeviceTurns
 
@@ -676,8 +677,28 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     turns = tmp_path / "turns.lock"
     config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0)
     first, second = (Executor(config, turns=DeviceTurns(turns, wait_s=60.0)) for _ in range(2))
+    free_now: list[bool] = []  # what each try for a turn found, a's first
+    b_tried = threading.Event()
+    real_now = turns_module._Wait.now
+
+    def tried(wait: turns_module._Wait, mode: int) -> bool:
+        free_now.append(real_now(wait, mode))
+        if len(free_now) == 2:
+            b_tried.set()
+        return free_now[-1]
+
+    monkeypatch.setattr(turns_module._Wait, "now", tried)
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"a": release, "b": None})
+    a_held_when_b_began: list[bool] = []
+    real_gated = blocks.forward
+
+    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        if steps[0].session_id == "b" and not a_held_when_b_began:
+            a_held_when_b_began.append(not release.is_set())
+        return real_gated(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", noted)
     sessions = ((first, "a"), (second, "b"), (first, "da"), (second, "db"))
 
     async def body() -> None:
@@ -693,12 +714,13 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
         chunk_b = asyncio.ensure_future(
             second.forward(blocks, Step("b", _hidden(blocks, tokens[1], 4), 0, 2, 0))
         )
-        # while a's chunk holds the turn, b's begins only if it takes no turn (given ample time to)
-        beside = await asyncio.to_thread(began["b"].wait, 2.0 if waits else 30)
+        # b asks for its turn while a's chunk holds one (or begins at once, taking none), and a is let go then
+        assert await asyncio.to_thread(b_tried.wait if waits else began["b"].wait, 30)
         release.set()
         await asyncio.gather(chunk_a, chunk_b)
-        assert beside is not waits
-        assert began["b"].is_set()
+        assert a_held_when_b_began == [not waits], "b's chunk began beside a's only where it takes no turn"
+        if waits:
+            assert free_now[:2] == [True, False], "a's turn kept b's from it"
         for executor, sid in sessions:
             await executor.call(lambda s=sid: blocks.close_session(s))
 
@@ -716,14 +738,15 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"yield-d": release})
     real_forward = blocks.forward
-    reached, passed = threading.Event(), threading.Event()
+    reached = threading.Event()
+    decode_held_when_passed: list[bool] = []
 
     def watched(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         def hook() -> None:
             reached.set()
             assert between_layers is not None
             between_layers()
-            passed.set()
+            decode_held_when_passed.append(not release.is_set())
 
         return real_forward(steps, hook if steps[0].hidden.shape[0] > 1 else None)
 
@@ -743,10 +766,9 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
         assert await asyncio.to_thread(reached.wait, 30), (
             "the chunk's first layer runs beside the decode call"
         )
-        assert not await asyncio.to_thread(passed.wait, 1.0), "its second waits for the decode call"
         release.set()
         await asyncio.gather(decode, chunk)
-        assert passed.is_set()
+        assert decode_held_when_passed == [False], "its second layer waits for the decode call"
         for sid in ("yield-d", "yield-p"):
             await executor.call(lambda s=sid: blocks.close_session(s))
 
