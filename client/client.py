@@ -33,6 +33,7 @@ from client.spot import DirectoryReports, ReportSink, SpotChecker
 from swarm.dht import DHTConfig, Directory, ModelShape, SwarmDHT
 from swarm.errors import ModelMismatch, SwarmError
 from swarm.models.head import Sampler, SamplingParams
+from swarm.models.heap import freeze_loaded
 from swarm.models.loading import resolve_model
 from swarm.models.spec import torch_dtype
 from swarm.routing import BanConfig
@@ -139,6 +140,8 @@ class AsyncSwarmClient:
             await dht.aclose()
             raise
         logger.info("connected to the swarm serving %s (%d layers)", spec.name, spec.num_layers)
+        if config.freeze_heap:
+            freeze_loaded()
         if reports is None:  # what our spot-checks catch, the planner and other clients learn through the DHT
             reports = DirectoryReports(directory)
         return cls(

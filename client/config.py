@@ -107,6 +107,12 @@ class ClientConfig:
     decide whether they go on (client.batching.Round), so the group the peers wait for holds only steps that
     come. Sessions normally decide at once; one held up longer sends its step alone."""
 
+    freeze_heap: bool = True
+    """Whether connecting freezes the objects loading made (torch, transformers, the head) out of full garbage
+    collections, process-wide (swarm.models.heap): a full collection over them holds every token of the process
+    for 0.3-1 s. Turn it off in a process that makes and drops many clients: frozen objects that later end up in
+    reference cycles are never collected."""
+
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers must be a list of multiaddrs, not one string")

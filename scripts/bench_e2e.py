@@ -228,6 +228,12 @@ def aggregate_tok_s(timelines: Sequence[Sequence[float]]) -> float:
     return steps / (end - start)
 
 
+def longest_gap_ms(timelines: Sequence[Sequence[float]]) -> float:
+    """The longest wait between two decode tokens of any session: a stall of the whole swarm (a full garbage
+    collection in a peer, a hung hop) shows here, where the aggregate hides it among the good rounds."""
+    return round(1000 * max(b - a for t in timelines for a, b in zip(t[1:], t[2:], strict=False)), 1)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -407,7 +413,11 @@ def measure_single(
 
 
 def measure_one_client(
-    client: SwarmClient, ids: list[int], args: argparse.Namespace, windows: dict[str, tuple[float, float]]
+    client: SwarmClient,
+    ids: list[int],
+    args: argparse.Namespace,
+    windows: dict[str, tuple[float, float]],
+    stalls: dict[str, float],
 ) -> dict[str, float]:
     """Aggregate tokens/s of N generations at once in one AsyncSwarmClient."""
     rates = {}
@@ -419,6 +429,7 @@ def measure_one_client(
         calls, rows = head.calls - calls, head.rows - rows
         windows[f"one_client/{n}"] = (began, clock())
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
+        stalls[f"one_client/{n}"] = longest_gap_ms(timelines)
         log(
             f"one client, {n} sessions: {rates[str(n)]} tok/s (client head: {rows / max(1, calls):.1f} rows/call)"
         )
@@ -426,7 +437,11 @@ def measure_one_client(
 
 
 def measure_processes(
-    workers: Workers, ids: list[int], args: argparse.Namespace, windows: dict[str, tuple[float, float]]
+    workers: Workers,
+    ids: list[int],
+    args: argparse.Namespace,
+    windows: dict[str, tuple[float, float]],
+    stalls: dict[str, float],
 ) -> dict[str, float]:
     """Aggregate tokens/s of N client processes generating at once."""
     rates = {}
@@ -435,6 +450,7 @@ def measure_processes(
         timelines = workers.run_together(n, ids, args.aggregate_tokens)
         windows[f"processes/{n}"] = (began, clock())
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
+        stalls[f"processes/{n}"] = longest_gap_ms(timelines)
         log(f"{n} client processes: {rates[str(n)]} tok/s")
     return rates
 
@@ -467,12 +483,15 @@ def measure_in_client(
     args: argparse.Namespace,
     windows: dict[str, tuple[float, float]],
     phases: dict[str, float],
+    stalls: dict[str, float],
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, float], dict[str, float]]:
     """The phases run from this process's client: single session, one client's N sessions, prefill."""
     mark = time.perf_counter()
     single = measure_single(client, reference, ids, args)
     phases["single"], mark = time.perf_counter() - mark, time.perf_counter()
-    one_client = measure_one_client(client, ids, args, windows) if "one_client" not in args.skip else {}
+    one_client = (
+        measure_one_client(client, ids, args, windows, stalls) if "one_client" not in args.skip else {}
+    )
     phases["one_client"], mark = time.perf_counter() - mark, time.perf_counter()
     during: dict[str, float] = {}
     if "prefill" not in args.skip:
@@ -495,6 +514,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     phases: dict[str, float] = {}
     windows: dict[str, tuple[float, float]] = {}  # phase -> (start, end), seconds of the day like peer logs
+    stalls: dict[str, float] = {}  # phase -> its longest decode gap, ms (longest_gap_ms)
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
     reference = source.load_reference_model()
@@ -514,7 +534,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases["settle"] = wait_quiet()
         with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
             single, one_client, during, head_stats = measure_in_client(
-                client, reference, source, ids, args, windows, phases
+                client, reference, source, ids, args, windows, phases, stalls
             )
         processes: dict[str, float] = {}
         if "processes" not in args.skip:
@@ -527,7 +547,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phases["start_clients"] = time.perf_counter() - mark
             log(f"{count} client processes ready after {phases['start_clients']:.0f} s")
             mark = time.perf_counter()
-            processes = measure_processes(workers, ids, args, windows)
+            processes = measure_processes(workers, ids, args, windows, stalls)
             phases["processes"] = time.perf_counter() - mark
         peer_batches, peer_computing = peer_batch_sizes(swarm, windows)
     return {
@@ -537,6 +557,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blocks_decode_tok_s": round(single["blocks"], 2),
         "ttft_s": single["ttft"],
         "aggregate_tok_s": {"processes": processes, "one_client": one_client},
+        "longest_decode_gap_ms": {
+            mode: {phase.split("/")[1]: gap for phase, gap in stalls.items() if phase.startswith(f"{mode}/")}
+            for mode in ("processes", "one_client")
+        },
         "decode_during_long_prefill_ms": during,
         "targets": _targets(single, processes, one_client, during),
         "tokens_match": single["tokens_match"],

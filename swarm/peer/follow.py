@@ -48,6 +48,7 @@ from torch import nn
 
 from swarm.dht import Directory, SwarmSnapshot
 from swarm.models.blocks import BlockRange
+from swarm.models.heap import freeze_loaded
 from swarm.models.loading import ModelSource
 from swarm.peer.config import FollowConfig
 from swarm.peer.measure import packing_bytes
@@ -325,6 +326,7 @@ class PlanFollower:
             )
             self.peer.serve(fresh)
         await self._announce(target)
+        freeze_loaded()  # the new layers' objects, as at start (swarm.models.heap)
         self.moves += 1
         return True
 

@@ -33,6 +33,7 @@ from swarm.dht import (
     coverage,
 )
 from swarm.models.faults import OutputFaults, seed_of
+from swarm.models.heap import freeze_loaded
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import PeerConfig
@@ -245,6 +246,7 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         peer.compute.prefill_layer_tokens_s,
     )
     peer.serve(blocks)
+    freeze_loaded()  # a full collection over the loaded heap would stop every session here for ~0.5 s
 
 
 def _report_serving(config: PeerConfig, peer: Peer, began: float) -> None:

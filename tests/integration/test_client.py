@@ -8,6 +8,7 @@ other weights is refused with ModelMismatch.
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
@@ -148,6 +149,17 @@ with SwarmClient(initial_peers=["/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID"]) as swarm
     for piece in swarm.stream(messages=[{"role": "user", "content": "What is the capital of France?"}]):
         print(piece, end="", flush=True)
 """
+
+
+def test_connecting_freezes_the_loaded_heap_out_of_full_collections_unless_told_not_to(
+    default_swarm: LocalSwarm,
+) -> None:
+    gc.unfreeze()  # whatever earlier clients of this process froze
+    with SwarmClient(default_swarm.initial_peers, model="default", freeze_heap=False):
+        assert gc.get_freeze_count() == 0
+    with SwarmClient(default_swarm.initial_peers, model="default"):
+        # torch, transformers, hivemind and the head: ~400,000 objects (swarm.models.heap)
+        assert gc.get_freeze_count() > 100_000
 
 
 @pytest.mark.timeout(180)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -82,6 +83,14 @@ def test_peers_see_each_other_with_measured_speed_and_links(swarm: LocalSwarm, t
             assert 0 < link.rtt_s < 1.0 and link.bandwidth_bytes_s > 0
         assert [record.range_start, record.range_end] in ([0, 2], [2, 4], [4, 6])
         assert record.free_cache_tokens > 0 and record.max_layers >= 1
+
+
+def test_each_peer_freezes_what_it_loaded_out_of_full_garbage_collections(swarm: LocalSwarm) -> None:
+    # torch, transformers and hivemind alone make ~400,000 objects a full collection would walk (swarm.models.heap)
+    for peer in swarm.peers:
+        found = re.search(r"froze (\d+) loaded objects", peer.log_path.read_text())
+        assert found is not None, peer.log_tail()
+        assert int(found.group(1)) > 100_000, found.group(0)
 
 
 def test_three_hop_session_matches_local_model(swarm: LocalSwarm, tiny: ModelSource) -> None:
