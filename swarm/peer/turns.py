@@ -10,6 +10,12 @@ on an idle swarm keeps its pipeline's peers computing together. A chunk of a lon
 short prefills (a spot-check's window, a chat's next message: one call each) share theirs, so they wait for a
 long prompt's chunk but not for each other (see Executor._prefill_forward).
 
+Taking a turn alone has the priority: shared turns overlapping one another (spot-checks of many clients, the
+next messages of many chats) would otherwise keep a long prompt's chunk from its turn for good (a ``flock``
+waiting to be held alone does not hold up new shared holders). So a turn goes through a gate first, a second
+``flock`` taken alone by a turn that will be alone and shared by a shared one, and let go once the turn is had:
+a chunk waiting for its turn holds the gate, and shared turns asked for meanwhile wait behind it.
+
 A turn is a ``flock`` on a file per device in the cache directory: the kernel drops it with the process, so a
 peer that dies never holds it. A peer that hangs holding it (stopped, or its device stuck) would hold up every
 other peer's prefills: a turn not had within ``wait_s`` (a chunk takes well under a second) is gone without,
@@ -41,6 +47,10 @@ logger = logging.getLogger(__name__)
 TURNS_SUPPORTED = fcntl is not None
 
 
+def _gate_path(path: Path) -> Path:
+    return path.with_suffix(".gate")
+
+
 def turns_path(device: str, directory: Path | None = None) -> Path:
     """The lock file of ``device`` ("cpu", "cuda", "cuda:1", ...): "cuda" is GPU 0, as torch takes it."""
     parsed = torch.device(device)
@@ -53,7 +63,7 @@ class DeviceTurns:
 
     A lock not free at once is waited for on a daemon thread of its own, so that the wait can end: a wait given
     up on leaves that thread blocked until the lock comes, and it lets the lock go at once then. While such a
-    wait is still pending, no other is started (each holds a file open). A turn that fails for another reason
+    wait is still pending, no other is started (each holds its files open). A turn that fails for another reason
     (the cache directory unwritable, a file system without locks) is gone without, and so are all after it."""
 
     def __init__(
@@ -80,7 +90,8 @@ class DeviceTurns:
             return
         mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
         try:
-            wait = _Wait(open(self.path, "a+b"))  # closed by whoever lets the lock go
+            # closed by whoever lets the locks go
+            wait = _Wait(open(_gate_path(self.path), "a+b"), open(self.path, "a+b"))
             free = wait.now(mode)  # most turns are: no other thread then
         except OSError as e:
             self._broken = True
@@ -108,32 +119,42 @@ class DeviceTurns:
 
 
 class _Wait:
-    """One wait for the lock on the locker thread, which the prefill thread may give up on."""
+    """One wait for the lock (through the gate, see the module doc) on the locker thread, which the prefill
+    thread may give up on."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, gate: IO[bytes], file: IO[bytes]) -> None:
+        self.gate = gate
         self.file = file
         self._state = threading.Lock()
         self._locked = threading.Event()
         self._given_up = False
 
     def now(self, mode: int) -> bool:
-        """Take the lock if it is free now."""
+        """Take the lock if the gate and the lock are free now."""
         try:
-            fcntl.flock(self.file, mode | fcntl.LOCK_NB)
+            fcntl.flock(self.gate, mode | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(self.file, mode | fcntl.LOCK_NB)
+            finally:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
         except BlockingIOError:
             return False
         except OSError:
-            self.file.close()
+            self._close()
             raise
         self._locked.set()
         return True
 
     def lock(self, mode: int) -> None:
         try:
-            fcntl.flock(self.file, mode)
+            fcntl.flock(self.gate, mode)
+            try:
+                fcntl.flock(self.file, mode)
+            finally:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
         except OSError:
             logger.warning("waiting for a prefill turn failed", exc_info=True)
-            self.file.close()
+            self._close()
             return  # the prefill thread's wait times out
         with self._state:
             if not self._given_up:
@@ -153,4 +174,8 @@ class _Wait:
 
     def unlock(self) -> None:
         fcntl.flock(self.file, fcntl.LOCK_UN)
+        self._close()
+
+    def _close(self) -> None:
+        self.gate.close()
         self.file.close()

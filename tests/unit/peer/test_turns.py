@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import fcntl
+import threading
+import time
 from pathlib import Path
 
+import pytest
+
+from swarm.peer import turns as turns_module
 from swarm.peer.turns import DeviceTurns, turns_path
 
 
@@ -52,3 +57,58 @@ def test_a_turn_held_by_a_hung_peer_is_gone_without_for_a_while_and_let_go_once_
                 raise AssertionError("the turn is held alone: a shared lock must not be had beside it")
             except BlockingIOError:
                 pass
+
+
+def _gate_taken(path: Path) -> bool:
+    with open(path.with_suffix(".gate"), "a+b") as gate:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return False
+
+
+def test_a_turn_alone_waiting_goes_before_shared_turns_asked_for_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared turn is held; a turn alone waits for it; a shared turn asked for meanwhile is not free, and waits
+    behind the one alone instead of joining the held one (which would keep a long prompt's chunks from their turn
+    for good)."""
+    path = tmp_path / "turns.lock"
+    alone, shared = DeviceTurns(path, wait_s=60.0), DeviceTurns(path, wait_s=60.0)
+    entered: list[str] = []
+    shared_free_now: list[bool] = []
+    shared_tried = threading.Event()
+    real_now = turns_module._Wait.now
+
+    def tried(wait: turns_module._Wait, mode: int) -> bool:
+        free = real_now(wait, mode)
+        if mode == fcntl.LOCK_SH:
+            shared_free_now.append(free)
+            shared_tried.set()
+        return free
+
+    monkeypatch.setattr(turns_module._Wait, "now", tried)
+
+    def take(turns: DeviceTurns, name: str, alone_turn: bool) -> None:
+        with turns.turn(alone=alone_turn) as had:
+            assert had
+            entered.append(name)
+
+    with open(path, "a+b") as holder:
+        fcntl.flock(holder, fcntl.LOCK_SH)  # a shared turn, running
+        waiting_alone = threading.Thread(target=take, args=(alone, "alone", True))
+        waiting_alone.start()
+        deadline = time.monotonic() + 30
+        while not _gate_taken(path):  # the turn alone now waits at the lock, holding the gate
+            assert time.monotonic() < deadline, "the turn alone never reached the gate"
+            time.sleep(0.01)
+        later_shared = threading.Thread(target=take, args=(shared, "shared", False))
+        later_shared.start()
+        assert shared_tried.wait(30)
+        assert shared_free_now == [False], "a shared turn was let in beside the held one, past the one alone"
+        fcntl.flock(holder, fcntl.LOCK_UN)
+    waiting_alone.join(30)
+    later_shared.join(30)
+    assert entered == ["alone", "shared"]
