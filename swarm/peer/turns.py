@@ -51,11 +51,24 @@ def _gate_path(path: Path) -> Path:
     return path.with_suffix(".gate")
 
 
-def turns_path(device: str, directory: Path | None = None) -> Path:
-    """The lock file of ``device`` ("cpu", "cuda", "cuda:1", ...): "cuda" is GPU 0, as torch takes it."""
+def turns_path(
+    device: str, directory: Path | None = None, gpu_uuid: Callable[[int], str | None] | None = None
+) -> Path:
+    """The lock file of ``device`` ("cpu", "cuda", "cuda:1", ...). A GPU is named by its UUID where torch gives
+    one: "cuda:0" is whichever GPU a peer's CUDA_VISIBLE_DEVICES puts first, so two peers on different GPUs
+    would take turns for nothing. Otherwise by its index ("cuda" is GPU 0, as torch takes it)."""
     parsed = torch.device(device)
-    name = re.sub(r"[^a-z0-9]", "", f"{parsed.type}{parsed.index or 0}")
+    index = parsed.index or 0
+    uuid = (gpu_uuid or _gpu_uuid)(index) if parsed.type == "cuda" else None
+    name = re.sub(r"[^a-z0-9]", "", f"{parsed.type}{uuid.lower() if uuid else index}")
     return (directory or cache_dir()) / f"prefill-turns-{name}.lock"
+
+
+def _gpu_uuid(index: int) -> str | None:
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except (AssertionError, RuntimeError, AttributeError):  # no CUDA here, or a torch without uuid
+        return None
 
 
 class DeviceTurns:

@@ -14,10 +14,26 @@ from swarm.peer.turns import DeviceTurns, turns_path
 
 
 def test_each_device_has_its_own_turns_file_and_cuda_is_gpu_0(tmp_path: Path) -> None:
-    names = {device: turns_path(device, tmp_path).name for device in ("cpu", "cuda", "cuda:0", "cuda:1")}
+    def no_uuid(index: int) -> None:
+        return None
+
+    devices = ("cpu", "cuda", "cuda:0", "cuda:1")
+    names = {device: turns_path(device, tmp_path, no_uuid).name for device in devices}
     assert names["cuda"] == names["cuda:0"]
     assert len({names["cpu"], names["cuda:0"], names["cuda:1"]}) == 3
-    assert all(turns_path(device, tmp_path).parent == tmp_path for device in names)
+    assert all(turns_path(device, tmp_path, no_uuid).parent == tmp_path for device in names)
+
+
+def test_a_gpu_is_named_by_its_uuid_whatever_index_a_peer_sees_it_at(tmp_path: Path) -> None:
+    """Two peers with other CUDA_VISIBLE_DEVICES see different GPUs as cuda:0, and one GPU at other indices."""
+    first_peer = {
+        0: "GPU-1b2c3d4e-0000-1111-2222-333344445555",
+        1: "GPU-99990000-aaaa-bbbb-cccc-ddddeeeeffff",
+    }
+    second_peer = {0: first_peer[1], 1: first_peer[0]}  # CUDA_VISIBLE_DEVICES=1,0
+    assert turns_path("cuda:0", tmp_path, first_peer.get) != turns_path("cuda:0", tmp_path, second_peer.get)
+    assert turns_path("cuda:0", tmp_path, first_peer.get) == turns_path("cuda:1", tmp_path, second_peer.get)
+    assert turns_path("cuda:1", tmp_path, first_peer.get).name.startswith("prefill-turns-cudagpu99990000")
 
 
 class _Clock:
