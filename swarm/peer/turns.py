@@ -47,28 +47,24 @@ logger = logging.getLogger(__name__)
 TURNS_SUPPORTED = fcntl is not None
 
 
-def _gate_path(path: Path) -> Path:
-    return path.with_suffix(".gate")
+def _gpu_uuid(index: int) -> str | None:
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except (AssertionError, RuntimeError, AttributeError):  # no CUDA here, or a torch without uuid
+        return None
 
 
 def turns_path(
-    device: str, directory: Path | None = None, gpu_uuid: Callable[[int], str | None] | None = None
+    device: str, directory: Path | None = None, gpu_uuid: Callable[[int], str | None] = _gpu_uuid
 ) -> Path:
     """The lock file of ``device`` ("cpu", "cuda", "cuda:1", ...). A GPU is named by its UUID where torch gives
     one: "cuda:0" is whichever GPU a peer's CUDA_VISIBLE_DEVICES puts first, so two peers on different GPUs
     would take turns for nothing. Otherwise by its index ("cuda" is GPU 0, as torch takes it)."""
     parsed = torch.device(device)
     index = parsed.index or 0
-    uuid = (gpu_uuid or _gpu_uuid)(index) if parsed.type == "cuda" else None
+    uuid = gpu_uuid(index) if parsed.type == "cuda" else None
     name = re.sub(r"[^a-z0-9]", "", f"{parsed.type}{uuid.lower() if uuid else index}")
     return (directory or cache_dir()) / f"prefill-turns-{name}.lock"
-
-
-def _gpu_uuid(index: int) -> str | None:
-    try:
-        return str(torch.cuda.get_device_properties(index).uuid)
-    except (AssertionError, RuntimeError, AttributeError):  # no CUDA here, or a torch without uuid
-        return None
 
 
 class DeviceTurns:
@@ -104,13 +100,14 @@ class DeviceTurns:
         mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
         try:
             # closed by whoever lets the locks go
-            wait = _Wait(open(_gate_path(self.path), "a+b"), open(self.path, "a+b"))
+            wait = _Wait(open(self.path.with_suffix(".gate"), "a+b"), open(self.path, "a+b"))
             free = wait.now(mode)  # most turns are: no other thread then
         except OSError as e:
             self._broken = True
             logger.warning("prefill turns on %s failed (%s); this peer goes without them", self.path, e)
             yield False
             return
+        locker = None
         if not free:
             locker = threading.Thread(target=wait.lock, args=(mode,), name="prefill-turn", daemon=True)
             locker.start()
@@ -142,14 +139,17 @@ class _Wait:
         self._locked = threading.Event()
         self._given_up = False
 
+    def _through_gate(self, flags: int) -> None:
+        fcntl.flock(self.gate, flags)
+        try:
+            fcntl.flock(self.file, flags)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+
     def now(self, mode: int) -> bool:
         """Take the lock if the gate and the lock are free now."""
         try:
-            fcntl.flock(self.gate, mode | fcntl.LOCK_NB)
-            try:
-                fcntl.flock(self.file, mode | fcntl.LOCK_NB)
-            finally:
-                fcntl.flock(self.gate, fcntl.LOCK_UN)
+            self._through_gate(mode | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
         except OSError:
@@ -160,11 +160,7 @@ class _Wait:
 
     def lock(self, mode: int) -> None:
         try:
-            fcntl.flock(self.gate, mode)
-            try:
-                fcntl.flock(self.file, mode)
-            finally:
-                fcntl.flock(self.gate, fcntl.LOCK_UN)
+            self._through_gate(mode)
         except OSError:
             logger.warning("waiting for a prefill turn failed", exc_info=True)
             self._close()
