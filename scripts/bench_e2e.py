@@ -39,8 +39,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,6 +61,7 @@ from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 
 STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
+_V = TypeVar("_V")
 
 
 def log(message: str) -> None:
@@ -412,24 +414,41 @@ def measure_single(
     return {**best, "ttft": ttft, "tokens_match": match}
 
 
+@dataclass
+class Seen:
+    """What the phases showed, by phase ("processes/8", "one_client/4", "prefill")."""
+
+    windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # (start, end): seconds of the day
+    gaps_ms: dict[str, float] = field(default_factory=dict)  # its longest decode gap (longest_gap_ms)
+    busy_cores: dict[str, float | None] = field(default_factory=dict)  # cores_busy_since its start
+
+
+def by_mode(per_phase: dict[str, _V]) -> dict[str, dict[str, _V]]:
+    """{"processes/8": x} -> {"processes": {"8": x}, "one_client": {}}."""
+    return {
+        mode: {phase.split("/")[1]: v for phase, v in per_phase.items() if phase.startswith(f"{mode}/")}
+        for mode in ("processes", "one_client")
+    }
+
+
 def measure_one_client(
     client: SwarmClient,
     ids: list[int],
     args: argparse.Namespace,
-    windows: dict[str, tuple[float, float]],
-    stalls: dict[str, float],
+    seen: Seen,
 ) -> dict[str, float]:
     """Aggregate tokens/s of N generations at once in one AsyncSwarmClient."""
     rates = {}
     for n in args.sessions:
-        began = clock()
+        began, jiffies = clock(), cpu_jiffies()
         head = client.aclient.batcher
         calls, rows = head.calls, head.rows
         timelines = client.run(timelines_together(client.aclient, n, ids, args.aggregate_tokens))
         calls, rows = head.calls - calls, head.rows - rows
-        windows[f"one_client/{n}"] = (began, clock())
+        seen.windows[f"one_client/{n}"] = (began, clock())
+        seen.busy_cores[f"one_client/{n}"] = cores_busy_since(jiffies)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
-        stalls[f"one_client/{n}"] = longest_gap_ms(timelines)
+        seen.gaps_ms[f"one_client/{n}"] = longest_gap_ms(timelines)
         log(
             f"one client, {n} sessions: {rates[str(n)]} tok/s (client head: {rows / max(1, calls):.1f} rows/call)"
         )
@@ -440,17 +459,17 @@ def measure_processes(
     workers: Workers,
     ids: list[int],
     args: argparse.Namespace,
-    windows: dict[str, tuple[float, float]],
-    stalls: dict[str, float],
+    seen: Seen,
 ) -> dict[str, float]:
     """Aggregate tokens/s of N client processes generating at once."""
     rates = {}
     for n in args.sessions:
-        began = clock()
+        began, jiffies = clock(), cpu_jiffies()
         timelines = workers.run_together(n, ids, args.aggregate_tokens)
-        windows[f"processes/{n}"] = (began, clock())
+        seen.windows[f"processes/{n}"] = (began, clock())
+        seen.busy_cores[f"processes/{n}"] = cores_busy_since(jiffies)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
-        stalls[f"processes/{n}"] = longest_gap_ms(timelines)
+        seen.gaps_ms[f"processes/{n}"] = longest_gap_ms(timelines)
         log(f"{n} client processes: {rates[str(n)]} tok/s")
     return rates
 
@@ -481,24 +500,21 @@ def measure_in_client(
     source: ModelSource,
     ids: list[int],
     args: argparse.Namespace,
-    windows: dict[str, tuple[float, float]],
+    seen: Seen,
     phases: dict[str, float],
-    stalls: dict[str, float],
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, float], dict[str, float]]:
     """The phases run from this process's client: single session, one client's N sessions, prefill."""
     mark = time.perf_counter()
     single = measure_single(client, reference, ids, args)
     phases["single"], mark = time.perf_counter() - mark, time.perf_counter()
-    one_client = (
-        measure_one_client(client, ids, args, windows, stalls) if "one_client" not in args.skip else {}
-    )
+    one_client = measure_one_client(client, ids, args, seen) if "one_client" not in args.skip else {}
     phases["one_client"], mark = time.perf_counter() - mark, time.perf_counter()
     during: dict[str, float] = {}
     if "prefill" not in args.skip:
         start = clock()
         long_prompt = prompt_of(source, args.long_prompt)
         during = client.run(decode_during_prefill(client.aclient, ids, long_prompt, args.decoders))
-        windows["prefill"] = (start, clock())
+        seen.windows["prefill"] = (start, clock())
         log(f"decode during a {args.long_prompt}-token prefill: {during}")
     phases["prefill_under_decode"] = time.perf_counter() - mark
     head = client.aclient.batcher
@@ -513,8 +529,7 @@ def measure_in_client(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     phases: dict[str, float] = {}
-    windows: dict[str, tuple[float, float]] = {}  # phase -> (start, end), seconds of the day like peer logs
-    stalls: dict[str, float] = {}  # phase -> its longest decode gap, ms (longest_gap_ms)
+    seen = Seen()
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
     reference = source.load_reference_model()
@@ -534,7 +549,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases["settle"] = wait_quiet()
         with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
             single, one_client, during, head_stats = measure_in_client(
-                client, reference, source, ids, args, windows, phases, stalls
+                client, reference, source, ids, args, seen, phases
             )
         processes: dict[str, float] = {}
         if "processes" not in args.skip:
@@ -547,9 +562,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phases["start_clients"] = time.perf_counter() - mark
             log(f"{count} client processes ready after {phases['start_clients']:.0f} s")
             mark = time.perf_counter()
-            processes = measure_processes(workers, ids, args, windows, stalls)
+            processes = measure_processes(workers, ids, args, seen)
             phases["processes"] = time.perf_counter() - mark
-        peer_batches, peer_computing = peer_batch_sizes(swarm, windows)
+        peer_batches, peer_computing = peer_batch_sizes(swarm, seen.windows)
     return {
         "local_decode_tok_s": round(single["local"], 2),
         "swarm_decode_tok_s": round(single["swarm"], 2),
@@ -557,10 +572,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blocks_decode_tok_s": round(single["blocks"], 2),
         "ttft_s": single["ttft"],
         "aggregate_tok_s": {"processes": processes, "one_client": one_client},
-        "longest_decode_gap_ms": {
-            mode: {phase.split("/")[1]: gap for phase, gap in stalls.items() if phase.startswith(f"{mode}/")}
-            for mode in ("processes", "one_client")
-        },
+        "longest_decode_gap_ms": by_mode(seen.gaps_ms),
+        # the whole machine's busy cores (of "machine"'s cpus) during each aggregate phase, averaged over it
+        "busy_cores": by_mode(seen.busy_cores),
         "decode_during_long_prefill_ms": during,
         "targets": _targets(single, processes, one_client, during),
         "tokens_match": single["tokens_match"],
@@ -584,21 +598,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def busy_cores(interval_s: float = 2.0) -> float | None:
-    """How many cores the whole machine kept busy over ``interval_s`` (/proc/stat; None where there is none)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait (jiffies of all cores)
-
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(total, idle + iowait) jiffies of all cores so far (/proc/stat; None where there is none)."""
     try:
-        total0, idle0 = sample()
-        time.sleep(interval_s)
-        total1, idle1 = sample()
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except OSError:
         return None
-    cores = os.cpu_count() or 1
-    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+    return sum(fields), fields[3] + fields[4]
+
+
+def cores_busy_since(before: tuple[int, int] | None) -> float | None:
+    """How many cores the whole machine kept busy on average since ``before`` (cpu_jiffies)."""
+    after = cpu_jiffies()
+    if before is None or after is None:
+        return None
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return round((os.cpu_count() or 1) * (1 - idle / max(1, total)), 2)
+
+
+def busy_cores(interval_s: float = 2.0) -> float | None:
+    """How many cores the whole machine kept busy over ``interval_s``."""
+    before = cpu_jiffies()
+    time.sleep(interval_s)
+    return cores_busy_since(before)
 
 
 def wait_quiet(max_s: float = 90.0, busy: float = 0.3) -> float:

@@ -288,9 +288,13 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     assert _sizes(out["ttft_s"], {"37", "512"}, _local_and_swarm)
     aggregate = out["aggregate_tok_s"]
     assert isinstance(aggregate, dict) and set(aggregate) == {"processes", "one_client"}
+    cpus = out["machine"]["cpus"]
     for mode in ("processes", "one_client"):
         assert _sizes(aggregate[mode], {"1", "2"}, _positive), aggregate
         assert _sizes(out["longest_decode_gap_ms"][mode], {"1", "2"}, _positive), out["longest_decode_gap_ms"]
+        assert _sizes(out["busy_cores"][mode], {"1", "2"}, lambda c: _positive(c) and c <= cpus), out[
+            "busy_cores"
+        ]
     during = out["decode_during_long_prefill_ms"]
     assert isinstance(during, dict) and {"p50", "p99", "p50_alone"} <= set(during)
     assert all(_positive(during[k]) for k in ("p50", "p99", "p50_alone"))
