@@ -92,7 +92,9 @@ class RemoteChain:
 
     async def _step_and_wait(self, request: StepRequest, first: Hop, last: Hop) -> StepReply:
         """Send ``request`` down the route and wait for its output at ``last``; a failure of either raises,
-        naming the failed hop, and cancels the other."""
+        naming the failed hop, and cancels the other. The output, once here, is the answer even if the step's
+        acknowledgement has not come yet: every hop has taken the step, and a first hop may hold the
+        acknowledgement back with those of other sessions sent on with it (swarm.peer.forwarding)."""
         wait = StepWait(request.session_id, request.position, self.step_timeout_s)
         waiter = asyncio.ensure_future(
             call_wait(
@@ -104,17 +106,25 @@ class RemoteChain:
                 reply_bytes_hint=request.hidden.numel() * request.hidden.element_size(),
             )
         )
-        try:
-            await call_step_acked(
+        stepping = asyncio.ensure_future(
+            call_step_acked(
                 self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
             )
+        )
+        try:
+            await asyncio.wait([stepping, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                return waiter.result()
+            await stepping  # a failed step names the hop that failed: its error goes first
             return await waiter
         finally:
-            if not waiter.done():
-                waiter.cancel()
-                await asyncio.wait([waiter])  # the step failed first: its error is the one we raise
-            if not waiter.cancelled():
-                waiter.exception()  # retrieved, so asyncio does not log it as lost
+            for call in (stepping, waiter):
+                if not call.done():
+                    call.cancel()
+            await asyncio.wait([stepping, waiter])
+            for call in (stepping, waiter):
+                if not call.cancelled():
+                    call.exception()  # retrieved, so asyncio does not log it as lost
 
     async def resend(
         self,

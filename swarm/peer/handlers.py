@@ -116,7 +116,8 @@ class PeerHandlers:
     async def rpc_steps(self, request: StepBatch, remote_id: str) -> StepBatchReply:
         """Steps the hop before us forwarded together (swarm.peer.forwarding): each runs as its own rpc_step,
         and fails alone. The reply waits for the slowest; which steps share it is the sender's choice (ours
-        sends only steps answered at once), so a slow step delays only the steps its own sender put with it."""
+        sends together only decode steps on the same remaining route), so a slow step delays only the steps its
+        own sender put with it."""
 
         async def one(step: StepRequest) -> StepAck | StepReply | ErrorReply:
             try:

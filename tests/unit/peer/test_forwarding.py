@@ -1,5 +1,5 @@
-"""The Forwarder: one-token wait_result steps for the same last hop in one loop turn go as one message, each with
-its own outcome; steps the next hop does not answer at once go alone. The senders are recording fakes."""
+"""The Forwarder: one-token wait_result steps on the same remaining route in one loop turn go as one message, each
+with its own outcome; relayed steps and prefills go alone. The senders are recording fakes."""
 
 from __future__ import annotations
 
@@ -87,24 +87,48 @@ def test_steps_for_one_hop_in_one_turn_go_as_one_message_each_with_its_own_answe
     assert (forwarder.messages, forwarder.steps) == (2, 8)
 
 
-def test_steps_not_answered_at_once_and_a_lone_step_go_alone() -> None:
+def test_relayed_steps_prefills_and_a_lone_step_go_alone() -> None:
     senders = Senders()
     forwarder = Forwarder(senders.one, senders.many)
     items = [
         (NEXT, _step("prefill", tokens=5)),
         (NEXT, _step("relayed", wait_result=False)),  # answered once its route has computed it
-        (NEXT, _step("further", rest=(OTHER,))),  # acknowledged once the hop after the next one has it
-        (NEXT, _step("further2", rest=(OTHER,))),
+        (NEXT, _step("relayed2", wait_result=False)),
         (OTHER, _step("lone")),
     ]
+    random.Random(5).shuffle(items)
     results = _forward_all(forwarder, items)
-    assert [type(r) for r in results] == [StepAck, StepReply, StepAck, StepAck, StepAck]
+    assert [type(r) for r in results] == [
+        StepReply if "relayed" in r.session_id else StepAck for _, r in items
+    ]
     assert sorted(senders.sent) == [
-        ("one", "QmNext", ["further"]),
-        ("one", "QmNext", ["further2"]),
         ("one", "QmNext", ["prefill"]),
         ("one", "QmNext", ["relayed"]),
+        ("one", "QmNext", ["relayed2"]),
         ("one", "QmOther", ["lone"]),
+    ]
+
+
+def test_steps_with_hops_after_the_next_go_together_only_on_the_same_whole_route() -> None:
+    """A step is acknowledged once the hops after the next one have it: steps that share a message share every
+    hop that could hold its reply back, so only steps on the same remaining route go together."""
+    senders = Senders()
+    forwarder = Forwarder(senders.one, senders.many)
+    third = Hop("QmThird", (), 4, 6)
+    items = [
+        *((NEXT, _step(f"via{i}", rest=(OTHER,))) for i in range(3)),
+        *((NEXT, _step(f"long{i}", rest=(OTHER, third))) for i in range(2)),
+        (NEXT, _step("last")),  # the next hop is its last
+        (NEXT, _step("other", rest=(third,))),
+    ]
+    random.Random(7).shuffle(items)
+    results = _forward_all(forwarder, items)
+    assert all(isinstance(r, StepAck) for r in results)
+    assert sorted((kind, peer, sorted(ids)) for kind, peer, ids in senders.sent) == [
+        ("many", "QmNext", ["long0", "long1"]),
+        ("many", "QmNext", ["via0", "via1", "via2"]),
+        ("one", "QmNext", ["last"]),
+        ("one", "QmNext", ["other"]),
     ]
 
 

@@ -1,0 +1,131 @@
+"""RemoteChain's step with a wait at the last hop: the output is the answer once it is here, and a failure names
+the hop that failed. The two calls (the step to the first hop, the wait at the last) are scripted fakes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from client import chain as chain_module
+from client.chain import RemoteChain
+from swarm.errors import SwarmError, TransportError
+from swarm.routing.route import Stage
+from swarm.types import LayerRange, NodeID, SessionID
+from swarm.wire import StepAck, StepReply
+
+pytestmark = pytest.mark.timeout(30)
+
+STAGES = (Stage(NodeID("QmFirst"), LayerRange(0, 2)), Stage(NodeID("QmLast"), LayerRange(2, 4)))
+OUTPUT = torch.full((1, 8), 3.0)
+
+
+class Calls:
+    """The step's acknowledgement and the wait's output, each let out (or failed) when the test says."""
+
+    def __init__(self) -> None:
+        self.ack: asyncio.Future[StepAck] = asyncio.get_running_loop().create_future()
+        self.output: asyncio.Future[StepReply] = asyncio.get_running_loop().create_future()
+        self.step_cancelled = self.wait_cancelled = False
+
+    async def step(self, *_: Any, **__: Any) -> StepAck:
+        try:
+            return await self.ack
+        except asyncio.CancelledError:
+            self.step_cancelled = True
+            raise
+
+    async def wait(self, *_: Any, **__: Any) -> StepReply:
+        try:
+            return await self.output
+        except asyncio.CancelledError:
+            self.wait_cancelled = True
+            raise
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, script: Any) -> tuple[Calls, torch.Tensor | BaseException]:
+    async def main() -> tuple[Calls, torch.Tensor | BaseException]:
+        calls = Calls()
+        monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
+        monkeypatch.setattr(chain_module, "call_wait", calls.wait)
+        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
+        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64))
+        await script(calls)
+        try:
+            return calls, await stepping
+        except Exception as e:
+            return calls, e
+
+    return asyncio.run(main())
+
+
+def _failure(peer_id: str) -> SwarmError:
+    error = TransportError(f"peer {peer_id} is unreachable")
+    error.failed_peer_id = peer_id
+    return error
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_the_output_is_the_answer_without_waiting_for_the_acknowledgement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def script(calls: Calls) -> None:
+        await _settle()
+        calls.output.set_result(StepReply(OUTPUT))  # the first hop still holds the acknowledgement back
+
+    calls, result = _run(monkeypatch, script)
+    assert isinstance(result, torch.Tensor) and torch.equal(result, OUTPUT)
+    assert calls.step_cancelled
+
+
+def test_the_acknowledgement_first_then_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def script(calls: Calls) -> None:
+        await _settle()
+        calls.ack.set_result(StepAck())
+        await _settle()
+        calls.output.set_result(StepReply(OUTPUT))
+
+    calls, result = _run(monkeypatch, script)
+    assert isinstance(result, torch.Tensor) and torch.equal(result, OUTPUT)
+    assert not calls.step_cancelled and not calls.wait_cancelled
+
+
+def test_a_failed_step_names_its_hop_even_when_the_wait_failed_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait at the last hop may fail first (it is dropped there), while the step's own error names the
+    middle hop that really failed: that error is the one raised."""
+
+    async def script(calls: Calls) -> None:
+        await _settle()
+        calls.output.set_exception(_failure("QmLast"))
+        await _settle()
+        calls.ack.set_exception(_failure("QmMiddle"))
+
+    _, result = _run(monkeypatch, script)
+    assert isinstance(result, SwarmError) and result.failed_peer_id == "QmMiddle"
+
+
+def test_a_failed_step_cancels_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def script(calls: Calls) -> None:
+        await _settle()
+        calls.ack.set_exception(_failure("QmFirst"))
+
+    calls, result = _run(monkeypatch, script)
+    assert isinstance(result, SwarmError) and result.failed_peer_id == "QmFirst"
+    assert calls.wait_cancelled
+
+
+def test_a_failed_wait_after_an_accepted_step_is_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def script(calls: Calls) -> None:
+        await _settle()
+        calls.ack.set_result(StepAck())
+        await _settle()
+        calls.output.set_exception(_failure("QmLast"))
+
+    _, result = _run(monkeypatch, script)
+    assert isinstance(result, SwarmError) and result.failed_peer_id == "QmLast"
