@@ -91,10 +91,12 @@ class RemoteChain:
         return reply.hidden.to(hidden.dtype)
 
     async def _step_and_wait(self, request: StepRequest, first: Hop, last: Hop) -> StepReply:
-        """Send ``request`` down the route and wait for its output at ``last``; a failure of either raises,
-        naming the failed hop, and cancels the other. The output, once here, is the answer even if the step's
-        acknowledgement has not come yet: every hop has taken the step, and a first hop may hold the
-        acknowledgement back with those of other sessions sent on with it (swarm.peer.forwarding)."""
+        """Send ``request`` down the route and wait for its output at ``last``. The output, once here, is the
+        answer even if the step's acknowledgement has not come yet: every hop has taken the step, and a hop may
+        hold the acknowledgement back with those of other sessions sent on with it (swarm.peer.forwarding). A
+        failed step raises its error, naming the failed hop, and cancels the wait; a failed wait raises once the
+        step's outcome is known, the step's error first (it names the hop that failed; its acknowledgement may
+        then come only when the slowest step sent on with it is taken, at worst at its deadline)."""
         wait = StepWait(request.session_id, request.position, self.step_timeout_s)
         waiter = asyncio.ensure_future(
             call_wait(

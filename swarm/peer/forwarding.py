@@ -50,7 +50,7 @@ class _Held:
 
 
 class Forwarder:
-    """Sends steps to their next hop, the one-token ones bound for the same peer in one message per loop turn."""
+    """Sends steps to their next hop, the one-token ones on the same remaining route in one message per loop turn."""
 
     def __init__(self, send_one: SendOne, send_many: SendMany) -> None:
         self._send_one = send_one
@@ -73,7 +73,9 @@ class Forwarder:
         key = (hop.peer_id, hop.maddrs, request.route_rest)
         queue = self._held.setdefault(key, [])
         queue.append(held)
-        if len(queue) == 1:  # the first for this hop this turn: the other handlers resumed with it add theirs
+        if (
+            len(queue) == 1
+        ):  # the first for this route this turn: the other handlers resumed with it add theirs
             loop.call_soon(self._flush, key)
         return await held.future
 

@@ -8,8 +8,8 @@ default for routes of two hops or more), the last hop acknowledges the step once
 to the client's StepWait (``rpc_wait``, see swarm.peer.handoff); each hop answers its caller with a StepAck as
 soon as the next hop has, so the acks travel back while the last hop computes and no relay is on the path of
 the output. A failure after the last hop accepted the step reaches the client through its wait. The decode
-steps of one executor batch bound for the same last hop leave as one message (``rpc_steps`` there, see
-swarm.peer.forwarding), each with its own outcome.
+steps of one executor batch bound for the same remaining route leave as one message (``rpc_steps`` at the next
+hop, see swarm.peer.forwarding), each with its own outcome.
 
 Sessions open implicitly on their first step and close on rpc_close, on idle timeout or past their lifetime
 (the reaper), or when the peer leaves (``Peer.drain``). A session is known by its id and its client (``origin``,

@@ -129,3 +129,20 @@ def test_a_failed_wait_after_an_accepted_step_is_the_error(monkeypatch: pytest.M
 
     _, result = _run(monkeypatch, script)
     assert isinstance(result, SwarmError) and result.failed_peer_id == "QmLast"
+
+
+def test_a_cancelled_step_cancels_both_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> Calls:
+        calls = Calls()
+        monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
+        monkeypatch.setattr(chain_module, "call_wait", calls.wait)
+        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
+        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64))
+        await _settle()
+        stepping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stepping
+        return calls
+
+    calls = asyncio.run(main())
+    assert calls.step_cancelled and calls.wait_cancelled

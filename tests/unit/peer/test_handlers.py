@@ -12,11 +12,22 @@ import torch
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.loading import resolve_model
+from swarm.peer import handlers as handlers_module
 from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.handlers import PeerHandlers
 from swarm.peer.state import Identity, Peer, Status
-from swarm.wire import CloseRequest, ErrorReply, InfoRequest, ProbeRequest, StepBatch, StepRequest, StepWait
+from swarm.wire import (
+    CloseRequest,
+    ErrorReply,
+    Hop,
+    InfoRequest,
+    ProbeRequest,
+    StepAck,
+    StepBatch,
+    StepRequest,
+    StepWait,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,6 +219,53 @@ def test_a_step_whose_deadline_passes_while_queued_is_dropped_with_a_capacity_er
         assert h.in_flight == {}
 
     asyncio.run(body())
+
+
+def test_a_middle_hop_sends_decode_steps_on_one_route_on_together_each_with_its_own_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps with a hop after the next one (this peer is a middle hop) that came in one message go on to the
+    next hop together, and a failure there fails only its own step, naming the hop that failed."""
+    h = _handlers(Clock())
+    hop = Hop("QmNext", ("/ip4/127.0.0.1/tcp/1/p2p/QmNext",), 2, 4)
+    after = Hop("QmAfter", ("/ip4/127.0.0.1/tcp/1/p2p/QmAfter",), 4, 6)
+    sent: list[list[str]] = []
+
+    async def next_hop(p2p: object, peer_id: str, requests: list[StepRequest], **_: object) -> list[object]:
+        assert peer_id == "QmNext" and all(r.route_rest == (after,) and r.start == 2 for r in requests)
+        sent.append([r.session_id for r in requests])
+        refused = CapacityError("no room for s1")
+        refused.failed_peer_id = "QmNext"
+        return [refused if (r.session_id, r.position) == ("s1", 1) else StepAck() for r in requests]
+
+    async def next_hop_one(p2p: object, peer_id: str, request: StepRequest, **_: object) -> object:
+        outcome = (await next_hop(p2p, peer_id, [request]))[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(handlers_module, "call_step_batch", next_hop)
+    monkeypatch.setattr(handlers_module, "call_step_acked", next_hop_one)
+
+    def onward(sid: str, position: int) -> StepRequest:
+        step = _step(h, sid, position, 1, max_length=8)
+        return replace(step, route_rest=(hop, after), wait_result=True, origin="QmClient")
+
+    async def body() -> None:
+        for i in range(
+            4
+        ):  # the sessions' first steps, one by one (opening a session takes its own turn here)
+            await h.rpc_step(onward(f"s{i}", 0), "QmPrevious")
+        sent.clear()
+        reply = await h.rpc_steps(StepBatch(tuple(onward(f"s{i}", 1) for i in range(4))), "QmPrevious")
+        kinds = [type(o).__name__ for o in reply.outcomes]
+        assert kinds == ["StepAck", "ErrorReply", "StepAck", "StepAck"]
+        refused = reply.outcomes[1]
+        assert isinstance(refused, ErrorReply) and refused.failed_peer_id == "QmNext"
+        assert sorted(sid for message in sent for sid in message) == ["s0", "s1", "s2", "s3"]
+        assert len(sent) < 4, "steps computed together here go on together"
+
+    run_peers([h.peer], body)
 
 
 def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
