@@ -28,7 +28,10 @@ def test_freeze_loaded_collects_garbage_first_then_keeps_the_living_out_of_later
     frozen = freeze_loaded()
 
     assert gone() is None  # loading's cyclic temporaries are not frozen for good
-    assert frozen == gc.get_freeze_count() >= before + len(living)
+    assert frozen >= before + len(living)
+    # what it returns is the count it made; since then frozen objects may only have been freed (refcounts,
+    # other threads of the test session), never more frozen
+    assert gc.get_freeze_count() <= frozen
 
 
 def test_objects_made_after_the_freeze_are_still_collected() -> None:
