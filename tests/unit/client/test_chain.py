@@ -29,6 +29,7 @@ class Calls:
         self.ack: asyncio.Future[StepAck] = asyncio.get_running_loop().create_future()
         self.output: asyncio.Future[StepReply] = asyncio.get_running_loop().create_future()
         self.step_cancelled = self.wait_cancelled = False
+        self.stepping: asyncio.Future[torch.Tensor] | None = None  # RemoteChain.step under test, once started
 
     async def step(self, *_: Any, **__: Any) -> StepAck:
         try:
@@ -51,11 +52,13 @@ def _run(monkeypatch: pytest.MonkeyPatch, script: Any) -> tuple[Calls, torch.Ten
         monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
         monkeypatch.setattr(chain_module, "call_wait", calls.wait)
         remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
-        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64))
+        stepping = calls.stepping = asyncio.ensure_future(
+            remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64)
+        )
         await script(calls)
         try:
             return calls, await stepping
-        except Exception as e:
+        except BaseException as e:  # a failure, or the CancelledError of a cancelled step
             return calls, e
 
     return asyncio.run(main())
@@ -132,17 +135,11 @@ def test_a_failed_wait_after_an_accepted_step_is_the_error(monkeypatch: pytest.M
 
 
 def test_a_cancelled_step_cancels_both_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def main() -> Calls:
-        calls = Calls()
-        monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
-        monkeypatch.setattr(chain_module, "call_wait", calls.wait)
-        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
-        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64))
+    async def script(calls: Calls) -> None:
         await _settle()
-        stepping.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await stepping
-        return calls
+        assert calls.stepping is not None
+        calls.stepping.cancel()
 
-    calls = asyncio.run(main())
+    calls, result = _run(monkeypatch, script)
+    assert isinstance(result, asyncio.CancelledError)
     assert calls.step_cancelled and calls.wait_cancelled
