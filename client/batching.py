@@ -35,8 +35,11 @@ from client.liveness import StepWatch
 from client.retry import RetryPolicy
 from client.session import NO_BATCH, Chain, Head, InferenceSession, RouteSource
 from client.spot import SpotChecker
+from swarm.models.threads import name_os_thread
 
 logger = logging.getLogger(__name__)
+
+HEAD_THREAD = "swarm-head"  # the head's thread as the OS names it (swarm.models.threads)
 
 
 class Round:
@@ -152,7 +155,12 @@ class HeadBatcher:
         self.waits_in_vain = 0  # rounds that waited round_wait_s and started without someone
         self._lanes = [_Lane() for _ in range(lanes)]
         self._dealt = 0  # lanes handed out so far
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-head")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="client-head",
+            initializer=name_os_thread,
+            initargs=(HEAD_THREAD,),
+        )
 
     def lane(self) -> int:
         """The lane of a new session (round-robin)."""

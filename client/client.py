@@ -36,10 +36,14 @@ from swarm.models.head import Sampler, SamplingParams
 from swarm.models.heap import freeze_loaded
 from swarm.models.loading import resolve_model
 from swarm.models.spec import torch_dtype
+from swarm.models.threads import name_os_thread
 from swarm.routing import BanConfig
 from swarm.transport import call_info
 
 logger = logging.getLogger(__name__)
+
+# the synchronous facade's event loop thread, in Python and in the OS (swarm.models.threads)
+LOOP_THREAD = "swarm-client"
 
 T = TypeVar("T")
 Message = dict[str, str]
@@ -289,7 +293,7 @@ class SwarmClient:
     ) -> None:
         config = replace(config or ClientConfig(), **config_fields)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-client", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=LOOP_THREAD, daemon=True)
         self._thread.start()
         try:
             self._client = self.run(AsyncSwarmClient.create(initial_peers, model, config, reports))
@@ -348,6 +352,10 @@ class SwarmClient:
             self.run(self._client.close())
         finally:
             self._stop_loop()
+
+    def _run_loop(self) -> None:
+        name_os_thread(LOOP_THREAD)
+        self._loop.run_forever()
 
     def _stop_loop(self) -> None:
         # hivemind leaves reader tasks on the loop; cancel and await them so none dies with the loop.

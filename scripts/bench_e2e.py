@@ -15,7 +15,10 @@ in this process as the reference. Phases, in order (progress goes to stderr):
   processes    N client processes (started once, then told to go together) generating at once.
 
 Aggregate tokens/s = decode steps of all sessions inside the common window (from the last session's first
-token to the first session's last token) / the window's length; sessions' prefills are outside it.
+token to the first session's last token) / the window's length; sessions' prefills are outside it. Each
+aggregate phase also gives the machine's busy cores and where they went: CPU ms per generated token by process
+role and thread (cpu_ms_per_token: peers' decode and prefill lanes and event loops, clients' heads and loops,
+p2pd, DHT children; see cpu_by_thread).
 
     .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
     .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -421,6 +425,27 @@ class Seen:
     windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # (start, end): seconds of the day
     gaps_ms: dict[str, float] = field(default_factory=dict)  # its longest decode gap (longest_gap_ms)
     busy_cores: dict[str, float | None] = field(default_factory=dict)  # cores_busy_since its start
+    # CPU ms per generated token by process role and thread (cpu_by_thread), summed over the phase
+    cpu_ms_per_token: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def phase(
+        self,
+        name: str,
+        began: float,
+        jiffies: tuple[int, int] | None,
+        cpu: dict[str, float] | None,
+        tokens: int,
+    ) -> None:
+        """Note what the machine did in phase ``name`` since ``began``, ``jiffies`` and ``cpu`` (its start)."""
+        self.windows[name] = (began, clock())
+        self.busy_cores[name] = cores_busy_since(jiffies)
+        after = cpu_by_thread()
+        if cpu is not None and after is not None:
+            self.cpu_ms_per_token[name] = {
+                k: round(1000 * (after[k] - cpu.get(k, 0.0)) / tokens, 2)
+                for k in sorted(after)
+                if after[k] > cpu.get(k, 0.0)
+            }
 
 
 def by_mode(per_phase: dict[str, _V]) -> dict[str, dict[str, _V]]:
@@ -440,13 +465,12 @@ def measure_one_client(
     """Aggregate tokens/s of N generations at once in one AsyncSwarmClient."""
     rates = {}
     for n in args.sessions:
-        began, jiffies = clock(), cpu_jiffies()
+        began, jiffies, cpu = clock(), cpu_jiffies(), cpu_by_thread()
         head = client.aclient.batcher
         calls, rows = head.calls, head.rows
         timelines = client.run(timelines_together(client.aclient, n, ids, args.aggregate_tokens))
         calls, rows = head.calls - calls, head.rows - rows
-        seen.windows[f"one_client/{n}"] = (began, clock())
-        seen.busy_cores[f"one_client/{n}"] = cores_busy_since(jiffies)
+        seen.phase(f"one_client/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"one_client/{n}"] = longest_gap_ms(timelines)
         log(
@@ -464,10 +488,9 @@ def measure_processes(
     """Aggregate tokens/s of N client processes generating at once."""
     rates = {}
     for n in args.sessions:
-        began, jiffies = clock(), cpu_jiffies()
+        began, jiffies, cpu = clock(), cpu_jiffies(), cpu_by_thread()
         timelines = workers.run_together(n, ids, args.aggregate_tokens)
-        seen.windows[f"processes/{n}"] = (began, clock())
-        seen.busy_cores[f"processes/{n}"] = cores_busy_since(jiffies)
+        seen.phase(f"processes/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"processes/{n}"] = longest_gap_ms(timelines)
         log(f"{n} client processes: {rates[str(n)]} tok/s")
@@ -575,6 +598,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "longest_decode_gap_ms": by_mode(seen.gaps_ms),
         # the whole machine's busy cores (of "machine"'s cpus) during each aggregate phase, averaged over it
         "busy_cores": by_mode(seen.busy_cores),
+        # where that CPU went: ms per generated token (prefill included) by process role and thread
+        "cpu_ms_per_token": by_mode(seen.cpu_ms_per_token),
         "decode_during_long_prefill_ms": during,
         "targets": _targets(single, processes, one_client, during),
         "tokens_match": single["tokens_match"],
@@ -614,6 +639,61 @@ def cores_busy_since(before: tuple[int, int] | None) -> float | None:
         return None
     total, idle = after[0] - before[0], after[1] - before[1]
     return round((os.cpu_count() or 1) * (1 - idle / max(1, total)), 2)
+
+
+def cpu_by_thread() -> dict[str, float] | None:
+    """CPU seconds so far of the swarm's processes on this machine, by role and thread (None without /proc).
+
+    Roles: "peer" (swarm-peer processes), "client" (this script and its client processes), "p2pd". A process
+    forked by one with its very command line is its DHT child ("peer dht"). Threads: the lanes and loops the project names
+    in the OS (swarm.models.threads: swarm-decode, swarm-prefill, swarm-head, swarm-client), "main", "other"."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    roles, commands, parents = {}, {}, {}
+    for pid in pids:
+        try:
+            commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        roles[pid] = _role(pid, commands[pid])
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = defaultdict(float)
+    for pid, role in roles.items():
+        if role is None:
+            continue
+        if role != "p2pd" and commands.get(parents[pid]) == commands[pid]:
+            role += " dht"  # forked by a process of the same command line: hivemind's DHT child
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if role == "p2pd" or role.endswith(" dht"):
+                key = role
+            else:
+                key = f"{role} " + (
+                    name if name.startswith("swarm-") else "main" if int(tid) == pid else "other"
+                )
+            totals[key] += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return totals
+
+
+def _role(pid: int, command: bytes) -> str | None:
+    if pid == os.getpid() or b"--worker" in command:
+        return "client"
+    if b"swarm.peer.cli" in command:
+        return "peer"
+    if command.split(b"\0", 1)[0].endswith(b"p2pd"):
+        return "p2pd"
+    return None
 
 
 def busy_cores(interval_s: float = 2.0) -> float | None:

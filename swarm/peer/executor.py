@@ -60,10 +60,15 @@ import torch
 
 from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
+from swarm.models.threads import name_os_thread
 from swarm.peer.config import ExecutorConfig
 from swarm.peer.turns import DeviceTurns
 
 logger = logging.getLogger(__name__)
+
+# the lanes' torch threads as the OS names them (swarm.models.threads: CPU per thread tells the lanes apart)
+DECODE_THREAD = "swarm-decode"
+PREFILL_THREAD = "swarm-prefill"
 _T = TypeVar("_T")
 _MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
 _ARRIVALS_HORIZON_S = 5.0  # a session whose decode steps stopped this long ago is forgotten (_Arrivals)
@@ -140,8 +145,10 @@ class _Arrivals:
         )
 
 
-def _lower_priority(nice: int) -> None:
-    """Run the calling thread ``nice`` steps nicer than it is (Linux sets niceness per thread)."""
+def _start_prefill_thread(nice: int) -> None:
+    """Name the calling (prefill) thread and run it ``nice`` steps nicer than it is (Linux sets niceness per
+    thread)."""
+    name_os_thread(PREFILL_THREAD)
     thread = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
@@ -167,12 +174,18 @@ class Executor:
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         self._decode = _Lane(
-            asyncio.Queue(self.config.queue_jobs), ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+            asyncio.Queue(self.config.queue_jobs),
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=name,
+                initializer=name_os_thread,
+                initargs=(DECODE_THREAD,),
+            ),
         )
         prefill_thread = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"{name}-prefill",
-            initializer=_lower_priority,
+            initializer=_start_prefill_thread,
             initargs=(self.config.prefill_nice,),
         )
         self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)

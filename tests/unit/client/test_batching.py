@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from client.batching import HeadBatcher, Round
+from client.batching import HEAD_THREAD, HeadBatcher, Round
 from client.session import NO_BATCH
 from swarm.models.argmax import ArgmaxScreen
 from swarm.models.head import ClientHead, SamplingParams
@@ -25,12 +27,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class CountingHead:
-    """The real ClientHead, counting its calls and the rows in each."""
+    """The real ClientHead, counting its calls and the rows in each (and the OS name of the thread of each)."""
 
     def __init__(self, head: ClientHead) -> None:
         self.head = head
         self.batch_rows: list[int] = []
         self.argmax_only: list[bool] = []
+        self.threads: list[str] = []
 
     @property
     def hidden_size(self) -> int:
@@ -42,6 +45,7 @@ class CountingHead:
     def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         self.batch_rows.append(hidden.shape[0])
         self.argmax_only.append(argmax_only)
+        self.threads.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
         return self.head.logits(hidden, argmax_only)
 
 
@@ -79,6 +83,7 @@ def test_requests_of_one_tick_run_as_one_head_call_with_the_same_rows(tiny_sourc
 
     rows = asyncio.run(ask_all())
     assert head.batch_rows == [5]
+    assert head.threads == [HEAD_THREAD]  # on the head's own thread, named so per-thread CPU shows it
     alone = head.head.logits(hiddens)
     for got, want in zip(rows, alone, strict=True):
         assert torch.allclose(got, want, atol=1e-5) and int(got.argmax()) == int(want.argmax())

@@ -16,7 +16,16 @@ from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
 from swarm.peer import turns as turns_module
-from swarm.peer.executor import _ARRIVALS_HORIZON_S, Executor, ExecutorConfig, _Arrivals, _Job, _onward_groups
+from swarm.peer.executor import (
+    _ARRIVALS_HORIZON_S,
+    DECODE_THREAD,
+    PREFILL_THREAD,
+    Executor,
+    ExecutorConfig,
+    _Arrivals,
+    _Job,
+    _onward_groups,
+)
 from swarm.peer.turns import DeviceTurns
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,15 +213,18 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
     blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The chunk's forward blocks until the decode step's result is back: with one torch thread this could
-    never finish. Each thread's niceness is read inside its forward: the chunk's is prefill_nice higher."""
+    never finish. Each thread's niceness and OS name are read inside its forward: the chunk's niceness is
+    prefill_nice higher, and each lane's thread carries its name (per-thread CPU tells the lanes apart)."""
     executor = Executor(ExecutorConfig(prefill_nice=5))
     decoded = threading.Event()
     nice: dict[int, int] = {}
+    names: dict[int, str] = {}
     real_forward = blocks.forward
 
     def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         tokens = steps[0].hidden.shape[0]
         nice[tokens] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        names[tokens] = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
         if tokens > 1:
             assert decoded.wait(30), "the decode step waited for the chunk"
         return real_forward(steps, between_layers)
@@ -231,6 +243,7 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
 
     asyncio.run(_with_executor(executor, body))
     assert nice[8] == min(19, nice[1] + 5)
+    assert names == {1: DECODE_THREAD, 8: PREFILL_THREAD}
 
 
 def test_a_call_waiting_for_a_running_chunk_does_not_hold_back_the_decode_steps_queued_after_it(
