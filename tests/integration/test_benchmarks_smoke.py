@@ -293,9 +293,8 @@ def _cpu_labels(per_thread: object) -> bool:
 # A thread of bench_e2e's own process (a client's, in its one_client phases) burns CPU under a project thread
 # name; cpu_by_thread, read before and while it waits, charges that CPU to it.
 _BURN = """
-import json, sys, threading, time
-sys.path.insert(0, "scripts")
-import bench_e2e
+import json, runpy, threading, time
+cpu_by_thread = runpy.run_path("scripts/bench_e2e.py", run_name="bench_e2e")["cpu_by_thread"]
 from swarm.models.threads import name_os_thread
 burnt, done = threading.Event(), threading.Event()
 def burn():
@@ -305,11 +304,11 @@ def burn():
         pass
     burnt.set()
     done.wait()
-before = bench_e2e.cpu_by_thread()
+before = cpu_by_thread()
 thread = threading.Thread(target=burn)
 thread.start()
 burnt.wait()
-after = bench_e2e.cpu_by_thread()
+after = cpu_by_thread()
 done.set()
 thread.join()
 print(json.dumps({"before": before, "after": after}))
