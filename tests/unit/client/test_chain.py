@@ -4,6 +4,7 @@ the hop that failed. The two calls (the step to the first hop, the wait at the l
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -46,7 +47,13 @@ class Calls:
             raise
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, script: Any) -> tuple[Calls, torch.Tensor | BaseException]:
+Move = Callable[[Calls], object]  # what the test lets happen next: a call answers, fails, or is cancelled
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, *moves: Move) -> tuple[Calls, torch.Tensor | BaseException]:
+    """RemoteChain.step against the fakes, with ``moves`` made one after another, each once the step has
+    settled after the one before."""
+
     async def main() -> tuple[Calls, torch.Tensor | BaseException]:
         calls = Calls()
         monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
@@ -55,7 +62,9 @@ def _run(monkeypatch: pytest.MonkeyPatch, script: Any) -> tuple[Calls, torch.Ten
         stepping = calls.stepping = asyncio.ensure_future(
             remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64)
         )
-        await script(calls)
+        for move in moves:
+            await _settle()
+            move(calls)
         try:
             return calls, await stepping
         except BaseException as e:  # a failure, or the CancelledError of a cancelled step
@@ -78,23 +87,16 @@ async def _settle() -> None:
 def test_the_output_is_the_answer_without_waiting_for_the_acknowledgement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def script(calls: Calls) -> None:
-        await _settle()
-        calls.output.set_result(StepReply(OUTPUT))  # the first hop still holds the acknowledgement back
-
-    calls, result = _run(monkeypatch, script)
+    # the first hop still holds the acknowledgement back
+    calls, result = _run(monkeypatch, lambda c: c.output.set_result(StepReply(OUTPUT)))
     assert isinstance(result, torch.Tensor) and torch.equal(result, OUTPUT)
     assert calls.step_cancelled
 
 
 def test_the_acknowledgement_first_then_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def script(calls: Calls) -> None:
-        await _settle()
-        calls.ack.set_result(StepAck())
-        await _settle()
-        calls.output.set_result(StepReply(OUTPUT))
-
-    calls, result = _run(monkeypatch, script)
+    calls, result = _run(
+        monkeypatch, lambda c: c.ack.set_result(StepAck()), lambda c: c.output.set_result(StepReply(OUTPUT))
+    )
     assert isinstance(result, torch.Tensor) and torch.equal(result, OUTPUT)
     assert not calls.step_cancelled and not calls.wait_cancelled
 
@@ -102,44 +104,34 @@ def test_the_acknowledgement_first_then_the_output(monkeypatch: pytest.MonkeyPat
 def test_a_failed_step_names_its_hop_even_when_the_wait_failed_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wait at the last hop may fail first (it is dropped there), while the step's own error names the
     middle hop that really failed: that error is the one raised."""
-
-    async def script(calls: Calls) -> None:
-        await _settle()
-        calls.output.set_exception(_failure("QmLast"))
-        await _settle()
-        calls.ack.set_exception(_failure("QmMiddle"))
-
-    _, result = _run(monkeypatch, script)
+    _, result = _run(
+        monkeypatch,
+        lambda c: c.output.set_exception(_failure("QmLast")),
+        lambda c: c.ack.set_exception(_failure("QmMiddle")),
+    )
     assert isinstance(result, SwarmError) and result.failed_peer_id == "QmMiddle"
 
 
 def test_a_failed_step_cancels_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def script(calls: Calls) -> None:
-        await _settle()
-        calls.ack.set_exception(_failure("QmFirst"))
-
-    calls, result = _run(monkeypatch, script)
+    calls, result = _run(monkeypatch, lambda c: c.ack.set_exception(_failure("QmFirst")))
     assert isinstance(result, SwarmError) and result.failed_peer_id == "QmFirst"
     assert calls.wait_cancelled
 
 
 def test_a_failed_wait_after_an_accepted_step_is_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def script(calls: Calls) -> None:
-        await _settle()
-        calls.ack.set_result(StepAck())
-        await _settle()
-        calls.output.set_exception(_failure("QmLast"))
-
-    _, result = _run(monkeypatch, script)
+    _, result = _run(
+        monkeypatch,
+        lambda c: c.ack.set_result(StepAck()),
+        lambda c: c.output.set_exception(_failure("QmLast")),
+    )
     assert isinstance(result, SwarmError) and result.failed_peer_id == "QmLast"
 
 
 def test_a_cancelled_step_cancels_both_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def script(calls: Calls) -> None:
-        await _settle()
+    def cancel(calls: Calls) -> None:
         assert calls.stepping is not None
         calls.stepping.cancel()
 
-    calls, result = _run(monkeypatch, script)
+    calls, result = _run(monkeypatch, cancel)
     assert isinstance(result, asyncio.CancelledError)
     assert calls.step_cancelled and calls.wait_cancelled
