@@ -645,8 +645,9 @@ def cpu_by_thread() -> dict[str, float] | None:
     """CPU seconds so far of the swarm's processes on this machine, by role and thread (None without /proc).
 
     Roles: "peer" (swarm-peer processes), "client" (this script and its client processes), "p2pd". A process
-    forked by one with its very command line is its DHT child ("peer dht"). Threads: the lanes and loops the project names
-    in the OS (swarm.models.threads: swarm-decode, swarm-prefill, swarm-head, swarm-client), "main", "other"."""
+    forked by one with its very command line is its DHT child ("peer dht"). Threads: the lanes and loops the
+    project names in the OS (swarm.models.threads: swarm-decode, swarm-prefill, swarm-head, swarm-client),
+    "main", "other"."""
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -676,14 +677,18 @@ def cpu_by_thread() -> dict[str, float] | None:
                 fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if role == "p2pd" or role.endswith(" dht"):
-                key = role
-            else:
-                key = f"{role} " + (
-                    name if name.startswith("swarm-") else "main" if int(tid) == pid else "other"
-                )
+            key = (
+                role if role == "p2pd" or role.endswith(" dht") else f"{role} {_thread(name, int(tid), pid)}"
+            )
             totals[key] += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
     return totals
+
+
+def _thread(name: str, tid: int, pid: int) -> str:
+    """A thread's label: the name the project gave it in the OS, else "main" or "other"."""
+    if name.startswith("swarm-"):
+        return name
+    return "main" if tid == pid else "other"
 
 
 def _role(pid: int, command: bytes) -> str | None:

@@ -73,9 +73,8 @@ class Forwarder:
         key = (hop.peer_id, hop.maddrs, request.route_rest)
         queue = self._held.setdefault(key, [])
         queue.append(held)
-        if (
-            len(queue) == 1
-        ):  # the first for this route this turn: the other handlers resumed with it add theirs
+        # the first for this route this turn: the other handlers resumed with it add theirs
+        if len(queue) == 1:
             loop.call_soon(self._flush, key)
         return await held.future
 
