@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 STAGES = (Stage(NodeID("QmFirst"), LayerRange(0, 2)), Stage(NodeID("QmLast"), LayerRange(2, 4)))
 OUTPUT = torch.full((1, 8), 3.0)
+_A = TypeVar("_A")
 
 
 class Calls:
@@ -29,21 +30,28 @@ class Calls:
     def __init__(self) -> None:
         self.ack: asyncio.Future[StepAck] = asyncio.get_running_loop().create_future()
         self.output: asyncio.Future[StepReply] = asyncio.get_running_loop().create_future()
-        self.step_cancelled = self.wait_cancelled = False
+        self.cancelled: set[str] = set()  # "step", "wait": the calls cancelled while they waited
         self.stepping: asyncio.Future[torch.Tensor] | None = None  # RemoteChain.step under test, once started
 
+    @property
+    def step_cancelled(self) -> bool:
+        return "step" in self.cancelled
+
+    @property
+    def wait_cancelled(self) -> bool:
+        return "wait" in self.cancelled
+
     async def step(self, *_: Any, **__: Any) -> StepAck:
-        try:
-            return await self.ack
-        except asyncio.CancelledError:
-            self.step_cancelled = True
-            raise
+        return await self._answer("step", self.ack)
 
     async def wait(self, *_: Any, **__: Any) -> StepReply:
+        return await self._answer("wait", self.output)
+
+    async def _answer(self, call: str, answer: asyncio.Future[_A]) -> _A:
         try:
-            return await self.output
+            return await answer
         except asyncio.CancelledError:
-            self.wait_cancelled = True
+            self.cancelled.add(call)
             raise
 
 
