@@ -100,6 +100,15 @@ class ExecutorConfig:
         "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
     )
 
+    # A short prefill (a spot-check's window, a short next turn) on the prefill thread reads every weight of
+    # the range once more, beside the decode steps' forward call that reads them too. While others decode here
+    # it rides in the decode lane's next forward call instead, as a few more rows of the same products. At 8
+    # client processes on 2 cores (scripts/bench_e2e.py, default spot-checks) the peers' prefill threads fell
+    # from ~3 to ~1.5 ms of CPU per generated token, and 8 processes gained ~4% (4 alternated pairs).
+    ride_along_tokens: int = setting(
+        16,
+        "while others decode here, a prefill of at most this many tokens runs in their next forward call (0: never)",
+    )
     # Lone sessions of separate clients decoding here each come back at their own pace: an idle executor would
     # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones
     # due makes one batch of them, and fewer, bigger forward calls cost less per token (batch of 8 decode
@@ -123,6 +132,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         positive(self, "queue_jobs", "max_batch", "max_batch_tokens", "prefill_chunk_tokens")
         positive(self, "busy_chunk_tokens", "decode_recent_s")
+        if self.ride_along_tokens < 0:
+            raise ValueError("ride_along_tokens must be >= 0")
         if self.batch_window_s < 0 or self.group_window_s < 0:
             raise ValueError("batch_window_s and group_window_s must be >= 0")
         if not 0 < self.busy_prefill_share <= 1:

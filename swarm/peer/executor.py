@@ -11,8 +11,11 @@ peers of one device take turns for their chunks (swarm/peer/turns.py; ``busy_pre
 long prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
 queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
-tokens held to one small chunk's while others decode): continuous batching at step granularity. A full queue is
-a CapacityError at once, not a backlog.
+tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
+(``ride_along_tokens``: a spot-check's window) that comes while others decode here goes on the decode lane
+instead and waits there (``batch_window_s`` at most) for their next forward call, which takes it as a few more
+rows of the same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own
+on the prefill thread read them all once more. A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
 client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
@@ -219,13 +222,18 @@ class Executor:
         return self._decode.queue.qsize() + self._prefill.queue.qsize() + self._calls.qsize()
 
     def _submit(self, job: _Job) -> asyncio.Future[Any]:
-        lane = self._prefill if job.tokens > 1 else self._decode
+        lane = self._decode if job.tokens <= 1 or self._rides_along(job) else self._prefill
         try:
             lane.queue.put_nowait(job)
         except asyncio.QueueFull:
             raise CapacityError(f"peer is busy: {self.config.queue_jobs} requests already queued") from None
         self._arrived.set()
         return job.future
+
+    def _rides_along(self, job: _Job) -> bool:
+        """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``)."""
+        short = job.tokens <= self.config.ride_along_tokens and not job.long_prefill
+        return short and job.step is not None and self._decoding()
 
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the torch thread after the steps queued before it, and while no prefill chunk runs;
@@ -442,9 +450,19 @@ class Executor:
         """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent
         together by their client, for at most ``group_window_s``), and the sessions due here within
         ``batch_window_s`` (for at most that), taking whatever else arrives meanwhile. A client naming a group
-        bigger than it sends delays only the steps batched with its own, by the window at most."""
-        if any(job.step is None or job.tokens != 1 for job in batch):
+        bigger than it sends delays only the steps batched with its own, by the window at most. Short prefills
+        riding along first wait for a decode step to join (``batch_window_s`` at most, then they run alone)."""
+        if lane is self._prefill or any(job.step is None for job in batch):
             return batch  # prefill chunks and plain calls never wait
+        started = time.monotonic()
+        while not any(
+            job.tokens == 1 for job in batch
+        ):  # short prefills riding along: wait for a decode step
+            left = started + self.config.batch_window_s - time.monotonic()
+            if left <= 0:
+                return batch  # nobody decodes after all: they run alone
+            await self._next_arrival(left)
+            batch = self._take_batch(lane, batch[0], batch[1:])
         started = time.monotonic()
         while len(batch) < self.config.max_batch:
             grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
@@ -453,12 +471,16 @@ class Executor:
             paced = any(job.paced for job in batch)  # later hops get groups (see forward)
             if left <= 0 or not (grouped or (paced and self._due(batch, left))):
                 break
-            self._arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await self._arrived.wait()
+            await self._next_arrival(left)
             batch = self._take_batch(lane, batch[0], batch[1:])
         return batch
+
+    async def _next_arrival(self, within_s: float) -> None:
+        """Return once a job is queued, or after ``within_s``."""
+        self._arrived.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._arrived.wait()
 
     def forget(self, session_id: str) -> None:
         """Session ``session_id`` closed here: no batch waits for its steps any more."""

@@ -215,7 +215,7 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
     """The chunk's forward blocks until the decode step's result is back: with one torch thread this could
     never finish. Each thread's niceness and OS name are read inside its forward: the chunk's niceness is
     prefill_nice higher, and each lane's thread carries its name (per-thread CPU tells the lanes apart)."""
-    executor = Executor(ExecutorConfig(prefill_nice=5))
+    executor = Executor(ExecutorConfig(prefill_nice=5, ride_along_tokens=0))  # an 8-token chunk, not riding
     decoded = threading.Event()
     nice: dict[int, int] = {}
     names: dict[int, str] = {}
@@ -688,7 +688,7 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     short. While nobody decodes, no turns are taken."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     turns = tmp_path / "turns.lock"
-    config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0)
+    config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0, ride_along_tokens=0)
     first, second = (Executor(config, turns=DeviceTurns(turns, wait_s=60.0)) for _ in range(2))
     free_now: list[bool] = []  # what each try for a turn found, a's first
     b_tried = threading.Event()
@@ -764,7 +764,7 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
         return real_forward(steps, hook if steps[0].hidden.shape[0] > 1 else None)
 
     monkeypatch.setattr(blocks, "forward", watched)
-    executor = Executor()
+    executor = Executor(ExecutorConfig(ride_along_tokens=0))  # the chunk runs on the prefill thread
 
     async def body() -> None:
         for sid in ("yield-d", "yield-p"):
@@ -795,7 +795,9 @@ def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within
     while someone does (busy_chunk_tokens=8: the budget of a call, not only of a chunk)."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     clock = _Clock()
-    config = ExecutorConfig(prefill_chunk_tokens=32, busy_chunk_tokens=8, decode_recent_s=1.0)
+    config = ExecutorConfig(
+        prefill_chunk_tokens=32, busy_chunk_tokens=8, decode_recent_s=1.0, ride_along_tokens=0
+    )
     executor = Executor(config, clock=clock)
     sessions = ["budget-x", "budget-y", "budget-z", "budget-d"]
 
@@ -820,3 +822,80 @@ def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within
         return [quiet, busy]
 
     assert asyncio.run(_with_executor(executor, body)) == [1, 3]
+
+
+def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session d decodes (a fake clock keeps it recent). A 4-token prefill of p (ride_along_tokens=4) waits on
+    the decode lane (the window is long here, so this cannot pass by timing) until d's next step comes, and
+    both run in one forward call, with the outputs each gets alone. A 5-token prefill goes to the prefill
+    thread and runs without waiting for anyone."""
+    now = [0.0]
+    config = ExecutorConfig(
+        batch_window_s=600.0, group_window_s=0.0, decode_recent_s=60.0, ride_along_tokens=4
+    )
+    executor = Executor(config, clock=lambda: now[0])
+    calls: list[list[tuple[str | None, int]]] = []  # per forward call: (session, tokens) of its steps
+    real_forward = blocks.forward
+
+    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
+        return real_forward(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", noted)
+    d_prompt, d_step, p_prompt = _hidden(blocks, 3, 1), _hidden(blocks, 1, 2), _hidden(blocks, 4, 3)
+
+    async def body() -> tuple[torch.Tensor, torch.Tensor]:
+        for sid in ("ride-d", "ride-p", "ride-long"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        await executor.forward(blocks, Step("ride-d", d_prompt, 0, 2, 0))
+        await executor.forward(blocks, Step("ride-d", _hidden(blocks, 1, 9), 0, 2, 3))  # d decodes here
+        before = executor.batches_run
+        prefill = asyncio.ensure_future(executor.forward(blocks, Step("ride-p", p_prompt, 0, 2, 0)))
+        for _ in range(20):  # let the decode lane take p's prefill and start waiting for a decode step
+            await asyncio.sleep(0)
+        assert not prefill.done() and executor.batches_run == before
+        decoded = await executor.forward(blocks, Step("ride-d", d_step, 0, 2, 4))
+        await prefill
+        assert calls[-1] == [("ride-p", 4), ("ride-d", 1)], "the prefill rides in the decode step's call"
+        async with asyncio.timeout(30):  # over ride_along_tokens: the prefill thread, nothing to wait for
+            await executor.forward(blocks, Step("ride-long", _hidden(blocks, 5, 4), 0, 2, 0))
+        assert calls[-1] == [("ride-long", 5)]
+        for sid in ("ride-d", "ride-p", "ride-long"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return (await prefill).hidden, decoded.hidden
+
+    prefilled, decoded = asyncio.run(_with_executor(executor, body))
+    monkeypatch.undo()
+    blocks.open_session("alone-p", 16)
+    torch.testing.assert_close(prefilled, blocks.forward([Step("alone-p", p_prompt, 0, 2, 0)])[0])
+    blocks.close_session("alone-p")
+    blocks.open_session("alone-d", 16)
+    blocks.forward([Step("alone-d", d_prompt, 0, 2, 0)])
+    blocks.forward([Step("alone-d", _hidden(blocks, 1, 9), 0, 2, 3)])
+    torch.testing.assert_close(decoded, blocks.forward([Step("alone-d", d_step, 0, 2, 4)])[0])
+    blocks.close_session("alone-d")
+
+
+def test_a_short_prefill_riding_along_runs_alone_when_no_decode_step_comes(blocks: BlockRange) -> None:
+    """Someone decoded a moment ago (by the fake clock), then stopped: a short prefill waits for their next
+    step at most batch_window_s (real time), then runs alone."""
+    now = [0.0]
+    config = ExecutorConfig(
+        batch_window_s=0.05, group_window_s=0.0, decode_recent_s=60.0, ride_along_tokens=8
+    )
+    executor = Executor(config, clock=lambda: now[0])
+
+    async def body() -> None:
+        for sid in ("gone-d", "gone-p"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        await executor.forward(blocks, Step("gone-d", _hidden(blocks, 1, 1), 0, 2, 0))
+        before = executor.batches_run
+        async with asyncio.timeout(30):
+            await executor.forward(blocks, Step("gone-p", _hidden(blocks, 4, 2), 0, 2, 0))
+        assert executor.batches_run - before == 1
+        for sid in ("gone-d", "gone-p"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
