@@ -141,6 +141,41 @@ def test_one_client_generating_many_at_once_sends_their_steps_together_and_stays
     assert (head.rows - rows_before) / (head.calls - calls) > 2, "rounds should batch the sessions"
 
 
+@pytest.mark.timeout(300)
+def test_a_short_prompt_sent_while_another_session_decodes_rides_in_its_calls_and_both_stay_exact(
+    default_swarm: LocalSwarm, client: SwarmClient, default_source: ModelSource, expected_answer: str
+) -> None:
+    """A second client's 12-token prompt reaches each peer while the first client's session decodes there, so
+    it waits on the decode lane and runs in that session's next forward call (ExecutorConfig.ride_along_tokens,
+    16): a forward call of a decode step and a prefill together. Both answers are still transformers'."""
+    pieces: list[str] = []
+    decoding = threading.Event()
+    errors: list[BaseException] = []
+
+    def decode() -> None:
+        try:
+            for piece in client.stream(messages=QUESTION, max_new_tokens=MAX_NEW_TOKENS):
+                pieces.append(piece)
+                decoding.set()
+        except BaseException as e:  # re-raised below, in the test's thread
+            errors.append(e)
+            decoding.set()
+
+    prompt = [random.Random(11).randrange(1000, 20000) for _ in range(12)]
+    new_tokens = 8
+    with SwarmClient(default_swarm.initial_peers, model="default") as other:
+        thread = threading.Thread(target=decode)
+        thread.start()
+        assert decoding.wait(150), "the first session never decoded"
+        got = other.generate_ids(prompt, new_tokens, SamplingParams())
+        thread.join(timeout=150)
+    assert not errors, errors
+    assert len(pieces) > 1 and "".join(pieces) == expected_answer
+    want = greedy_tokens(default_source.load_reference_model(), prompt, new_tokens)
+    eos = client.aclient.eos_ids
+    assert got == want[: len(got)] and (len(got) == new_tokens or want[len(got)] in eos)
+
+
 # The README's example, verbatim but for the multiaddr (the lead pastes it into README.md).
 README_EXAMPLE = """\
 from client import SwarmClient
