@@ -107,7 +107,8 @@ class ExecutorConfig:
     # from ~3 to ~1.5 ms of CPU per generated token, and 8 processes gained ~4% (4 alternated pairs).
     ride_along_tokens: int = setting(
         16,
-        "while others decode here, a prefill of at most this many tokens runs in their next forward call (0: never)",
+        "a prefill of at most this many tokens that comes within batch_window_s of a decode step runs in the"
+        " next decode forward call (0: never)",
     )
     # Lone sessions of separate clients decoding here each come back at their own pace: an idle executor would
     # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones

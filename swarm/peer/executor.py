@@ -12,8 +12,9 @@ long prefill runs as chunks, small ones while other sessions decode here (on a G
 queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
-(``ride_along_tokens``: a spot-check's window) that comes while others decode here goes on the decode lane
-instead and waits there (``batch_window_s`` at most) for their next forward call, which takes it as a few more
+(``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within
+``batch_window_s``) goes on the decode lane instead and waits there (``batch_window_s`` at most) for their next
+forward call, which takes it as a few more
 rows of the same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own
 on the prefill thread read them all once more. A full queue is a CapacityError at once, not a backlog.
 
@@ -231,9 +232,13 @@ class Executor:
         return job.future
 
     def _rides_along(self, job: _Job) -> bool:
-        """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``)."""
+        """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``): only while
+        a decode step came here within ``batch_window_s``, so one more is likely within the window it waits
+        (a user's quick next turn after their own answer ended would wait the whole window for nobody)."""
         short = job.tokens <= self.config.ride_along_tokens and not job.long_prefill
-        return short and job.step is not None and self._decoding()
+        return (
+            short and job.step is not None and self.clock() - self._last_decode_s < self.config.batch_window_s
+        )
 
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the torch thread after the steps queued before it, and while no prefill chunk runs;

@@ -830,10 +830,10 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
     """Session d decodes (a fake clock keeps it recent). A 4-token prefill of p (ride_along_tokens=4) waits on
     the decode lane (the window is long here, so this cannot pass by timing) until d's next step comes, and
     both run in one forward call, with the outputs each gets alone. A 5-token prefill goes to the prefill
-    thread and runs without waiting for anyone."""
+    thread and runs without waiting for anyone, and so does a 4-token one once d's last step is a window old."""
     now = [0.0]
     config = ExecutorConfig(
-        batch_window_s=600.0, group_window_s=0.0, decode_recent_s=60.0, ride_along_tokens=4
+        batch_window_s=600.0, group_window_s=0.0, decode_recent_s=1e4, ride_along_tokens=4
     )
     executor = Executor(config, clock=lambda: now[0])
     calls: list[list[tuple[str | None, int]]] = []  # per forward call: (session, tokens) of its steps
@@ -847,7 +847,7 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
     d_prompt, d_step, p_prompt = _hidden(blocks, 3, 1), _hidden(blocks, 1, 2), _hidden(blocks, 4, 3)
 
     async def body() -> tuple[torch.Tensor, torch.Tensor]:
-        for sid in ("ride-d", "ride-p", "ride-long"):
+        for sid in ("ride-d", "ride-p", "ride-long", "ride-late"):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
         await executor.forward(blocks, Step("ride-d", d_prompt, 0, 2, 0))
         await executor.forward(blocks, Step("ride-d", _hidden(blocks, 1, 9), 0, 2, 3))  # d decodes here
@@ -862,7 +862,13 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
         async with asyncio.timeout(30):  # over ride_along_tokens: the prefill thread, nothing to wait for
             await executor.forward(blocks, Step("ride-long", _hidden(blocks, 5, 4), 0, 2, 0))
         assert calls[-1] == [("ride-long", 5)]
-        for sid in ("ride-d", "ride-p", "ride-long"):
+        now[0] += (
+            700.0  # d still counts as decoding here (decode_recent_s), but its last step is a window old
+        )
+        async with asyncio.timeout(30):
+            await executor.forward(blocks, Step("ride-late", _hidden(blocks, 4, 5), 0, 2, 0))
+        assert calls[-1] == [("ride-late", 4)]
+        for sid in ("ride-d", "ride-p", "ride-long", "ride-late"):
             await executor.call(lambda s=sid: blocks.close_session(s))
         return (await prefill).hidden, decoded.hidden
 
