@@ -14,9 +14,9 @@ queue behind a chunk's). Each lane takes its oldest job and gathers the queued s
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
 (``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within
 ``batch_window_s``) goes on the decode lane instead and waits there (``batch_window_s`` at most) for their next
-forward call, which takes it as a few more
-rows of the same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own
-on the prefill thread read them all once more. A full queue is a CapacityError at once, not a backlog.
+forward call, which takes it as a few more rows of the same products: on a CPU a forward call's cost is mostly
+reading the weights, and a call of its own on the prefill thread read them all once more. A full queue is a
+CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
 client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
@@ -460,9 +460,8 @@ class Executor:
         if lane is self._prefill or any(job.step is None for job in batch):
             return batch  # prefill chunks and plain calls never wait
         started = time.monotonic()
-        while not any(
-            job.tokens == 1 for job in batch
-        ):  # short prefills riding along: wait for a decode step
+        # only short prefills riding along: wait for a decode step to run with
+        while not any(job.tokens == 1 for job in batch):
             left = started + self.config.batch_window_s - time.monotonic()
             if left <= 0:
                 return batch  # nobody decodes after all: they run alone
