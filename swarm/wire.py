@@ -166,8 +166,8 @@ class StepBatch:
 
     Each runs as its own ``rpc_step`` (its own deadline, session and route) and is answered as one: a StepAck
     (``wait_result``) or the route's output (a relayed step). The reply comes once every step is answered, so a
-    sender holds together only decode steps on the same remaining route (swarm.peer.forwarding). A hop that does not know this
-    kind answers ProtocolError (UNKNOWN_KIND), and the sender then sends the steps one by one."""
+    sender holds together only decode steps on the same remaining route (swarm.peer.forwarding). A hop that
+    does not know this kind answers ProtocolError (UNKNOWN_KIND), and the sender then sends them one by one."""
 
     steps: tuple[StepRequest, ...]
 

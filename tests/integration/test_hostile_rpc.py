@@ -171,9 +171,10 @@ def test_a_route_through_a_hop_that_is_no_peer_of_the_swarm_is_refused(
 def test_forwarded_step_batches_over_real_p2p_answer_each_step_and_refuse_bad_ones_alone(
     peer: PeerProcess, tiny: ModelSource
 ) -> None:
-    """A StepBatch (what a hop sends the next hop of its decode steps' route, swarm.peer.forwarding) from a real libp2p node: each
-    good step is acknowledged and its output waits for the client's wait, equal to the same step sent alone; a
-    bad step is refused in its own outcome; a batch over MAX_FORWARDED_STEPS is refused whole; the peer serves on."""
+    """A StepBatch (what a hop sends the next hop of its decode steps' route, swarm.peer.forwarding) from a real
+    libp2p node: each good step is acknowledged and its output waits for the client's wait, equal to the same
+    step sent alone; a bad step is refused in its own outcome; a batch over MAX_FORWARDED_STEPS is refused
+    whole; the peer serves on."""
 
     async def body() -> None:
         async with swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_dht, _directory, p2p):
