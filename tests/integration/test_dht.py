@@ -393,14 +393,18 @@ if __name__ == "__main__":
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_a_temporary_identity_key_is_gone_once_joined(tmp_path: Path) -> None:
+def test_a_temporary_identity_key_is_gone_once_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A fresh key lives on disk only while p2pd starts: a peer killed later leaves no key file behind."""
+    # A temporary directory of this test's own: other test workers create keys in the shared one meanwhile.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     async def body() -> None:
-        before = set(Path(tempfile.gettempdir()).glob("flowswarm-identity-*.key"))
         async with observer() as dht:
             assert dht.peer_id
-            left = set(Path(tempfile.gettempdir()).glob("flowswarm-identity-*.key")) - before
+            assert dht._identity_path.parent == tmp_path, "the key was not made in the temporary directory"
+            left = list(tmp_path.glob("flowswarm-identity-*.key"))
             assert not left, f"temporary keys still on disk while serving: {left}"
 
     asyncio.run(body())
