@@ -862,9 +862,8 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
         async with asyncio.timeout(30):  # over ride_along_tokens: the prefill thread, nothing to wait for
             await executor.forward(blocks, Step("ride-long", _hidden(blocks, 5, 4), 0, 2, 0))
         assert calls[-1] == [("ride-long", 5)]
-        now[0] += (
-            700.0  # d still counts as decoding here (decode_recent_s), but its last step is a window old
-        )
+        # d still counts as decoding here (decode_recent_s), but its last step is a window old
+        now[0] += 700.0
         async with asyncio.timeout(30):
             await executor.forward(blocks, Step("ride-late", _hidden(blocks, 4, 5), 0, 2, 0))
         assert calls[-1] == [("ride-late", 4)]
