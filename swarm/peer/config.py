@@ -105,7 +105,8 @@ class ExecutorConfig:
     # (a decode step came within batch_window_s) it rides in the decode lane's next forward call instead, as a
     # few more rows of the same products. At 8 client processes on 2 cores (scripts/bench_e2e.py, default
     # spot-checks) the peers' prefill threads fell from ~3 to ~1.5 ms of CPU per generated token, and 8
-    # processes gained ~4% (alternated probes: 104.0 against 100.0 tok/s, means of 7 and 9 runs).
+    # processes gained ~4% (alternated probes: 104.0 against 100.0 tok/s, means of 7 and 9 runs). The prefills
+    # riding in one call hold busy_chunk_tokens at most, as a prefill call would while others decode.
     ride_along_tokens: int = setting(
         16,
         "a prefill of at most this many tokens that comes within batch_window_s of a decode step runs in the"

@@ -510,17 +510,20 @@ class Executor:
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
         blocks on this lane (decode steps, or prefill chunks) within ``max_batch`` steps and ``max_batch_tokens``
-        tokens (prefill chunks: ``_chunk_tokens()``); the rest of the queue keeps its order, and no step is taken
-        past an earlier one of its own session."""
+        tokens (prefill chunks, and prefills riding on the decode lane: ``_chunk_tokens()``); the rest of the
+        queue keeps its order, and no step is taken past an earlier one of its own session."""
         if first.session_id is None:
             return [first]
         batch, kept = [first, *(taken or [])], []
         tokens = sum(job.tokens for job in batch)
         # the per-call token budget: a prefill lane's batch of chunks is held to one chunk's while others decode
         # (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as 96 tokens
-        budget = self.config.max_batch_tokens
+        budget, chunk = self.config.max_batch_tokens, self._chunk_tokens()
         if lane is self._prefill:
-            budget = min(budget, self._chunk_tokens())
+            budget = min(budget, chunk)
+        # prefills riding on the decode lane (its only jobs of several tokens) share that same chunk's budget,
+        # so a flood of short prompts cannot make the decode steps' calls long prefill calls
+        riding = sum(job.tokens for job in batch if job.tokens > 1)
         # in the batch, or skipped: later steps of theirs must not overtake
         sessions = {job.session_id for job in batch}
         while not lane.queue.empty():
@@ -528,10 +531,13 @@ class Executor:
             if job.future.cancelled():
                 continue
             sid = job.session_id
+            rides = job.tokens > 1 and lane is self._decode
             fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
+            fits &= not rides or riding + job.tokens <= chunk
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens
+                riding += job.tokens if rides else 0
             else:
                 kept.append(job)
             if sid is not None:

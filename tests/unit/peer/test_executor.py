@@ -904,3 +904,51 @@ def test_a_short_prefill_riding_along_runs_alone_when_no_decode_step_comes(block
             await executor.call(lambda s=sid: blocks.close_session(s))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_prefills_riding_in_one_decode_call_share_one_busy_chunks_tokens(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three 12-token prefills of other sessions come while d decodes (busy_chunk_tokens=32): d's next call
+    takes the first two (24 tokens), not the third, which would make it a 37-token prefill call; the third
+    waits on the decode lane and rides in d's call after that."""
+    config = ExecutorConfig(
+        batch_window_s=600.0,
+        group_window_s=0.0,
+        decode_recent_s=1e4,
+        ride_along_tokens=16,
+        busy_chunk_tokens=32,
+    )
+    executor = Executor(config, clock=lambda: 0.0)
+    calls: list[list[tuple[str | None, int]]] = []  # per forward call: (session, tokens) of its steps
+    real_forward = blocks.forward
+
+    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
+        return real_forward(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", noted)
+    riders = ["share-a", "share-b", "share-c"]
+
+    async def body() -> list[list[tuple[str | None, int]]]:
+        for sid in ("share-d", *riders):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        await executor.forward(blocks, Step("share-d", _hidden(blocks, 1, 1), 0, 2, 0))  # d decodes here
+        prefills = [
+            asyncio.ensure_future(executor.forward(blocks, Step(sid, _hidden(blocks, 12, i), 0, 2, 0)))
+            for i, sid in enumerate(riders)
+        ]
+        await asyncio.sleep(0)  # each prefill's task runs to its submit (nothing on the way suspends)
+        first = len(calls)
+        await executor.forward(blocks, Step("share-d", _hidden(blocks, 1, 5), 0, 2, 1))
+        await executor.forward(blocks, Step("share-d", _hidden(blocks, 1, 6), 0, 2, 2))
+        await asyncio.gather(*prefills)
+        for sid in ("share-d", *riders):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return calls[first:]
+
+    got = asyncio.run(_with_executor(executor, body))
+    assert got == [
+        [("share-a", 12), ("share-b", 12), ("share-d", 1)],
+        [("share-c", 12), ("share-d", 1)],
+    ]
