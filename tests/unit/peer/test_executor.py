@@ -824,6 +824,19 @@ def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within
     assert asyncio.run(_with_executor(executor, body)) == [1, 3]
 
 
+def _noted_calls(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str | None, int]]]:
+    """Per ``blocks.forward`` call from now on: the (session, tokens) of its steps."""
+    calls: list[list[tuple[str | None, int]]] = []
+    real_forward = blocks.forward
+
+    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
+        return real_forward(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", noted)
+    return calls
+
+
 def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
     blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -836,14 +849,7 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
         batch_window_s=600.0, group_window_s=0.0, decode_recent_s=1e4, ride_along_tokens=4
     )
     executor = Executor(config, clock=lambda: now[0])
-    calls: list[list[tuple[str | None, int]]] = []  # per forward call: (session, tokens) of its steps
-    real_forward = blocks.forward
-
-    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
-        return real_forward(steps, between_layers)
-
-    monkeypatch.setattr(blocks, "forward", noted)
+    calls = _noted_calls(blocks, monkeypatch)
     d_prompt, d_step, p_prompt = _hidden(blocks, 3, 1), _hidden(blocks, 1, 2), _hidden(blocks, 4, 3)
 
     async def body() -> tuple[torch.Tensor, torch.Tensor]:
@@ -920,14 +926,7 @@ def test_prefills_riding_in_one_decode_call_share_one_busy_chunks_tokens(
         busy_chunk_tokens=32,
     )
     executor = Executor(config, clock=lambda: 0.0)
-    calls: list[list[tuple[str | None, int]]] = []  # per forward call: (session, tokens) of its steps
-    real_forward = blocks.forward
-
-    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
-        return real_forward(steps, between_layers)
-
-    monkeypatch.setattr(blocks, "forward", noted)
+    calls = _noted_calls(blocks, monkeypatch)
     riders = ["share-a", "share-b", "share-c"]
 
     async def body() -> list[list[tuple[str | None, int]]]:
