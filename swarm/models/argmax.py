@@ -1,15 +1,18 @@
-"""``ArgmaxScreen``: the greedy token from an int8 copy of the LM head, checked in float32 where it could differ.
+"""Screens: the greedy token from an int8 copy of the LM head, checked in float32 where it could differ.
 
 A greedy step needs only the argmax of the logits, not all of them. The float32 LM head reads 113 MB per call
-for SmolLM2-135M (49152 x 576), about 3 ms of one EPYC core: on the client, in every decode step, and on the
-critical path of a session's token. Screening with an int8 copy (per-row scales, 28 MB) through torch's
-weight-only int8 kernel takes ~1.5 ms; a proven bound on each row's screening error then names the rows that
-can still be the argmax, and those few (typically under ten) are computed exactly in float32 from the original
-weights. The greedy token is the argmax of the exact float32 logits, so greedy outputs stay those of
-transformers (tests/unit/models/test_argmax.py).
+for SmolLM2-135M (49152 x 576): 3 ms of one Zen 5 EPYC core, 12 ms of a Zen 3 one (AVX2), on the client, in
+every decode step, and on the critical path of a session's token. A screen computes every logit from int8
+weights (28 MB) with a proven bound on each one's error; the rows whose bound still lets them reach the top
+(typically under ten) are then computed exactly in float32 from the original weights. The greedy token is the
+argmax of the exact float32 logits, so greedy outputs stay those of transformers (tests/unit/models/test_argmax.py).
 
-The bound. With x the normed hidden row (float32), xb = bf16(x), w_j row j of the head, q_j its int8 copy and
-s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j), accumulated in float32. Then
+Two screens, for two kinds of CPU (``ClientHead`` times both on its own weights and keeps the faster):
+
+``Int8WeightScreen``: torch's weight-only int8 kernel on bf16 inputs (1.2 ms on a Zen 5 EPYC with AVX512-BF16; 6.5
+ms on an AVX2 Zen 3, which has no bf16 dot products). With x the normed hidden row, xb = bf16(x), w_j row j of
+the head, q_j its int8 copy and s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j),
+accumulated in float32, and
 
     |x . w_j - a_j| <=  |x - xb|_1 max|w_j|                 (rounding x to bf16)
                       + |xb|_1 max|w_j - q_j s_j|           (quantising w_j)
@@ -17,21 +20,38 @@ s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j), accumula
                       + H 2^-22 (|x|_1 + |xb|_1) max|w_j|   (float32 sums: the kernel's, and the reference's own)
                       + 2^-8 |a_j|                          (the bf16 result)
 
-A row j with a_j + bound_j below max_k (a_k - bound_k) is below that row k exactly, so it is not the argmax.
-The kept rows get their float32 logits; every other entry of the returned row is -inf (only its argmax is
-meaningful, which is all a greedy pick reads).
+``Int8InputScreen``: fbgemm's int8 x int8 products (2.9 ms on the Zen 3), with the input quantised too. A last
+hidden state has a few loud dimensions (|x_i| up to ~47 where the median is ~0.9), and one scale for the whole
+row would make every other dimension's step coarse; so the LOUD loudest dimensions of each row are taken apart,
+through a copy of the head laid out by dimension (one 8-bit row per dimension, per-row scale and offset:
+fbgemm's 8-bit embedding bags, 28 MB), and the rest r goes through the int8 product with one scale s for the
+input rows (values 0..127 around a zero point: no pair of u8 x s8 products can saturate AVX2's 16-bit sums).
+With x = r + l (l: the loud dimensions), q_j, s_j the int8 row and its float32 scale, e_i the embedding row's
+largest error and m_i its largest term (the row's |scale| 255 + |offset|):
 
-Whether screening pays is measured, not assumed: torch's int8 kernel is fast where the CPU has bf16 dot
-products (AVX512-BF16, AMX) and slow elsewhere, and for many rows the dense head's cost per row falls. So
-``ClientHead`` times both on its own weights and screens only up to the row count where it is clearly faster.
+    |x . w_j - y_j| <=  s (1/2 + 2^-8) (|w_j|_1 + H max|w_j - q_j s_j|)  (quantising r: the kernel's rounding)
+                      + |r|_1 max|w_j - q_j s_j|                       (quantising w_j)
+                      + sum_l |x_i| (e_i + (LOUD + 8) 2^-23 m_i)        (the loud part's rows, and its sums)
+                      + 2^-20 (|y_j| + sum_l |x_i| m_i)                 (the kernel's float32 rescaling, the add)
+                      + H 2^-23 |x|_1 max|w_j|                          (the reference's own float32 sums)
+
+(the kernel's sums of integers are exact, its float32 rescaling of them off by a few 2^-24 of |y_j|). On real last hidden states of SmolLM2
+the bound keeps a median of 11 rows (p90 53) with LOUD = 32, the weight-only screen's a median of 25.
+
+In both, a row j with a_j + bound_j below max_k (a_k - bound_k) is below that row k exactly, so it is not the
+argmax. The kept rows get their float32 logits; every other entry of the returned row is -inf (only its argmax
+is meaningful, which is all a greedy pick reads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,34 +63,42 @@ CLEARLY_FASTER = 0.9  # the screen must take at most this share of the dense hea
 _REPEATS = 7
 # past this share of the vocabulary kept, a row's float32 re-check would cost more than the dense head's row
 MOST_KEPT = 1 / 32
+LOUD = 32  # Int8InputScreen: each row's loudest dimensions, taken apart from its int8 product
+_INPUT_STEPS = 125  # Int8InputScreen: the input's range spans this many steps (values 0..127 around the zero)
+_engine_lock = threading.Lock()
 
 
 class ArgmaxScreen:
-    """An int8 copy of an LM head weight [V, H] (float32, CPU), and the bound that makes its argmax exact."""
+    """A screen of an LM head weight [V, H] (float32, CPU): ``bounds`` gives screened logits and a bound on
+    each one's error; ``logits`` turns them into the exact argmax."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.ndim != 2:
-            raise ValueError("ArgmaxScreen takes a 2-D float32 CPU weight")
-        if not screen_available(weight.shape[1]):
-            raise ValueError(f"no int8 screen for rows of {weight.shape[1]} (see screen_available)")
+            raise ValueError(f"{type(self).__name__} takes a 2-D float32 CPU weight")
+        if not self.available(weight.shape[1]):
+            raise ValueError(f"no {type(self).__name__} for rows of {weight.shape[1]} on this torch")
         self.weight = weight  # the exact rows the kept candidates are computed from
         self.row_max = weight.abs().amax(dim=1)  # [V]
-        self.scales = (self.row_max / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
-        scales = self.scales.float()[:, None]
-        self.quantised = torch.round(weight / scales).clamp(-127, 127).to(torch.int8)  # [V, H]
-        self.quantisation_error = (weight - self.quantised.float() * scales).abs().amax(dim=1)  # [V]
         self._sum_rounding = weight.shape[1] * 2.0**-22
+
+    @staticmethod
+    def available(hidden_size: int) -> bool:
+        raise NotImplementedError
+
+    def bounds(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed [N, H] -> (screened logits [N, V], a bound [N, V] on each one's distance from the exact one)."""
+        raise NotImplementedError
 
     def logits(self, normed: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """normed [N, H] float32 -> [N, V]: float32 logits at the rows that can be the argmax, -inf elsewhere.
 
-        A row whose screen keeps too many candidates (a flat distribution) gets all its logits from ``dense``
-        instead, so screening never costs much more than the dense head."""
+        A row whose screen keeps too many candidates (a flat distribution), or none (a bound that overflowed),
+        gets all its logits from ``dense`` instead, so screening never costs much more than the dense head."""
         screened, bound = self.bounds(normed)
         floor = (screened - bound).amax(dim=1, keepdim=True)  # some row's exact logit is at least this
         keep = screened + bound >= floor  # [N, V]
         counts = keep.sum(dim=1)  # [N]
-        flat = counts > self.weight.shape[0] * MOST_KEPT  # [N]
+        flat = (counts > self.weight.shape[0] * MOST_KEPT) | (counts == 0)  # [N]
         keep[flat] = False
         counts[flat] = 0
         out = torch.full_like(screened, float("-inf"))
@@ -83,8 +111,24 @@ class ArgmaxScreen:
                 out[r, kept[r]] = F.linear(normed[r : r + 1], self.weight.index_select(0, kept[r]))[0]
         return out
 
+
+class Int8WeightScreen(ArgmaxScreen):
+    """int8 weights (per-row bf16 scales) times bf16 inputs, through torch's weight-only int8 kernel."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.scales = (self.row_max / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        scales = self.scales.float()[:, None]
+        self.quantised = torch.round(weight / scales).clamp(-127, 127).to(torch.int8)  # [V, H]
+        self.quantisation_error = (weight - self.quantised.float() * scales).abs().amax(dim=1)  # [V]
+
+    @staticmethod
+    def available(hidden_size: int) -> bool:
+        """Whether this torch has the weight-only int8 kernel, for rows of ``hidden_size``: its CPU kernel reads
+        the rows in blocks of 16 (32 for AVX2) without checking the end (torch 2.13: garbage or a crash for 40)."""
+        return hasattr(torch, "_weight_int8pack_mm") and hidden_size % 32 == 0
+
     def bounds(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """normed [N, H] -> (screened logits [N, V], a bound [N, V] on each one's distance from the exact one)."""
         rows_bf16 = normed.to(torch.bfloat16)
         screened = torch._weight_int8pack_mm(rows_bf16, self.quantised, self.scales).float()
         rounded = rows_bf16.float()
@@ -97,6 +141,113 @@ class ArgmaxScreen:
         return screened, self.row_max * per_max + self.quantisation_error * xb_norm + screened.abs() * 2.0**-8
 
 
+class Int8InputScreen(ArgmaxScreen):
+    """int8 weights times int8 inputs (fbgemm), each row's LOUD loudest dimensions apart (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        vocab, hidden = weight.shape
+        self.loud = min(LOUD, hidden)
+        scales = (self.row_max / 127).clamp_min(torch.finfo(torch.float32).tiny)  # float32: the kernel's own
+        ints = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels are not
+            warnings.simplefilter("ignore")
+            quantised = torch._make_per_channel_quantized_tensor(
+                ints, scales.double(), torch.zeros(vocab, dtype=torch.long), 0
+            )
+        with _fbgemm_engine():
+            self.packed = torch.ops.quantized.linear_prepack(quantised, None)
+        # float32 sums and differences, each bound widened by its own rounding (a float64 copy would be 226 MB)
+        error = (weight - ints.float() * scales[:, None]).abs().amax(dim=1) + self.row_max * 2.0**-22  # [V]
+        absolute_sum = weight.abs().sum(dim=1) * (1 + hidden * 2.0**-23)  # [V]
+        # per vocabulary row: the terms of the bound that scale with the input's step, with |r|_1 and with |x|_1
+        self.per_row = _rounded_up(
+            torch.stack(
+                (absolute_sum.double() + hidden * error.double(), error.double(), self.row_max.double())
+            )
+        )  # [3, V]
+        self.by_dimension = torch.ops.quantized.embedding_bag_byte_prepack(
+            weight.t().contiguous()
+        )  # [H, V+8]
+        scale_offset = self.by_dimension[:, vocab:].contiguous().view(torch.float32)  # [H, 2]
+        largest_term = scale_offset[:, 0].abs() * 255 + scale_offset[:, 1].abs()  # [H]
+        rows = self.by_dimension[:, :vocab].float() * scale_offset[:, :1] + scale_offset[:, 1:]  # [H, V]
+        dimension_error = (rows - weight.t()).abs().amax(dim=1) + largest_term * 2.0**-21  # [H]
+        self.loud_error = _rounded_up(
+            dimension_error.double() + (self.loud + 8) * 2.0**-23 * largest_term.double()
+        )
+        self.loud_term = _rounded_up(largest_term.double() * (1 + 2.0**-20))  # [H]
+
+    @staticmethod
+    def available(hidden_size: int) -> bool:
+        return "fbgemm" in torch.backends.quantized.supported_engines and hidden_size > 0
+
+    def bounds(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count, hidden = normed.shape
+        loud = normed.abs().topk(self.loud, dim=1).indices  # [N, LOUD]
+        loud_values = normed.gather(1, loud)  # [N, LOUD]
+        rest = normed.scatter(1, loud, 0.0)  # [N, H]
+        low, high = min(float(rest.min()), 0.0), max(float(rest.max()), 0.0)
+        step = max((high - low) / _INPUT_STEPS, torch.finfo(torch.float32).tiny * 2**30)
+        zero = round(-low / step)  # rest / step + zero lies in [0, 126]: u8 values of 7 bits
+        screened = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rest, step, zero, self.packed
+        )  # [N, V]
+        offsets = torch.arange(0, count * self.loud, self.loud)
+        screened += torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+            self.by_dimension, loud.flatten(), offsets, False, 0, False, loud_values.flatten(), None, False
+        )
+        loud_abs = loud_values.abs()
+        coefficients = torch.cat(  # [N, 3]: times self.per_row
+            (
+                torch.full((count, 1), step * (0.5 + 2.0**-8)),
+                rest.abs().sum(dim=1, keepdim=True),
+                normed.abs().sum(dim=1, keepdim=True) * (hidden * 2.0**-23),
+            ),
+            dim=1,
+        )
+        constant = (loud_abs * self.loud_error[loud]).sum(dim=1, keepdim=True) + 2.0**-20 * (
+            loud_abs * self.loud_term[loud]
+        ).sum(dim=1, keepdim=True)  # [N, 1]
+        # every term is >= 0, so terms widened by 2^-10 outweigh the float32 rounding of their sums here
+        widen = 1 + 2.0**-10
+        bound = torch.addmm(constant * widen, coefficients * widen, self.per_row)
+        bound.add_(screened.abs(), alpha=2.0**-20)
+        return screened, bound
+
+
+SCREENS: tuple[type[ArgmaxScreen], ...] = (Int8WeightScreen, Int8InputScreen)
+
+
+def screens_for(weight: torch.Tensor) -> list[ArgmaxScreen]:
+    """A screen of ``weight`` of each kind this torch can run."""
+    return [kind(weight) for kind in SCREENS if kind.available(weight.shape[1])]
+
+
+def pick_screen(
+    dense: Callable[[torch.Tensor], torch.Tensor],
+    screens: list[ArgmaxScreen],
+    sample: torch.Tensor,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[ArgmaxScreen | None, int]:
+    """The screen that saves the most time over ``dense`` on ``sample`` (see ``screened_rows``), and the rows up
+    to which it screens; (None, 0) if none is clearly faster even for one row."""
+    best: tuple[ArgmaxScreen | None, int, float] = (None, 0, 0.0)
+    for candidate in screens:
+        timed = _timings(dense, candidate, sample, clock)
+        saved = sum(dense_s - screen_s for _, dense_s, screen_s in timed)
+        if timed and saved > best[2]:
+            best = (candidate, timed[-1][0], saved)
+    picked, rows, _ = best
+    if picked is not None:
+        logger.info(
+            "greedy steps of up to %d rows take the LM head's argmax through an int8 screen (%s)",
+            rows,
+            type(picked).__name__,
+        )
+    return picked, rows
+
+
 def screened_rows(
     dense: Callable[[torch.Tensor], torch.Tensor],
     screen: ArgmaxScreen,
@@ -106,22 +257,34 @@ def screened_rows(
     """The most rows (of ROWS_TIMED) up to which ``screen`` is clearly faster than ``dense`` at every row count
     timed, on ``sample`` [max(ROWS_TIMED), H] normed rows like the model's last hidden states, whose logits
     have a clear top (random rows have flat logits, which keep thousands of candidates) (0: never)."""
-    rows_kept = 0
+    timed = _timings(dense, screen, sample, clock)
+    return timed[-1][0] if timed else 0
+
+
+def _timings(
+    dense: Callable[[torch.Tensor], torch.Tensor],
+    screen: ArgmaxScreen,
+    sample: torch.Tensor,
+    clock: Callable[[], float],
+) -> list[tuple[int, float, float]]:
+    """[(rows, dense seconds, screen seconds)] for the row counts of ROWS_TIMED up to the first at which the
+    screen is not clearly faster."""
+    timed = []
     for rows in ROWS_TIMED:
         x = sample[:rows]
         dense_s = _best_time(functools.partial(dense, x), clock)
         screen_s = _best_time(functools.partial(screen.logits, x, dense), clock)
         logger.debug(
-            "LM head, %d rows: dense %.2f ms, int8 screen %.2f ms", rows, dense_s * 1e3, screen_s * 1e3
+            "LM head, %d rows: dense %.2f ms, %s %.2f ms",
+            rows,
+            dense_s * 1e3,
+            type(screen).__name__,
+            screen_s * 1e3,
         )
         if screen_s > CLEARLY_FASTER * dense_s:
             break
-        rows_kept = rows
-    if rows_kept:
-        logger.info(
-            "greedy steps of up to %d rows take the LM head's argmax through an int8 screen", rows_kept
-        )
-    return rows_kept
+        timed.append((rows, dense_s, screen_s))
+    return timed
 
 
 def _best_time(run: Callable[[], object], clock: Callable[[], float]) -> float:
@@ -134,8 +297,19 @@ def _best_time(run: Callable[[], object], clock: Callable[[], float]) -> float:
     return best
 
 
-def screen_available(hidden_size: int) -> bool:
-    """Whether this torch has the weight-only int8 kernel the screen runs on, for rows of ``hidden_size``: its
-    CPU kernel reads the rows in blocks of 16 (32 for AVX2) without checking the end (torch 2.13: garbage or a
-    crash for 40)."""
-    return hasattr(torch, "_weight_int8pack_mm") and hidden_size % 32 == 0
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 no smaller than each value (a bound must not shrink in the conversion)."""
+    single = values.float()
+    return torch.where(single.double() < values, torch.nextafter(single, torch.tensor(float("inf"))), single)
+
+
+@contextlib.contextmanager
+def _fbgemm_engine() -> Iterator[None]:
+    """torch picks the packing of a quantized weight by a process-wide setting: fbgemm's, for this one call."""
+    with _engine_lock:
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = engine

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, screen_available, screened_rows
+from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, pick_screen, screens_for
 from swarm.models.matmul import Forms, calibrate, linear, taken
 from swarm.models.spec import ModelSpec
 
@@ -36,16 +36,17 @@ class ClientHead:
         # greedy steps: the argmax through an int8 screen, for inputs of up to this many rows (swarm.models.argmax)
         self.screen: ArgmaxScreen | None = None
         self.screened_rows = 0
-        if self.device.type == "cpu" and self.dtype == torch.float32 and screen_available(self.hidden_size):
+        if self.device.type == "cpu" and self.dtype == torch.float32:
             self._calibrate_screen()
 
     def _calibrate_screen(self) -> None:
-        screen = ArgmaxScreen(self.lm_head_weight)
+        screens = screens_for(self.lm_head_weight)  # each kind this torch runs; the fastest here is kept
+        if not screens:
+            return
         # embedding rows spread over the vocabulary stand in for last hidden states: their logits have a clear top
         ids = torch.linspace(0, self.spec.vocab_size - 1, max(ROWS_TIMED)).long()
         with torch.no_grad():
-            rows = screened_rows(self._dense, screen, self.norm(self.embed_weight[ids]))
-        self.use_screen(screen if rows else None, rows)
+            self.use_screen(*pick_screen(self._dense, screens, self.norm(self.embed_weight[ids])))
 
     def use_screen(self, screen: ArgmaxScreen | None, rows: int) -> None:
         """Screen greedy inputs of 1 to ``rows`` rows through ``screen`` (None or 0: never)."""

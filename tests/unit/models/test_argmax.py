@@ -1,8 +1,9 @@
-"""ArgmaxScreen: the int8 screen's bound holds, so the greedy token is that of the exact float32 logits."""
+"""The int8 screens: each one's bound holds, so the greedy token is that of the exact float32 logits."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,13 +14,22 @@ import torch.nn.functional as F
 from client.config import ClientConfig
 from client.local import in_process_client
 from swarm.models import SamplingParams
-from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, screen_available, screened_rows
+from swarm.models.argmax import (
+    LOUD,
+    ROWS_TIMED,
+    SCREENS,
+    ArgmaxScreen,
+    Int8InputScreen,
+    Int8WeightScreen,
+    pick_screen,
+    screened_rows,
+)
 from swarm.models.loading import ModelSource
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(not screen_available(64), reason="this torch has no weight-only int8 kernel"),
-]
+pytestmark = pytest.mark.timeout(120)
+
+# every kind of screen this torch can run (each test also runs with a tiny weight of 96 dimensions)
+KINDS = [pytest.param(kind, id=kind.__name__) for kind in SCREENS if kind.available(96)]
 
 
 def _head_weight(seed: int, vocab: int = 2048, hidden: int = 96) -> torch.Tensor:
@@ -52,23 +62,62 @@ def _dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda rows: F.linear(rows, weight)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_screened_logit_lies_within_its_bound(seed: int) -> None:
+def test_every_screened_logit_lies_within_its_bound(kind: type[ArgmaxScreen], seed: int) -> None:
     weight = _head_weight(seed)
-    screen = ArgmaxScreen(weight)
+    screen = kind(weight)
     x = _inputs(weight, seed)
     screened, bound = screen.bounds(x)
     exact = F.linear(x.double(), weight.double())  # the true dot products
     assert bool(((exact - screened.double()).abs() <= bound.double()).all())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_with_a_few_loud_dimensions_or_none_at_all_stay_within_the_bound(
+    kind: type[ArgmaxScreen],
+) -> None:
+    weight = _head_weight(4)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, weight.shape[1], generator=g)
+    x[:3, torch.randperm(weight.shape[1], generator=g)[:5]] *= 300  # massive activations in a few dimensions
+    x[3] = 0.0
+    x[4] = 0.0
+    x[4, 7] = 5.0  # one dimension: nothing left once the loud ones are apart
+    x = x[torch.randperm(x.shape[0], generator=g)]
+    screened, bound = kind(weight).bounds(x)
+    exact = F.linear(x.double(), weight.double())
+    assert bool(((exact - screened.double()).abs() <= bound.double()).all())
+
+
+@pytest.mark.skipif(not Int8InputScreen.available(96), reason="this torch has no fbgemm")
+def test_the_input_screens_bound_holds_where_every_rounding_of_the_input_errs_the_same_way() -> None:
+    """The worst case of quantising the input: every value just under half a step past a level, against a row
+    of equal weights (random inputs err both ways and stay far inside the bound)."""
+    hidden, step = 512, 0.01  # wide, so the loud dimensions (exact) are few of the bound's terms
+    weight = torch.ones(
+        8, hidden
+    )  # exact in int8 and in the loud dimensions' 8-bit rows: only x's rounding errs
+    levels = torch.randint(0, 120, (hidden,), generator=torch.Generator().manual_seed(6)).float()
+    x = (levels + 0.49) * step  # all >= 0: zero point 0, and the step is (largest / 125)
+    x[0] = 125 * step  # the largest left once the loud dimensions are apart
+    x[-LOUD:] = 1000 * step  # the loud dimensions: taken apart
+    screened, bound = Int8InputScreen(weight).bounds(x[None])
+    error = (F.linear(x[None].double(), weight.double()) - screened.double()).abs()
+    assert float(error[0, 0]) > 0.4 * step * (hidden - LOUD - 1)  # the case built: each rounding errs alike
+    assert bool((error <= bound.double()).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_screened_argmax_is_the_exact_one_and_kept_logits_are_exact(seed: int) -> None:
+def test_the_screened_argmax_is_the_exact_one_and_kept_logits_are_exact(
+    kind: type[ArgmaxScreen], seed: int
+) -> None:
     weight = _head_weight(seed)
-    screen = ArgmaxScreen(weight)
+    screen = kind(weight)
     for rows in (1, 3, 8):
         x = _inputs(weight, seed)[:rows]
-        exact = F.linear(x, weight)
+        exact = torch.cat([F.linear(row[None], weight) for row in x])  # one row at a time, as a decode step
         got = screen.logits(x, _dense(weight))
         assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
         kept = torch.isfinite(got)
@@ -76,24 +125,28 @@ def test_the_screened_argmax_is_the_exact_one_and_kept_logits_are_exact(seed: in
         torch.testing.assert_close(got[kept], exact[kept])  # float32 re-checks: the same dot products
 
 
-def test_near_ties_are_both_kept_and_settled_exactly() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_near_ties_are_both_kept_and_settled_exactly(kind: type[ArgmaxScreen]) -> None:
     weight = _head_weight(3)
     twin_a, twin_b = 5, 6
     weight[twin_b] = weight[twin_a] + 1e-6
-    screen = ArgmaxScreen(weight)
+    screen = kind(weight)
     x = weight[twin_a : twin_a + 1] * 50
     got = screen.logits(x, _dense(weight))
     assert bool(torch.isfinite(got[0, [twin_a, twin_b]]).all())
     assert int(got.argmax()) == int(F.linear(x, weight).argmax())
 
 
-def test_no_screen_for_rows_the_int8_kernel_cannot_read_safely() -> None:
-    assert not screen_available(40) and screen_available(576)
-    with pytest.raises(ValueError, match="no int8 screen"):
-        ArgmaxScreen(torch.randn(64, 40))
+def test_no_weight_only_screen_for_rows_its_kernel_cannot_read_safely() -> None:
+    assert not Int8WeightScreen.available(40) and Int8WeightScreen.available(576) == hasattr(
+        torch, "_weight_int8pack_mm"
+    )
+    with pytest.raises(ValueError, match="no Int8WeightScreen"):
+        Int8WeightScreen(torch.randn(64, 40))
 
 
-def test_a_flat_row_gets_all_its_logits_from_the_dense_head() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_flat_row_gets_all_its_logits_from_the_dense_head(kind: type[ArgmaxScreen]) -> None:
     weight = torch.ones(512, 32)  # every logit ties: nothing can be ruled out
     calls: list[int] = []
 
@@ -101,7 +154,7 @@ def test_a_flat_row_gets_all_its_logits_from_the_dense_head() -> None:
         calls.append(rows.shape[0])
         return F.linear(rows, weight)
 
-    got = ArgmaxScreen(weight).logits(torch.ones(1, 32), dense)
+    got = kind(weight).logits(torch.ones(1, 32), dense)
     assert calls == [1] and bool(torch.isfinite(got).all())
 
 
@@ -125,9 +178,36 @@ def test_screened_rows_keeps_the_row_counts_up_to_the_first_not_clearly_faster()
     assert screened_rows(dense, Screen(), sample, clock=lambda: now[0]) == 0  # type: ignore[arg-type]
 
 
+def test_pick_screen_keeps_the_screen_that_saves_the_most_time() -> None:
+    now = [0.0]
+    dense_cost = {1: 3.0, 2: 3.2, 4: 3.6, 8: 5.0}
+
+    def dense(rows: torch.Tensor) -> torch.Tensor:
+        now[0] += dense_cost[rows.shape[0]]
+        return rows
+
+    class Screen:
+        def __init__(self, cost: dict[int, float]) -> None:
+            self.cost = cost
+
+        def logits(self, rows: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            now[0] += self.cost[rows.shape[0]]
+            return rows
+
+    quick_alone = Screen({1: 1.0, 2: 3.1, 4: 3.6, 8: 5.0})  # saves 2.0, for 1 row only
+    steady = Screen({1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0})  # saves 1.0 + 1.2 + 1.6 + 3.0
+    slow = Screen({1: 2.9, 2: 3.2, 4: 3.6, 8: 5.0})  # never clearly faster
+    sample = torch.zeros(max(ROWS_TIMED), 4)
+    screens = [quick_alone, steady, slow]
+    random.Random(0).shuffle(screens)  # the order they are offered in must not matter
+    picked = pick_screen(dense, screens, sample, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert picked == (steady, 8)
+    assert pick_screen(dense, [slow], sample, clock=lambda: now[0]) == (None, 0)  # type: ignore[list-item]
+
+
 def test_the_head_screens_only_argmax_only_calls_within_its_rows(tiny_source: ModelSource) -> None:
     head = tiny_source.load_head()
-    head.use_screen(ArgmaxScreen(head.lm_head_weight), 2)
+    head.use_screen(Int8InputScreen(head.lm_head_weight), 2)
     hidden = torch.randn(4, head.hidden_size, generator=torch.Generator().manual_seed(0))
     dense = head.logits(hidden)
     assert bool(torch.isfinite(dense).all())
@@ -148,13 +228,14 @@ def _one_thread() -> Iterator[None]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
 def test_screened_greedy_generation_of_the_default_model_equals_transformers(
-    default_source: ModelSource, _one_thread: None
+    default_source: ModelSource, _one_thread: None, kind: type[ArgmaxScreen]
 ) -> None:
     """Three chat prompts, 40 greedy tokens each, every decode step's head screened (even batched rows)."""
     tokenizer, model = default_source.tokenizer(), default_source.load_reference_model()
     head = default_source.load_head()
-    head.use_screen(ArgmaxScreen(head.lm_head_weight), max(ROWS_TIMED))
+    head.use_screen(kind(head.lm_head_weight), max(ROWS_TIMED))
     blocks = {
         "a": default_source.load_blocks(0, 15, cache_tokens=4096),
         "b": default_source.load_blocks(15, 30),
