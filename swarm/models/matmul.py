@@ -30,6 +30,7 @@ GPUs and other dtypes use ``F.linear`` itself.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -283,17 +284,28 @@ def _store_path() -> Path:
     return cache_dir() / STORE_NAME
 
 
-def _machine() -> str:
-    """The CPU and torch build a calibration holds for."""
-    model = ""
+def _machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU and torch build a calibration holds for: the CPU's name, family and model, and a digest of the
+    instruction sets it offers. A VM may name CPUs of different generations alike ("AMD EPYC" for a Zen 3 with
+    AVX2 only and a Zen 5 with AVX-512), and their fastest forms differ."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), ""
-            )
+        with open(cpuinfo) as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags", "Features"):
+                    fields.setdefault(key, value.strip())
+                elif not line.strip() and fields:
+                    break  # the first CPU's block is enough: the others are alike
     except OSError:
         pass
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    flags = fields.get("flags") or fields.get("Features") or ""
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12] if flags else "unknown"
+    return (
+        f"{fields.get('model name') or 'unknown CPU'} (family {fields.get('cpu family', '?')}, model "
+        f"{fields.get('model', '?')}, flags {digest}), {os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
 
 
 def _stored(key: str) -> Forms | None:
