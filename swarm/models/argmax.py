@@ -47,14 +47,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from swarm.config import cache_dir
+from swarm.models.kept import keep, machine, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ MOST_KEPT = 1 / 32
 LOUD = 32  # Int8InputScreen: each row's loudest dimensions, taken apart from its int8 product
 _INPUT_STEPS = 125  # Int8InputScreen: the input's range spans this many steps (values 0..127 around the zero)
 _engine_lock = threading.Lock()
+PICKS_NAME = "argmax-screens.json"  # the screen picked per machine and head shape, in the cache directory
 
 
 class ArgmaxScreen:
@@ -219,9 +225,38 @@ class Int8InputScreen(ArgmaxScreen):
 SCREENS: tuple[type[ArgmaxScreen], ...] = (Int8WeightScreen, Int8InputScreen)
 
 
-def screens_for(weight: torch.Tensor) -> list[ArgmaxScreen]:
-    """A screen of ``weight`` of each kind this torch can run."""
-    return [kind(weight) for kind in SCREENS if kind.available(weight.shape[1])]
+def calibrated_screen(
+    dense: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
+    sample: torch.Tensor,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[ArgmaxScreen | None, int]:
+    """The screen worth taking for the LM head ``weight`` on this machine, and the rows up to which it screens:
+    as an earlier process on this machine picked it (PICKS_NAME in the cache directory), else timed on
+    ``sample`` (``pick_screen``) and kept. Building every kind and timing them takes seconds, which 16 client
+    processes starting at once on two cores paid in turn."""
+    kinds = {kind.__name__: kind for kind in SCREENS if kind.available(weight.shape[1])}
+    if not kinds:
+        return None, 0
+    key = json.dumps([machine(), torch.get_num_threads(), *weight.shape])
+    entry = read_kept(_picks_path(), key)
+    if isinstance(entry, dict) and _valid_pick(entry.get("screen"), entry.get("rows"), kinds):
+        name, rows = entry["screen"], entry["rows"]
+        return (kinds[name](weight), rows) if name else (None, 0)
+    screen, rows = pick_screen(dense, [kind(weight) for kind in kinds.values()], sample, clock)
+    keep(_picks_path(), key, {"screen": type(screen).__name__ if screen else "", "rows": rows})
+    return screen, rows
+
+
+def _valid_pick(name: object, rows: object, kinds: dict[str, type[ArgmaxScreen]]) -> bool:
+    """A kept pick this torch can take: a kind it runs with rows timed, or none (a damaged file is timed again)."""
+    if name == "":
+        return rows == 0
+    return name in kinds and isinstance(rows, int) and rows in ROWS_TIMED
+
+
+def _picks_path() -> Path:
+    return cache_dir() / PICKS_NAME
 
 
 def pick_screen(

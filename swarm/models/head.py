@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, pick_screen, screens_for
+from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, calibrated_screen
 from swarm.models.matmul import Forms, calibrate, linear, taken
 from swarm.models.spec import ModelSpec
 
@@ -40,13 +40,11 @@ class ClientHead:
             self._calibrate_screen()
 
     def _calibrate_screen(self) -> None:
-        screens = screens_for(self.lm_head_weight)  # each kind this torch runs; the fastest here is kept
-        if not screens:
-            return
         # embedding rows spread over the vocabulary stand in for last hidden states: their logits have a clear top
         ids = torch.linspace(0, self.spec.vocab_size - 1, max(ROWS_TIMED)).long()
         with torch.no_grad():
-            self.use_screen(*pick_screen(self._dense, screens, self.norm(self.embed_weight[ids])))
+            sample = self.norm(self.embed_weight[ids])
+            self.use_screen(*calibrated_screen(self._dense, self.lm_head_weight, sample))
 
     def use_screen(self, screen: ArgmaxScreen | None, rows: int) -> None:
         """Screen greedy inputs of 1 to ``rows`` rows through ``screen`` (None or 0: never)."""

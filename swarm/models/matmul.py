@@ -30,10 +30,8 @@ GPUs and other dtypes use ``F.linear`` itself.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -45,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import cache_dir
+from swarm.models.kept import keep, machine, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +247,7 @@ def calibrate(
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            stored_key = json.dumps([_machine(), *key])
+            stored_key = json.dumps([machine(), *key])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
                 forms, how = _measure(_sample(weights), packing, repeats, clock), "measured on this CPU"
@@ -284,38 +283,13 @@ def _store_path() -> Path:
     return cache_dir() / STORE_NAME
 
 
-def _machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU and torch build a calibration holds for: the CPU's name, family and model, and a digest of the
-    instruction sets it offers. A VM may name CPUs of different generations alike ("AMD EPYC" for a Zen 3 with
-    AVX2 only and a Zen 5 with AVX-512), and their fastest forms differ."""
-    fields: dict[str, str] = {}
-    try:
-        with open(cpuinfo) as lines:
-            for line in lines:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model", "flags", "Features"):
-                    fields.setdefault(key, value.strip())
-                elif not line.strip() and fields:
-                    break  # the first CPU's block is enough: the others are alike
-    except OSError:
-        pass
-    flags = fields.get("flags") or fields.get("Features") or ""
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12] if flags else "unknown"
-    return (
-        f"{fields.get('model name') or 'unknown CPU'} (family {fields.get('cpu family', '?')}, model "
-        f"{fields.get('model', '?')}, flags {digest}), {os.cpu_count()} CPUs, torch {torch.__version__}"
-    )
-
-
 def _stored(key: str) -> Forms | None:
-    """The forms kept on disk under ``key``, or None (none kept, or the file is unreadable or malformed)."""
+    """The forms kept on disk under ``key``, or None (none kept, or the entry is malformed)."""
+    entry = read_kept(_store_path(), key)
     try:
-        entry = json.loads(_store_path().read_text()).get(key)
         return None if entry is None else _forms_from(entry)
-    except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
-        if not isinstance(e, FileNotFoundError):
-            logger.info("ignoring the kept matmul forms: %s", e)
+    except (ValueError, AttributeError, TypeError, KeyError) as e:
+        logger.info("ignoring the kept matmul forms: %s", e)
         return None
 
 
@@ -334,25 +308,14 @@ def _forms_from(entry: Any) -> Forms:
 
 
 def _store(key: str, forms: Forms) -> None:
-    """Keep ``forms`` on disk under ``key`` beside the others (written whole, then renamed into place)."""
-    try:
-        path = _store_path()
-        try:
-            kept = json.loads(path.read_text())
-        except (OSError, ValueError):
-            kept = {}
-        kept = kept if isinstance(kept, dict) else {}
-        kept[key] = {
-            "few_rows": forms.few_rows,
-            "packer": forms.packer,
-            "packed_rows": sorted(forms.packed_rows),
-            "packed_beyond": forms.packed_beyond,
-        }
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(kept, indent=1, sort_keys=True))
-        os.replace(partial, path)
-    except OSError as e:
-        logger.info("could not keep the matmul forms on disk: %s", e)
+    """Keep ``forms`` on disk under ``key`` beside the others."""
+    entry = {
+        "few_rows": forms.few_rows,
+        "packer": forms.packer,
+        "packed_rows": sorted(forms.packed_rows),
+        "packed_beyond": forms.packed_beyond,
+    }
+    keep(_store_path(), key, entry)
 
 
 def _time_packed(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from client.config import ClientConfig
 from client.local import in_process_client
-from swarm.models import SamplingParams
+from swarm.models import SamplingParams, argmax
 from swarm.models.argmax import (
     LOUD,
     ROWS_TIMED,
@@ -21,6 +23,7 @@ from swarm.models.argmax import (
     ArgmaxScreen,
     Int8InputScreen,
     Int8WeightScreen,
+    calibrated_screen,
     pick_screen,
     screened_rows,
 )
@@ -203,6 +206,32 @@ def test_pick_screen_keeps_the_screen_that_saves_the_most_time() -> None:
     picked = pick_screen(dense, screens, sample, clock=lambda: now[0])  # type: ignore[arg-type]
     assert picked == (steady, 8)
     assert pick_screen(dense, [slow], sample, clock=lambda: now[0]) == (None, 0)  # type: ignore[list-item]
+
+
+def test_the_screen_picked_is_kept_for_the_next_process_and_a_damaged_pick_is_timed_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    picks = tmp_path / "picks.json"
+    monkeypatch.setattr(argmax, "_picks_path", lambda: picks)
+    weight = _head_weight(0)
+    sample = _inputs(weight, 0)[: max(ROWS_TIMED)]
+    now = [0.0]
+
+    def dense(rows: torch.Tensor) -> torch.Tensor:
+        now[0] += 100.0  # far slower than any screen: one is picked, for every row count
+        return F.linear(rows, weight)
+
+    def never_timed() -> float:
+        raise AssertionError("the screens were timed again")
+
+    screen, rows = calibrated_screen(dense, weight, sample, clock=lambda: now[0])
+    assert screen is not None and rows == max(ROWS_TIMED)
+    again, rows_again = calibrated_screen(dense, weight, sample, clock=never_timed)
+    assert type(again) is type(screen) and rows_again == rows
+    (key,) = json.loads(picks.read_text())
+    picks.write_text(json.dumps({key: {"screen": "NoSuchScreen", "rows": 2}}))
+    screen, rows = calibrated_screen(dense, weight, sample, clock=lambda: now[0])
+    assert screen is not None and rows == max(ROWS_TIMED)
 
 
 def test_the_head_screens_only_argmax_only_calls_within_its_rows(tiny_source: ModelSource) -> None:

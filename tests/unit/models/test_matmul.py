@@ -281,23 +281,6 @@ def test_a_calibration_is_kept_on_disk_for_the_next_process(fresh_calibrations: 
     assert len(json.loads(fresh_calibrations.read_text())) == 2
 
 
-def test_a_kept_calibration_is_only_for_a_cpu_with_the_same_instruction_sets(tmp_path: Path) -> None:
-    """Two CPUs a VM names alike ("AMD EPYC": a Zen 3 with AVX2 only, a Zen 5 with AVX-512) get their own."""
-
-    def cpuinfo(name: str, family: int, model: int, flags: str) -> Path:
-        path = tmp_path / name
-        block = f"processor\t: {{}}\nmodel name\t: AMD EPYC\ncpu family\t: {family}\nmodel\t\t: {model}\n"
-        path.write_text("\n".join(block.format(cpu) + f"flags\t\t: {flags}\n" for cpu in range(2)))
-        return path
-
-    zen3 = matmul._machine(cpuinfo("zen3", 25, 1, "fpu sse2 avx2 fma"))
-    zen5 = matmul._machine(cpuinfo("zen5", 26, 2, "fpu sse2 avx2 fma avx512f avx512_bf16"))
-    zen5_flags_only = matmul._machine(cpuinfo("zen5b", 25, 1, "fpu sse2 avx2 fma avx512f avx512_bf16"))
-    assert len({zen3, zen5, zen5_flags_only}) == 3
-    assert matmul._machine(cpuinfo("zen3-again", 25, 1, "fpu sse2 avx2 fma")) == zen3
-    assert "AMD EPYC" in zen3 and "unknown" in matmul._machine(tmp_path / "missing")
-
-
 @pytest.mark.parametrize(
     "damage",
     [

@@ -1,0 +1,67 @@
+"""Facts of this machine measured once and kept in the cache directory, so a process starting again on the
+same machine does not spend seconds timing them again (swarm.models.matmul's forms, swarm.models.argmax's
+screen). Each file maps a key (the machine, the torch build and the shapes timed) to what was measured; a
+damaged or unreadable file only means measuring again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU and torch build a measurement holds for: the CPU's name, family and model, and a digest of the
+    instruction sets it offers. A VM may name CPUs of different generations alike ("AMD EPYC" for a Zen 3 with
+    AVX2 only and a Zen 5 with AVX-512), and what runs fastest on them differs."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags", "Features"):
+                    fields.setdefault(key, value.strip())
+                elif not line.strip() and fields:
+                    break  # the first CPU's block is enough: the others are alike
+    except OSError:
+        pass
+    flags = fields.get("flags") or fields.get("Features") or ""
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12] if flags else "unknown"
+    return (
+        f"{fields.get('model name') or 'unknown CPU'} (family {fields.get('cpu family', '?')}, model "
+        f"{fields.get('model', '?')}, flags {digest}), {os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+
+
+def read_kept(path: Path, key: str) -> object | None:
+    """What is kept in ``path`` under ``key``, or None (nothing kept, or the file unreadable or not a map)."""
+    try:
+        kept = json.loads(path.read_text())
+        return kept.get(key) if isinstance(kept, dict) else None
+    except (OSError, ValueError) as e:
+        if not isinstance(e, FileNotFoundError):
+            logger.info("ignoring %s: %s", path.name, e)
+        return None
+
+
+def keep(path: Path, key: str, value: object) -> None:
+    """Keep ``value`` in ``path`` under ``key`` beside the rest (written whole, then renamed into place)."""
+    try:
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        kept = kept if isinstance(kept, dict) else {}
+        kept[key] = value
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        os.replace(partial, path)
+    except OSError as e:
+        logger.info("could not keep %s: %s", path.name, e)
