@@ -155,7 +155,8 @@ class Int8InputScreen(ArgmaxScreen):
         vocab, hidden = weight.shape
         self.loud = min(LOUD, hidden)
         scales = (self.row_max / 127).clamp_min(torch.finfo(torch.float32).tiny)  # float32: the kernel's own
-        ints = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
+        # in place where it can be: each pass over a [V, H] float32 copy is 113 MB for the default model
+        ints = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [V, H]
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels are not
             warnings.simplefilter("ignore")
             quantised = torch._make_per_channel_quantized_tensor(
@@ -164,7 +165,7 @@ class Int8InputScreen(ArgmaxScreen):
         with _fbgemm_engine():
             self.packed = torch.ops.quantized.linear_prepack(quantised, None)
         # float32 sums and differences, each bound widened by its own rounding (a float64 copy would be 226 MB)
-        error = (weight - ints.float() * scales[:, None]).abs().amax(dim=1) + self.row_max * 2.0**-22  # [V]
+        error = ints.float().mul_(scales[:, None]).sub_(weight).abs_().amax(dim=1) + self.row_max * 2.0**-22
         absolute_sum = weight.abs().sum(dim=1) * (1 + hidden * 2.0**-23)  # [V]
         # per vocabulary row: the terms of the bound that scale with the input's step, with |r|_1 and with |x|_1
         self.per_row = _rounded_up(
@@ -172,13 +173,14 @@ class Int8InputScreen(ArgmaxScreen):
                 (absolute_sum.double() + hidden * error.double(), error.double(), self.row_max.double())
             )
         )  # [3, V]
-        self.by_dimension = torch.ops.quantized.embedding_bag_byte_prepack(
-            weight.t().contiguous()
-        )  # [H, V+8]
+        by_dimension = weight.t().contiguous()  # [H, V]
+        self.by_dimension = torch.ops.quantized.embedding_bag_byte_prepack(by_dimension)  # [H, V+8]
         scale_offset = self.by_dimension[:, vocab:].contiguous().view(torch.float32)  # [H, 2]
         largest_term = scale_offset[:, 0].abs() * 255 + scale_offset[:, 1].abs()  # [H]
-        rows = self.by_dimension[:, :vocab].float() * scale_offset[:, :1] + scale_offset[:, 1:]  # [H, V]
-        dimension_error = (rows - weight.t()).abs().amax(dim=1) + largest_term * 2.0**-21  # [H]
+        rows = (
+            self.by_dimension[:, :vocab].float().mul_(scale_offset[:, :1]).add_(scale_offset[:, 1:])
+        )  # [H, V]
+        dimension_error = rows.sub_(by_dimension).abs_().amax(dim=1) + largest_term * 2.0**-21  # [H]
         self.loud_error = _rounded_up(
             dimension_error.double() + (self.loud + 8) * 2.0**-23 * largest_term.double()
         )
