@@ -85,7 +85,6 @@ class ArgmaxScreen:
             raise ValueError(f"no {type(self).__name__} for rows of {weight.shape[1]} on this torch")
         self.weight = weight  # the exact rows the kept candidates are computed from
         self.row_max = weight.abs().amax(dim=1)  # [V]
-        self._sum_rounding = weight.shape[1] * 2.0**-22
 
     @staticmethod
     def available(hidden_size: int) -> bool:
@@ -123,6 +122,7 @@ class Int8WeightScreen(ArgmaxScreen):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
+        self._sum_rounding = weight.shape[1] * 2.0**-22
         self.scales = (self.row_max / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
         scales = self.scales.float()[:, None]
         self.quantised = torch.round(weight / scales).clamp(-127, 127).to(torch.int8)  # [V, H]
@@ -267,8 +267,10 @@ def pick_screen(
     sample: torch.Tensor,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[ArgmaxScreen | None, int]:
-    """The screen that saves the most time over ``dense`` on ``sample`` (see ``screened_rows``), and the rows up
-    to which it screens; (None, 0) if none is clearly faster even for one row."""
+    """The screen that saves the most time over ``dense`` on ``sample`` [max(ROWS_TIMED), H] (normed rows like
+    the model's last hidden states, whose logits have a clear top: random rows have flat logits, which keep
+    thousands of candidates), and the most rows (of ROWS_TIMED) up to which it is clearly faster than ``dense``
+    at every row count timed; (None, 0) if none is clearly faster even for one row."""
     best: tuple[ArgmaxScreen | None, int, float] = (None, 0, 0.0)
     for candidate in screens:
         timed = _timings(dense, candidate, sample, clock)
@@ -283,19 +285,6 @@ def pick_screen(
             type(picked).__name__,
         )
     return picked, rows
-
-
-def screened_rows(
-    dense: Callable[[torch.Tensor], torch.Tensor],
-    screen: ArgmaxScreen,
-    sample: torch.Tensor,
-    clock: Callable[[], float] = time.perf_counter,
-) -> int:
-    """The most rows (of ROWS_TIMED) up to which ``screen`` is clearly faster than ``dense`` at every row count
-    timed, on ``sample`` [max(ROWS_TIMED), H] normed rows like the model's last hidden states, whose logits
-    have a clear top (random rows have flat logits, which keep thousands of candidates) (0: never)."""
-    timed = _timings(dense, screen, sample, clock)
-    return timed[-1][0] if timed else 0
 
 
 def _timings(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from swarm import config
+from swarm.models.kept import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +99,8 @@ def weights_hash(path: Path) -> str:
             cached[key], changed = entry, True
         digest.update(f"{file.name}:{entry['sha256']}\n".encode())
     if changed:  # also forget files that are gone (test checkpoints in temp dirs), so the cache stays small
-        _write_json_atomic(cache_file, {k: v for k, v in cached.items() if Path(k).exists()})
+        write_json_atomic(cache_file, {k: v for k, v in cached.items() if Path(k).exists()})
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, data: object) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def _write_metadata(path: Path, name: str, source: str) -> None:

@@ -5,10 +5,12 @@ damaged or unreadable file only means measuring again."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,7 +54,7 @@ def read_kept(path: Path, key: str) -> object | None:
 
 
 def keep(path: Path, key: str, value: object) -> None:
-    """Keep ``value`` in ``path`` under ``key`` beside the rest (written whole, then renamed into place)."""
+    """Keep ``value`` in ``path`` under ``key`` beside the rest."""
     try:
         try:
             kept = json.loads(path.read_text())
@@ -60,8 +62,19 @@ def keep(path: Path, key: str, value: object) -> None:
             kept = {}
         kept = kept if isinstance(kept, dict) else {}
         kept[key] = value
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(kept, indent=1, sort_keys=True))
-        os.replace(partial, path)
+        write_json_atomic(path, kept)
     except OSError as e:
         logger.info("could not keep %s: %s", path.name, e)
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write ``data`` to ``path`` whole, then rename it into place: a reader never sees half a file."""
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise

@@ -25,7 +25,6 @@ from swarm.models.argmax import (
     Int8WeightScreen,
     calibrated_screen,
     pick_screen,
-    screened_rows,
 )
 from swarm.models.loading import ModelSource
 
@@ -161,7 +160,7 @@ def test_a_flat_row_gets_all_its_logits_from_the_dense_head(kind: type[ArgmaxScr
     assert calls == [1] and bool(torch.isfinite(got).all())
 
 
-def test_screened_rows_keeps_the_row_counts_up_to_the_first_not_clearly_faster() -> None:
+def test_a_screen_is_kept_for_the_row_counts_up_to_the_first_not_clearly_faster() -> None:
     now = [0.0]
     cost = {"dense": {1: 3.0, 2: 3.2, 4: 3.6, 8: 5.0}, "screen": {1: 1.5, 2: 1.8, 4: 3.5, 8: 2.0}}
 
@@ -176,9 +175,10 @@ def test_screened_rows_keeps_the_row_counts_up_to_the_first_not_clearly_faster()
 
     sample = torch.zeros(max(ROWS_TIMED), 4)
     # 4 rows is not clearly faster (3.5 > 0.9 x 3.6): 8 is never reached, whatever it costs
-    assert screened_rows(dense, Screen(), sample, clock=lambda: now[0]) == 2  # type: ignore[arg-type]
+    screen = Screen()
+    assert pick_screen(dense, [screen], sample, clock=lambda: now[0]) == (screen, 2)  # type: ignore[list-item]
     cost["screen"][1] = 2.9
-    assert screened_rows(dense, Screen(), sample, clock=lambda: now[0]) == 0  # type: ignore[arg-type]
+    assert pick_screen(dense, [screen], sample, clock=lambda: now[0]) == (None, 0)  # type: ignore[list-item]
 
 
 def test_pick_screen_keeps_the_screen_that_saves_the_most_time() -> None:
