@@ -20,5 +20,11 @@ def torch_threads() -> int | None:
     return int(env) if env else None
 
 
+def fork_peers() -> bool:
+    """Whether test swarms fork their peers from a process that has imported torch and hivemind already
+    (FLOWSWARM_FORK_PEERS=1, set by scripts/test; swarm/testing/zygote.py), instead of starting each fresh."""
+    return os.environ.get("FLOWSWARM_FORK_PEERS", "") == "1"
+
+
 def log_level() -> str:
     return os.environ.get("FLOWSWARM_LOG", "INFO").upper()

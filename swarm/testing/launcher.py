@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from swarm.config import fork_peers
+from swarm.testing.zygote import ForkedProcess, zygote
+
 REPO = Path(__file__).resolve().parents[2]
 SWARM_PEER = [sys.executable, "-m", "swarm.peer.cli"]
 
@@ -41,7 +44,7 @@ class PeerProcess:
     """One running ``swarm-peer join``."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     maddr_file: Path
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
@@ -92,7 +95,7 @@ class PeerProcess:
         return stop_process_group(self.proc, grace_s)
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:
+def stop_process_group(proc: subprocess.Popen[bytes] | ForkedProcess, grace_s: float) -> int:
     """SIGTERM ``proc`` (the leader of its own process group), SIGKILL its group after ``grace_s``, and at
     the end SIGKILL the group anyway: a hivemind DHT child or p2pd that outlived its parent goes too."""
     if proc.poll() is None:
@@ -104,7 +107,7 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:
             _killpg(proc, signal.SIGKILL)
             proc.wait(timeout=10)
     _killpg(proc, signal.SIGKILL)
-    return proc.returncode
+    return proc.wait(timeout=10)
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:
@@ -114,7 +117,7 @@ def log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _killpg(proc: subprocess.Popen[bytes] | ForkedProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
@@ -165,10 +168,14 @@ class LocalSwarm:
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         args += [*self.DEFAULT_PEER_ARGS, *extra_args]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
-            )
+        proc: subprocess.Popen[bytes] | ForkedProcess
+        if fork_peers():  # tests: the imports are done once (swarm/testing/zygote.py)
+            proc = zygote().start(args[len(SWARM_PEER) :], self.env, REPO, log_path)
+        else:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
+                )
         peer = PeerProcess(name, proc, maddr_file, log_path)
         self.peers.append(peer)
         if wait:
