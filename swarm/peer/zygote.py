@@ -19,6 +19,11 @@ from typing import IO, Any
 
 def serve() -> None:
     """The zygote process: import, then fork children on request until stdin closes."""
+    # Answers go to the original stdout; anything an import prints goes to stderr instead of into them.
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    # Ctrl-C reaches the whole foreground group: the test process stops its peers through this one after it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import uvloop  # noqa: F401
 
     import swarm.peer.cli  # noqa: F401  torch and hivemind
@@ -29,7 +34,7 @@ def serve() -> None:
         raise RuntimeError(
             f"the zygote runs {threading.enumerate()} after its imports; it cannot fork safely"
         )
-    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    requests = sys.stdin.buffer
     codes: dict[int, int] = {}  # exit codes of reaped children, until asked for
     for line in requests:
         request = json.loads(line)
