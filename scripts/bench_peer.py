@@ -153,17 +153,23 @@ async def _route_steps(
         await call_step(
             p2p, first.peer_id, request(sessions[1], 0, embed(tokens), False), maddrs=first.maddrs
         )
+        # One kind after the other: sessions stepping in turns would each be due at the first hop while the
+        # other's step runs there, and that hop waits for due lone sessions (ExecutorConfig.batch_window_s).
+        waited_s = []
         for i in range(steps):
-            hidden = embed(tokens[i % len(tokens)][None])
             started = time.perf_counter()
-            await waited(sessions[0], len(tokens) + i, hidden)
-            waited_s = time.perf_counter() - started
+            await waited(sessions[0], len(tokens) + i, embed(tokens[i % len(tokens)][None]))
+            waited_s.append(time.perf_counter() - started)
+        for i in range(steps):
             started = time.perf_counter()
             reply = await call_step(
-                p2p, first.peer_id, request(sessions[1], len(tokens) + i, hidden, False), maddrs=first.maddrs
+                p2p,
+                first.peer_id,
+                request(sessions[1], len(tokens) + i, embed(tokens[i % len(tokens)][None]), False),
+                maddrs=first.maddrs,
             )
             relayed_s = time.perf_counter() - started
-            out.append((waited_s, sum(t.compute_s for t in reply.timings), relayed_s))
+            out.append((waited_s[i], sum(t.compute_s for t in reply.timings), relayed_s))
         for session in sessions:
             await call_close(p2p, first.peer_id, CloseRequest(session, tuple(rest)), maddrs=first.maddrs)
     return out
