@@ -35,6 +35,12 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HASH_CHUNK_BYTES = 16 << 20
 
 
+def offline_hub() -> None:
+    """No Hugging Face hub traffic (nothing here downloads). Call it before transformers is first imported:
+    huggingface_hub reads HF_HUB_OFFLINE once, when it is imported."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def models_dir() -> Path:
     path = config.cache_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
@@ -154,7 +160,7 @@ def ensure_default_checkpoint() -> Path:
 
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF with transformers and write it as float32 safetensors + config + tokenizer."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

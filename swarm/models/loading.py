@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -73,7 +72,7 @@ class ModelSource:
     """A Llama-family safetensors checkpoint dir: its spec, config and tensors, loadable piece by piece."""
 
     def __init__(self, path: Path) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        checkpoints.offline_hub()
         from transformers import AutoConfig
 
         self.path = path

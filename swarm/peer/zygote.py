@@ -27,9 +27,11 @@ def serve() -> None:
     import uvloop  # noqa: F401
 
     import swarm.peer.cli  # noqa: F401  torch and hivemind
-    from swarm.models.loading import family_classes  # what resolving a model imports from transformers
+    from swarm.models.checkpoints import offline_hub
+    from swarm.models.loading import family_classes
 
-    family_classes("llama")
+    offline_hub()  # as a peer resolving its model does, before transformers is imported
+    family_classes("llama")  # what resolving a model imports from transformers
     if threading.active_count() != 1:  # a fork copies only the forking thread: nothing may run beside it
         raise RuntimeError(
             f"the zygote runs {threading.enumerate()} after its imports; it cannot fork safely"

@@ -37,6 +37,7 @@ from swarm.testing.zygote import ForkedProcess, zygote
 
 REPO = Path(__file__).resolve().parents[2]
 SWARM_PEER = [sys.executable, "-m", "swarm.peer.cli"]
+Process = subprocess.Popen[bytes] | ForkedProcess  # a fresh peer process, or one forked by the zygote
 
 
 @dataclass
@@ -44,7 +45,7 @@ class PeerProcess:
     """One running ``swarm-peer join``."""
 
     name: str
-    proc: subprocess.Popen[bytes] | ForkedProcess
+    proc: Process
     maddr_file: Path
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
@@ -95,7 +96,7 @@ class PeerProcess:
         return stop_process_group(self.proc, grace_s)
 
 
-def stop_process_group(proc: subprocess.Popen[bytes] | ForkedProcess, grace_s: float) -> int:
+def stop_process_group(proc: Process, grace_s: float) -> int:
     """SIGTERM ``proc`` (the leader of its own process group), SIGKILL its group after ``grace_s``, and at
     the end SIGKILL the group anyway: a hivemind DHT child or p2pd that outlived its parent goes too."""
     if proc.poll() is None:
@@ -117,7 +118,7 @@ def log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def _killpg(proc: subprocess.Popen[bytes] | ForkedProcess, sig: int) -> None:
+def _killpg(proc: Process, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
@@ -168,7 +169,7 @@ class LocalSwarm:
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         args += [*self.DEFAULT_PEER_ARGS, *extra_args]
-        proc: subprocess.Popen[bytes] | ForkedProcess
+        proc: Process
         if fork_peers():  # tests: the imports are done once (swarm/testing/zygote.py)
             proc = zygote().start(args[len(SWARM_PEER) :], self.env, REPO, log_path)
         else:

@@ -66,7 +66,6 @@ class Zygote:
             [sys.executable, "-m", "swarm.peer.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
         self._lock = threading.Lock()
 

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from swarm.testing.launcher import REPO, LocalSwarm
-from swarm.testing.zygote import Zygote
-
-
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    own = Zygote()
-    yield own
-    own.close()
+from swarm.testing.zygote import zygote
 
 
 @pytest.mark.timeout(120)
-def test_bad_arguments_exit_with_argparse_code_and_message_in_the_log(zygote: Zygote, tmp_path: Path) -> None:
+def test_bad_arguments_exit_with_argparse_code_and_message_in_the_log(tmp_path: Path) -> None:
     log = tmp_path / "bad.log"
-    child = zygote.start(["join", "--no-such-option"], dict(os.environ), REPO, log)
+    child = zygote().start(["join", "--no-such-option"], dict(os.environ), REPO, log)
     assert child.wait(timeout=60) == 2
     assert "unrecognized arguments: --no-such-option" in log.read_text()
     assert child.poll() == 2  # asked again: the code is kept
@@ -32,7 +24,7 @@ def test_bad_arguments_exit_with_argparse_code_and_message_in_the_log(zygote: Zy
 
 @pytest.mark.timeout(180)
 def test_a_forked_peer_serves_in_its_own_session_and_leaves_cleanly_on_sigterm(
-    zygote: Zygote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FLOWSWARM_FORK_PEERS", "1")
     with LocalSwarm(tmp_path) as swarm:
