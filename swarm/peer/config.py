@@ -100,17 +100,30 @@ class ExecutorConfig:
         "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
     )
 
-    # A short prefill (a spot-check's window, a short next turn) on the prefill thread reads every weight of
-    # the range once more, beside the decode steps' forward call that reads them too. While others decode here
-    # (a decode step came within batch_window_s) it rides in the decode lane's next forward call instead, as a
-    # few more rows of the same products. At 8 client processes on 2 cores (scripts/bench_e2e.py, default
-    # spot-checks) the peers' prefill threads fell from ~3 to ~1.5 ms of CPU per generated token, and 8
+    # A short prefill (a spot-check's window, a short next turn) on the prefill thread reads every weight of the
+    # range once more, beside the decode steps' forward call that reads them too. While others decode here (a decode
+    # step came within the wait it would have, see ride_wait_s) it rides in the decode lane's next forward call
+    # instead, as a few more rows of the same products. At 8 client processes on 2 cores (scripts/bench_e2e.py,
+    # default spot-checks) the peers' prefill threads fell from ~3 to ~1.5 ms of CPU per generated token, and 8
     # processes gained ~4% (alternated probes: 104.0 against 100.0 tok/s, means of 7 and 9 runs). The prefills
     # riding in one call hold busy_chunk_tokens at most, as a prefill call would while others decode.
     ride_along_tokens: int = setting(
         16,
-        "a prefill of at most this many tokens that comes within batch_window_s of a decode step runs in the"
-        " next decode forward call (0: never)",
+        "a prefill of at most this many tokens that comes while others decode here runs in the next decode"
+        " forward call (0: never)",
+    )
+    # Decode steps come here once a period: the route's round, or less with several groups of sessions. On a
+    # slow CPU that is longer than batch_window_s (2 vCPUs of a Zen 3, 8 client processes: a round every
+    # ~220 ms), and a riding prefill that waited only the window then ran alone on the decode lane, holding
+    # back the steps that came just after it (traced: 4-15 such calls of 50-120 ms per peer in 45 s). It waits
+    # for the next decode call instead, one period plus batch_window_s (at most this long), and if none comes
+    # it goes to the prefill thread rather than run alone in the decode steps' way. Traced after (same load):
+    # no such call; prefill-thread calls per peer 21-46 -> 2-9; paired runs of 8 processes (6 alternated
+    # pairs, two swarms side by side) 30.3 against 28.2 tok/s median, within this machine's noise.
+    ride_wait_s: float = setting(
+        0.5,
+        "a prefill riding along waits at most this long for the next decode forward call here (its period"
+        " plus batch_window_s); then it runs on the prefill thread",
     )
     # Lone sessions of separate clients decoding here each come back at their own pace: an idle executor would
     # start each one alone, and the rest would wait a whole forward call for it. Waiting a little for the ones
@@ -137,8 +150,8 @@ class ExecutorConfig:
         positive(self, "busy_chunk_tokens", "decode_recent_s")
         if self.ride_along_tokens < 0:
             raise ValueError("ride_along_tokens must be >= 0")
-        if self.batch_window_s < 0 or self.group_window_s < 0:
-            raise ValueError("batch_window_s and group_window_s must be >= 0")
+        if self.batch_window_s < 0 or self.group_window_s < 0 or self.ride_wait_s < 0:
+            raise ValueError("batch_window_s, group_window_s and ride_wait_s must be >= 0")
         if not 0 < self.busy_prefill_share <= 1:
             raise ValueError(f"busy_prefill_share must be within (0, 1], got {self.busy_prefill_share}")
         if not 0 <= self.prefill_nice <= 19:

@@ -13,9 +13,11 @@ queue behind a chunk's). Each lane takes its oldest job and gathers the queued s
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
 (``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within
-``batch_window_s``) goes on the decode lane instead and waits there (``batch_window_s`` at most) for their next
-forward call, which takes it as a few more rows of the same products: on a CPU a forward call's cost is mostly
-reading the weights, and a call of its own on the prefill thread read them all once more. A full queue is a
+``ride_wait_s``) goes on the decode lane instead and waits there for their next forward call (one period of
+the decode calls here plus ``batch_window_s``, ``ride_wait_s`` at most), which takes it as a few more rows of the
+same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own on the
+prefill thread read them all once more. If no decode call comes, it goes to the prefill thread: alone on the
+decode lane it would hold back the steps that come just after it. A full queue is a
 CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
@@ -177,6 +179,8 @@ class Executor:
         self.clock = clock
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
+        # when the decode lane's last two forward calls with a decode step began: their period (_ride_wait_s)
+        self._decode_calls = (-math.inf, -math.inf)
         self._decode = _Lane(
             asyncio.Queue(self.config.queue_jobs),
             ThreadPoolExecutor(
@@ -233,12 +237,27 @@ class Executor:
 
     def _rides_along(self, job: _Job) -> bool:
         """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``): only while
-        a decode step came here within ``batch_window_s``, so one more is likely within the window it waits
-        (a user's quick next turn after their own answer ended would wait the whole window for nobody)."""
+        a decode step came here within the wait it would have (``_ride_wait_s``), so one more is likely within
+        it (a user's quick next turn after their own answer ended would wait the whole of it for nobody)."""
         short = job.tokens <= self.config.ride_along_tokens and not job.long_prefill
-        return (
-            short and job.step is not None and self.clock() - self._last_decode_s < self.config.batch_window_s
-        )
+        return short and job.step is not None and self.clock() - self._last_decode_s < self._ride_wait_s()
+
+    def _ride_wait_s(self) -> float:
+        """How long a prefill riding along waits for a decode call: the decode calls' last period here plus
+        ``batch_window_s`` (just the window before two calls), ``ride_wait_s`` at most."""
+        previous, last = self._decode_calls
+        period = last - previous if previous > -math.inf else 0.0
+        return min(self.config.ride_wait_s, period + self.config.batch_window_s)
+
+    def _off_the_decode_lane(self, riders: list[_Job]) -> list[_Job]:
+        """Prefills that rode along for nothing go to the prefill thread; those it has no room for stay."""
+        for i, job in enumerate(riders):
+            try:
+                self._prefill.queue.put_nowait(job)
+            except asyncio.QueueFull:
+                return riders[i:]
+        self._arrived.set()
+        return []
 
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the torch thread after the steps queued before it, and while no prefill chunk runs;
@@ -456,15 +475,15 @@ class Executor:
         together by their client, for at most ``group_window_s``), and the sessions due here within
         ``batch_window_s`` (for at most that), taking whatever else arrives meanwhile. A client naming a group
         bigger than it sends delays only the steps batched with its own, by the window at most. Short prefills
-        riding along first wait for a decode step to join (``batch_window_s`` at most, then they run alone)."""
+        riding along first wait for a decode step to join (``_ride_wait_s``), then go to the prefill lane."""
         if lane is self._prefill or any(job.step is None for job in batch):
             return batch  # prefill chunks and plain calls never wait
         started = time.monotonic()
         # only short prefills riding along: wait for a decode step to run with
         while not any(job.tokens == 1 for job in batch):
-            left = started + self.config.batch_window_s - time.monotonic()
+            left = started + self._ride_wait_s() - time.monotonic()
             if left <= 0:
-                return batch  # nobody decodes after all: they run alone
+                return self._off_the_decode_lane(batch)  # nobody decodes after all
             await self._next_arrival(left)
             batch = self._take_batch(lane, batch[0], batch[1:])
         started = time.monotonic()
@@ -571,6 +590,8 @@ class Executor:
         assert blocks is not None  # a step job always names its blocks
         try:
             if lane is self._decode:
+                if any(job.tokens == 1 for job in jobs):
+                    self._decode_calls = (self._decode_calls[1], self.clock())
                 outputs = await loop.run_in_executor(lane.thread, self._decode_forward, blocks, steps)
             else:
                 # while others decode here: None, no turn; False, a shared one; True, alone

@@ -889,27 +889,99 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
     blocks.close_session("alone-d")
 
 
-def test_a_short_prefill_riding_along_runs_alone_when_no_decode_step_comes(blocks: BlockRange) -> None:
+def _noted_threads(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str | None]]]:
+    """Per ``blocks.forward`` call from now on: the OS thread's name (decode or prefill lane) and its sessions."""
+    calls: list[tuple[str, list[str | None]]] = []
+    real_forward = blocks.forward
+
+    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        calls.append((_os_thread_name(), [step.session_id for step in steps]))
+        return real_forward(steps, between_layers)
+
+    monkeypatch.setattr(blocks, "forward", noted)
+    return calls
+
+
+def _os_thread_name() -> str:
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+def test_a_short_prefill_riding_along_goes_to_the_prefill_thread_when_no_decode_step_comes(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Someone decoded a moment ago (by the fake clock), then stopped: a short prefill waits for their next
-    step at most batch_window_s (real time), then runs alone."""
+    step (batch_window_s, real time: no period is known yet), then runs on the prefill thread, never alone on
+    the decode thread, where it would hold back decode steps coming just after it."""
     now = [0.0]
     config = ExecutorConfig(
         batch_window_s=0.05, group_window_s=0.0, decode_recent_s=60.0, ride_along_tokens=8
     )
     executor = Executor(config, clock=lambda: now[0])
+    calls = _noted_threads(blocks, monkeypatch)
 
     async def body() -> None:
         for sid in ("gone-d", "gone-p"):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
         await executor.forward(blocks, Step("gone-d", _hidden(blocks, 1, 1), 0, 2, 0))
-        before = executor.batches_run
+        prefill = asyncio.ensure_future(
+            executor.forward(blocks, Step("gone-p", _hidden(blocks, 4, 2), 0, 2, 0))
+        )
+        await asyncio.sleep(0)  # p's task runs to its submit
+        assert executor._decode.queue.qsize() == 1, "p rides the decode lane first"
         async with asyncio.timeout(30):
-            await executor.forward(blocks, Step("gone-p", _hidden(blocks, 4, 2), 0, 2, 0))
-        assert executor.batches_run - before == 1
+            await prefill
         for sid in ("gone-d", "gone-p"):
             await executor.call(lambda s=sid: blocks.close_session(s))
 
     asyncio.run(_with_executor(executor, body))
+    assert calls == [(DECODE_THREAD, ["gone-d"]), (PREFILL_THREAD, ["gone-p"])]
+
+
+def test_a_riding_prefill_waits_one_period_of_the_decode_calls_here_not_just_the_window(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d's decode calls come here every 2 s of the fake clock, far longer than batch_window_s (0.05 s). A short
+    prefill coming 1 s after d's last call still rides (its wait is the period plus the window) and runs in
+    d's next call; one coming 3 s after d's last call (past that) goes to the prefill thread at once."""
+    now = [0.0]
+    config = ExecutorConfig(
+        batch_window_s=0.05, group_window_s=0.0, decode_recent_s=60.0, ride_along_tokens=8, ride_wait_s=600.0
+    )
+    executor = Executor(config, clock=lambda: now[0])
+    calls = _noted_threads(blocks, monkeypatch)
+    sessions = ("period-d", "period-p", "period-late")
+
+    async def body() -> None:
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        for position in range(2):  # two decode calls, 2 s apart: the period here
+            await executor.forward(blocks, Step("period-d", _hidden(blocks, 1, position), 0, 2, position))
+            now[0] += 2.0
+        now[0] -= 1.0  # 1 s after d's last step: 20 windows, within one period
+        prefill = asyncio.ensure_future(
+            executor.forward(blocks, Step("period-p", _hidden(blocks, 4, 5), 0, 2, 0))
+        )
+        await asyncio.sleep(0)
+        assert executor._decode.queue.qsize() == 1, "p rides the decode lane"
+        now[0] += 1.0
+        await executor.forward(blocks, Step("period-d", _hidden(blocks, 1, 6), 0, 2, 2))
+        await prefill
+        now[0] += 3.0  # past the period and the window: nobody is due to decode soon
+        late = asyncio.ensure_future(
+            executor.forward(blocks, Step("period-late", _hidden(blocks, 4, 7), 0, 2, 0))
+        )
+        await asyncio.sleep(0)
+        assert executor._decode.queue.empty(), "a prefill past the wait goes straight to the prefill thread"
+        async with asyncio.timeout(30):
+            await late
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.close_session(s))
+
+    asyncio.run(_with_executor(executor, body))
+    assert calls[2:] == [
+        (DECODE_THREAD, ["period-p", "period-d"]),
+        (PREFILL_THREAD, ["period-late"]),
+    ]
 
 
 def test_prefills_riding_in_one_decode_call_share_one_busy_chunks_tokens(
