@@ -119,7 +119,8 @@ class ExecutorConfig:
     # for the next decode call instead, one period plus batch_window_s (at most this long), and if none comes
     # it goes to the prefill thread rather than run alone in the decode steps' way. Traced after (same load):
     # no such call; prefill-thread calls per peer 21-46 -> 2-9; paired runs of 8 processes (6 alternated
-    # pairs, two swarms side by side) 30.3 against 28.2 tok/s median, within this machine's noise.
+    # pairs, two swarms side by side) 30.3 against 28.2 tok/s median with the wait held to batch_window_s (0.08),
+    # within this machine's noise.
     ride_wait_s: float = setting(
         0.5,
         "a prefill riding along waits at most this long for the next decode forward call here (its period"
