@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -359,6 +360,35 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     assert shares and all(0 <= share <= 1 for share in shares), out["peer_computing_share"]
     assert any(share > 0 for share in shares), out["peer_computing_share"]
     assert _positive(out["blocks_decode_tok_s"])
+
+
+@pytest.mark.timeout(400)
+def test_bench_ab_quick(tmp_path: Path) -> None:
+    """Two tiny swarms side by side, one setting each: every round measures both at each level, and the ratios
+    are B's rate over A's of the same round."""
+    out_file = tmp_path / "ab.json"
+    b_args = "--executor-ride-along-tokens 0"
+    args = ["scripts/bench_ab.py", "--quick", "--rounds", "2", "--b", b_args, "--json", str(out_file)]
+    out = _run_json(args, 380)
+    assert json.loads(out_file.read_text()) == out
+    assert isinstance(out, dict)
+    assert out["settings"] == {"A": "", "B": b_args}
+    rates, ratios = out["aggregate_tok_s"], out["ratio_b_over_a"]
+    for name in ("A", "B"):
+        assert _sizes(rates[name], {"1", "2"}, lambda v: len(v) == 2 and all(_positive(x) for x in v)), rates
+    for level in ("1", "2"):
+        assert ratios[level] == [
+            round(b / a, 3) for a, b in zip(rates["A"][level], rates["B"][level], strict=True)
+        ]
+        assert out["median_ratio_b_over_a"][level] == statistics.median(ratios[level])
+
+
+@pytest.mark.timeout(120)
+def test_bench_ab_refuses_bad_arguments() -> None:
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_ab.py", "--rounds", "0"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "--rounds >= 1" in proc.stderr
 
 
 @pytest.mark.timeout(300)
