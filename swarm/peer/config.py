@@ -118,9 +118,9 @@ class ExecutorConfig:
     # back the steps that came just after it (traced: 4-15 such calls of 50-120 ms per peer in 45 s). It waits
     # for the next decode call instead, one period plus batch_window_s (at most this long), and if none comes
     # it goes to the prefill thread rather than run alone in the decode steps' way. Traced after (same load):
-    # no such call; prefill-thread calls per peer 21-46 -> 2-9; paired runs of 8 processes (6 alternated
-    # pairs, two swarms side by side) 30.3 against 28.2 tok/s median with the wait held to batch_window_s (0.08),
-    # within this machine's noise.
+    # no such call; prefill-thread calls per peer 21-46 -> 2-9. 8 client processes against the wait held to
+    # batch_window_s (scripts/bench_ab.py --a "--executor-ride-wait-s 0.08", 6 rounds): 26.0 against 23.5 tok/s
+    # median, B / A 0.94-1.19 round by round, median 1.09 (a first probe of the same kind: median 1.06).
     ride_wait_s: float = setting(
         0.5,
         "a prefill riding along waits at most this long for the next decode forward call here (its period"
