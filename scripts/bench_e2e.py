@@ -22,6 +22,16 @@ p2pd, DHT children; see cpu_by_thread).
 
     .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
     .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
+
+With --ab B_ARGS it runs a paired A/B of peer settings instead: swarm A (--peer-args) and swarm B (B_ARGS) side
+by side, each with its own client processes, and --rounds rounds that each run every level of --sessions (1 8)
+on A and on B back to back, the order flipping each round, so both see the same minute of the machine (on a
+shared 2-vCPU machine one phase of the same code reads 23-37 tok/s from one minute to the next, so two runs
+minutes apart cannot tell settings apart by less). A swarm that is not measured idles. It reports per setting
+and level the aggregate tokens/s of each round and their median, and per level B / A of each round and its median.
+
+    .venv/bin/python scripts/bench_e2e.py --ab "--executor-ride-along-tokens 0" --rounds 6 --json ab.json
+    .venv/bin/python scripts/bench_e2e.py --ab=--executor-no-prefill-turns   # one flag alone: with "="
 """
 
 from __future__ import annotations
@@ -95,6 +105,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--batch-lanes", type=int, default=None, help="ClientConfig.batch_lanes of the clients"
     )
     parser.add_argument("--peer-args", default="", help="extra `swarm-peer join` arguments, one string")
+    parser.add_argument(
+        "--ab", metavar="B_ARGS", default=None, help="paired A/B: a second swarm with these peer arguments"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="--ab's rounds, each measuring A and B (6)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["processes", "one_client", "prefill"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a client process
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -103,14 +117,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # the sessions' steady pace, not mostly their first steps after the staggered prefills (at 32 tokens, 8
     # client processes measured 74-89 tok/s across runs of the same code).
     full = {"model": "default", "new_tokens": 64, "aggregate_tokens": 64, "sessions": [1, 4, 8, 16],
-            "ttft_tokens": [37, 512, 2048], "long_prompt": 2048, "repeats": 2}  # fmt: skip
+            "ttft_tokens": [37, 512, 2048], "long_prompt": 2048, "repeats": 2, "rounds": 6}  # fmt: skip
     quick = {"model": "tiny", "new_tokens": 8, "aggregate_tokens": 6, "sessions": [1, 2],
-             "ttft_tokens": [37, 64], "long_prompt": 96, "repeats": 1}  # fmt: skip
+             "ttft_tokens": [37, 64], "long_prompt": 96, "repeats": 1, "rounds": 1}  # fmt: skip
+    if args.ab is not None and args.sessions is None and not args.quick:
+        args.sessions = [1, 8]
+    if args.ab is not None and args.png:
+        parser.error("--png plots the full run's phases, not --ab's")
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.new_tokens < 2 or args.aggregate_tokens < 2 or args.repeats < 1 or min(args.sessions) < 1:
         parser.error("need --new-tokens >= 2, --aggregate-tokens >= 2, --repeats >= 1, --sessions >= 1")
+    if args.rounds < 1:
+        parser.error("need --rounds >= 1")
     return args
 
 
@@ -373,14 +393,14 @@ def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float
             print(json.dumps({"times": [t + offset for t in times]}), flush=True)
 
 
-def start_swarm(swarm: LocalSwarm, args: argparse.Namespace, num_layers: int) -> list[str]:
+def start_swarm(swarm: LocalSwarm, peers: int, peer_args: str, num_layers: int) -> list[str]:
     """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
-    cuts = [round(i * num_layers / args.peers) for i in range(args.peers + 1)]
+    cuts = [round(i * num_layers / peers) for i in range(peers + 1)]
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
     # --no-plan: the peers hold fixed layers, so a plan changes nothing here, but the elected planner's solver
     # process (its first solves, and a re-solve whenever load moves the measured speeds) would share this
     # machine's two cores with the phases being measured.
-    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", *args.peer_args.split()]
+    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", *peer_args.split()]
     for i, layers in enumerate(ranges):
         swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
     return ranges
@@ -565,7 +585,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         LocalSwarm(Path(tmp), model=args.model) as swarm,
         contextlib.ExitStack() as stack,
     ):
-        ranges = start_swarm(swarm, args, source.spec.num_layers)
+        ranges = start_swarm(swarm, args.peers, args.peer_args, source.spec.num_layers)
         swarm.wait_all_ready(timeout_s=300)
         phases["start_peers"] = time.perf_counter() - began
         log(f"peers serving {ranges} after {phases['start_peers']:.0f} s")
@@ -794,6 +814,48 @@ def peer_batch_sizes(
     return batches, computing
 
 
+def run_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """The paired A/B of --peer-args (A) against --ab (B): see the module doc."""
+    source = resolve_model(args.model)
+    ids = chat_prompt_ids(source, QUESTION)
+    settings = {"A": args.peer_args, "B": args.ab}
+    levels = [str(n) for n in args.sessions]
+    rates: dict[str, dict[str, list[float]]] = {name: {n: [] for n in levels} for name in settings}
+    spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
+    spot["step_timeout_s"] = STEP_TIMEOUT_S
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flowswarm-ab-")))
+        workers: dict[str, Workers] = {}
+        for name, peer_args in settings.items():
+            (tmp / name).mkdir()
+            swarm = stack.enter_context(LocalSwarm(tmp / name, model=args.model))
+            start_swarm(swarm, args.peers, peer_args, source.spec.num_layers)
+            swarm.wait_all_ready(timeout_s=300)
+            count = max(args.sessions)
+            workers[name] = stack.enter_context(
+                Workers(tmp / name, swarm.initial_peers, args.model, count, spot)
+            )
+        for each in workers.values():
+            each.wait_ready()
+        wait_quiet()
+        for i in range(args.rounds):
+            for n in args.sessions:
+                for name in "AB" if i % 2 == 0 else "BA":
+                    rate = aggregate_tok_s(workers[name].run_together(n, ids, args.aggregate_tokens))
+                    rates[name][str(n)].append(round(rate, 2))
+                    log(f"round {i + 1}, {n} sessions, {name}: {rate:.2f} tok/s")
+    ratios = {n: [round(b / a, 3) for a, b in zip(rates["A"][n], rates["B"][n], strict=True)] for n in levels}
+    return {
+        "settings": settings,
+        "model": source.spec.name,
+        "tokens_per_session": args.aggregate_tokens,
+        "aggregate_tok_s": rates,
+        "median_tok_s": {name: {n: statistics.median(v[n]) for n in levels} for name, v in rates.items()},
+        "ratio_b_over_a": ratios,
+        "median_ratio_b_over_a": {n: statistics.median(v) for n, v in ratios.items()},
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -802,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:
         worker_main(args.initial_peers, args.model, args.spot_check_rate)
         return
-    report = run(args)
+    report = run_ab(args) if args.ab is not None else run(args)
     text = json.dumps(report)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -119,7 +119,7 @@ class ExecutorConfig:
     # for the next decode call instead, one period plus batch_window_s (at most this long), and if none comes
     # it goes to the prefill thread rather than run alone in the decode steps' way. Traced after (same load):
     # no such call; prefill-thread calls per peer 21-46 -> 2-9. 8 client processes against the wait held to
-    # batch_window_s (scripts/bench_ab.py --a "--executor-ride-wait-s 0.08", 6 rounds): 26.0 against 23.5 tok/s
+    # batch_window_s (scripts/bench_e2e.py --ab, 6 paired rounds): 26.0 against 23.5 tok/s
     # median, B / A 0.94-1.19 round by round, median 1.09 (a first probe of the same kind: median 1.06).
     ride_wait_s: float = setting(
         0.5,

@@ -363,12 +363,12 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_bench_ab_quick(tmp_path: Path) -> None:
+def test_bench_e2e_ab_quick(tmp_path: Path) -> None:
     """Two tiny swarms side by side, one setting each: every round measures both at each level, and the ratios
     are B's rate over A's of the same round."""
     out_file = tmp_path / "ab.json"
     b_args = "--executor-ride-along-tokens 0"
-    args = ["scripts/bench_ab.py", "--quick", "--rounds", "2", "--b", b_args, "--json", str(out_file)]
+    args = ["scripts/bench_e2e.py", "--quick", "--ab", b_args, "--rounds", "2", "--json", str(out_file)]
     out = _run_json(args, 380)
     assert json.loads(out_file.read_text()) == out
     assert isinstance(out, dict)
@@ -384,11 +384,15 @@ def test_bench_ab_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_bench_ab_refuses_bad_arguments() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--ab", "", "--rounds", "0"], "--rounds >= 1"), (["--ab", "", "--png", "x.png"], "not --ab's")],
+)
+def test_bench_e2e_ab_refuses_bad_arguments(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_ab.py", "--rounds", "0"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "scripts/bench_e2e.py", *args], cwd=ROOT, capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "--rounds >= 1" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 @pytest.mark.timeout(300)
