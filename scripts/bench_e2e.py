@@ -569,6 +569,16 @@ def measure_in_client(
     return single, one_client, during, stats
 
 
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ClientConfig fields the command line sets for this process's client and the client processes."""
+    options: dict[str, Any] = {"step_timeout_s": STEP_TIMEOUT_S}
+    if args.spot_check_rate is not None:
+        options["spot_check_rate"] = args.spot_check_rate
+    if args.batch_lanes is not None:
+        options["batch_lanes"] = args.batch_lanes
+    return options
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     phases: dict[str, float] = {}
@@ -576,10 +586,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
     reference = source.load_reference_model()
-    spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
-    spot["step_timeout_s"] = STEP_TIMEOUT_S
-    if args.batch_lanes is not None:
-        spot["batch_lanes"] = args.batch_lanes
+    spot = client_options(args)
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
         LocalSwarm(Path(tmp), model=args.model) as swarm,
@@ -821,8 +828,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     settings = {"A": args.peer_args, "B": args.ab}
     levels = [str(n) for n in args.sessions]
     rates: dict[str, dict[str, list[float]]] = {name: {n: [] for n in levels} for name in settings}
-    spot: dict[str, Any] = {} if args.spot_check_rate is None else {"spot_check_rate": args.spot_check_rate}
-    spot["step_timeout_s"] = STEP_TIMEOUT_S
+    spot = client_options(args)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flowswarm-ab-")))
         workers: dict[str, Workers] = {}
@@ -831,9 +837,8 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             swarm = stack.enter_context(LocalSwarm(tmp / name, model=args.model))
             start_swarm(swarm, args.peers, peer_args, source.spec.num_layers)
             swarm.wait_all_ready(timeout_s=300)
-            count = max(args.sessions)
             workers[name] = stack.enter_context(
-                Workers(tmp / name, swarm.initial_peers, args.model, count, spot)
+                Workers(tmp / name, swarm.initial_peers, args.model, max(args.sessions), spot)
             )
         for each in workers.values():
             each.wait_ready()

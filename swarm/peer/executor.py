@@ -12,13 +12,13 @@ long prefill runs as chunks, small ones while other sessions decode here (on a G
 queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
-(``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within
-``ride_wait_s``) goes on the decode lane instead and waits there for their next forward call (one period of
+(``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within the
+wait it would have) goes on the decode lane instead and waits there for their next forward call (one period of
 the decode calls here plus ``batch_window_s``, ``ride_wait_s`` at most), which takes it as a few more rows of the
 same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own on the
 prefill thread read them all once more. If no decode call comes, it goes to the prefill thread: alone on the
-decode lane it would hold back the steps that come just after it. A full queue is a
-CapacityError at once, not a backlog.
+decode lane it would hold back the steps that come just after it. A full queue is a CapacityError at once, not
+a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
 client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),

@@ -51,6 +51,11 @@ async def _with_executor(executor: Executor, body) -> object:  # type: ignore[no
             await task
 
 
+def _os_thread_name() -> str:
+    """The calling thread's name in the OS (the lanes name theirs, swarm.models.threads)."""
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
 def test_concurrent_decode_steps_run_as_one_batch_with_the_same_results(blocks: BlockRange) -> None:
     executor = Executor(ExecutorConfig(max_batch=8))
     sessions = [f"s{i}" for i in range(4)]
@@ -224,7 +229,7 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
     def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         tokens = steps[0].hidden.shape[0]
         nice[tokens] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        names[tokens] = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+        names[tokens] = _os_thread_name()
         if tokens > 1:
             assert decoded.wait(30), "the decode step waited for the chunk"
         return real_forward(steps, between_layers)
@@ -900,10 +905,6 @@ def _noted_threads(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[
 
     monkeypatch.setattr(blocks, "forward", noted)
     return calls
-
-
-def _os_thread_name() -> str:
-    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
 
 
 def test_a_short_prefill_riding_along_goes_to_the_prefill_thread_when_no_decode_step_comes(
