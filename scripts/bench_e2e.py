@@ -73,6 +73,7 @@ from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.launcher import log_tail  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 
+OWN_MODEL_PACK_BYTES = 2**40  # blocks_decode's range may keep any packed copy, as the peers here can
 STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
 _V = TypeVar("_V")
@@ -212,7 +213,9 @@ def blocks_decode(source: ModelSource, ids: Sequence[int], new_tokens: int) -> t
 
 @functools.cache
 def _own_model(source: ModelSource) -> tuple[BlockRange, ClientHead]:
-    return source.load_blocks(0, source.spec.num_layers, cache_tokens=4096), source.load_head()
+    # the products in the forms a peer with memory to spare takes (packed or 4-bit weights, as calibrated)
+    blocks = source.load_blocks(0, source.spec.num_layers, cache_tokens=4096, pack_bytes=OWN_MODEL_PACK_BYTES)
+    return blocks, source.load_head()
 
 
 def local_ttft(model: torch.nn.Module, ids: Sequence[int]) -> float:

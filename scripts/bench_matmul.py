@@ -6,13 +6,14 @@
 
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
 ``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel torch
-has here (``swarm.models.matmul``), plus the LM head for one row, on one torch thread; and the forms
+has here (``swarm.models.matmul``; the 4-bit one where the weights are 4-bit), plus the LM head for one row, on one torch thread; and the forms
 ``matmul.calibrate`` chose for them on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models.loading import resolve_model
-from swarm.models.matmul import PACKED_ROWS, Forms, calibrate, linear, pack, packers
+from swarm.models.matmul import PACKED_ROWS, Forms, NotFourBit, calibrate, linear, pack, packers
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     forms, head_forms = calibrate(weights, packing=True), calibrate([head.lm_head_weight], packing=True)
     every_row = {name: Forms(packer=name, packed_rows=frozenset(range(1, PACKED_ROWS + 1)), packed_beyond=True)
                  for name in packers()}  # fmt: skip
-    packed = {name: {id(w): pack(w, name) for w in [*weights, head.lm_head_weight]} for name in packers()}
+    packed = {name: _copies(name, [*weights, head.lm_head_weight]) for name in packers()}
+    # a packer that cannot pack every weight (int4: only exactly 4-bit weights) is timed where it can
+    for_projections = [name for name in packers() if all(id(w) in packed[name] for w in weights)]
+    for_head = [name for name in packers() if id(head.lm_head_weight) in packed[name]]
 
     def packed_product(name: str) -> Product:
         return lambda x, w: linear(x, w, None, every_row[name], packed[name][id(w)])
@@ -68,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         str(rows): {
             "F.linear": projections(F.linear, rows),
             "few_columns": projections(functools.partial(linear, forms=Forms(few_rows=rows)), rows),
-            **{f"packed_{name}": projections(packed_product(name), rows) for name in packers()},
+            **{f"packed_{name}": projections(packed_product(name), rows) for name in for_projections},
         }
         for rows in [*range(1, args.max_rows + 1), 64]
     }
@@ -82,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"packed_{name}": _median_ms(
                 args.repeats, lambda name=name: packed_product(name)(hidden, head.lm_head_weight)
             )
-            for name in packers()
+            for name in for_head
         },
     }
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
@@ -101,6 +105,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             }
         )
     )
+
+
+def _copies(packer: str, weights: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``packer``'s copies of the weights it can pack, by ``id(weight)``."""
+    copies = {}
+    for weight in weights:
+        with contextlib.suppress(NotFourBit):
+            copies[id(weight)] = pack(weight, packer)
+    return copies
 
 
 def _forms_json(forms: Forms) -> dict[str, object]:

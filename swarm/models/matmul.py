@@ -22,6 +22,12 @@ calibration then times each packing for 1 to 16 rows and for 64 (a prefill chunk
 the most, and says for which row counts it pays (``Forms``): speeds jump about between row counts (MKL's
 F.linear took 20.3 ms for 16 rows but 29.5 for 15 on the Intel host).
 
+A fourth form is for weights that are exactly 4-bit (a GGUF Q4_1 checkpoint such as the default model's): the
+"int4" packer keeps them as nibbles with a scale and minimum per block of 32 (swarm.models.int4), 3/16 of the
+float32 bytes, which is what bounds a decode step. On the Zen 3 its kernel took 7.1 / 8.2 / 10.3 / 17.7 / 28.9 ms
+for 1 / 2 / 4 / 8 / 16 rows of those 10 layers against 17.7 / 29.4 / 30.7 / 35.9 / 43.4 through ``F.linear``,
+but 99 against 91 for 64 rows, so a prefill keeps ``F.linear``.
+
 Only the summation order differs from ``F.linear`` in any form (each output is the same dot product), so outputs
 agree with transformers' to float rounding and greedy tokens are those of transformers (the exactness tests).
 GPUs and other dtypes use ``F.linear`` itself.
@@ -43,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import cache_dir
+from swarm.models import int4
 from swarm.models.kept import keep, machine, read_kept
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ CALIBRATION_BYTES = 96 * 2**20  # weights timed per form: more than a CPU's cach
 STORE_NAME = "matmul-forms.json"
 # a form other than F.linear is kept only where it takes at most this share of the time of the one it replaces
 CLEARLY_FASTER = 0.9
+FOUR_BIT_ROWS_CHECKED = 64  # rows of a weight that must be exactly 4-bit for calibration to time that form
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,15 @@ def _has_mkl() -> bool:
 
 @functools.cache
 def packers() -> tuple[str, ...]:
-    """The packed-weight kernels this torch has: oneDNN's (x86 and Arm builds) and MKL's (x86 builds)."""
-    return tuple(name for name, has in (("onednn", _has_onednn), ("mkl", _has_mkl)) if has())
+    """The packed-weight kernels this machine has: oneDNN's (x86 and Arm builds of torch), MKL's (x86 builds),
+    and the 4-bit one (swarm.models.int4, for weights that are exactly 4-bit; x86 with AVX2 and a C compiler)."""
+    return tuple(
+        name for name, has in (("onednn", _has_onednn), ("mkl", _has_mkl), ("int4", int4.available)) if has()
+    )
+
+
+class NotFourBit(ValueError):
+    """A weight asked to be packed as 4-bit is not exactly 4-bit (swarm.models.int4)."""
 
 
 def packing_available() -> bool:
@@ -104,7 +119,12 @@ def packing_available() -> bool:
 
 def pack(weight: torch.Tensor, packer: str) -> torch.Tensor:
     """``packer``'s packed copy of a CPU float32 weight [N, K], for ``linear(..., packed=)``: as large as the
-    weight."""
+    weight, or 3/16 of it for "int4" (NotFourBit if the weight is not exactly 4-bit)."""
+    if packer == "int4":
+        packed = int4.unpack(weight.detach())
+        if packed is None:
+            raise NotFourBit(f"a weight of shape {tuple(weight.shape)} is not exactly 4-bit in blocks of 32")
+        return packed
     if packer == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
     if packer == "mkl":
@@ -117,7 +137,11 @@ def taken(forms: Forms, weights: Sequence[torch.Tensor]) -> tuple[Forms, dict[in
     ``id(weight)``: what a weights' owner keeps."""
     if any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
         return PLAIN, {}
-    return forms, {id(w): pack(w, forms.packer) for w in weights} if forms.packer else {}
+    try:
+        return forms, {id(w): pack(w, forms.packer) for w in weights} if forms.packer else {}
+    except NotFourBit as e:  # calibrated on weights of these shapes that were 4-bit; these are not all
+        logger.info("not taking the 4-bit form: %s", e)
+        return Forms(forms.few_rows), {}
 
 
 def few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, few_rows: int) -> bool:
@@ -156,6 +180,9 @@ def _packed_product(
     rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packer: str
 ) -> torch.Tensor:
     """rows [M, K] @ weight.T (+ bias) through ``packed`` (``pack(weight, packer)``): [M, N]."""
+    if packer == "int4":
+        out = int4.product(rows, packed, weight.shape[0])
+        return out if bias is None else out + bias
     _keep_torch_threads()
     rows = rows.contiguous()  # the packed kernels take rows laid out one after another
     if packer == "onednn":
@@ -240,8 +267,8 @@ def calibrate(
     weights = [w.detach() for w in weights]
     if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.ndim != 2 for w in weights):
         return PLAIN
-    packing = packing and packing_available()
-    key = (torch.get_num_threads(), packing, *sorted({tuple(w.shape) for w in weights}))
+    offered = _offered(weights) if packing else ()
+    key = (torch.get_num_threads(), offered, *sorted({tuple(w.shape) for w in weights}))
     known = _calibrated.get(key)
     if known is not None:
         return known
@@ -250,24 +277,34 @@ def calibrate(
             stored_key = json.dumps([machine(), *key])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
-                forms, how = _measure(_sample(weights), packing, repeats, clock), "measured on this CPU"
+                forms, how = _measure(_sample(weights), offered, repeats, clock), "measured on this CPU"
                 _store(stored_key, forms)
             _calibrated[key] = forms
             logger.info(
                 "matmul forms %s: few-columns for %s, packed weights %s",
                 how,
                 f"up to {forms.few_rows} rows" if forms.few_rows else "no row count",
-                _packed_text(forms, packing),
+                _packed_text(forms, bool(offered)),
             )
         return _calibrated[key]
 
 
-def _measure(sample: list[torch.Tensor], packing: bool, repeats: int, clock: Callable[[], float]) -> Forms:
-    """The forms calibration keeps, timed on ``sample``."""
+def _offered(weights: Sequence[torch.Tensor]) -> tuple[str, ...]:
+    """The packers that can pack these weights: every one this machine has, the 4-bit one only if the weights
+    are 4-bit (judged by the first rows of one weight of each shape; ``taken`` checks every weight)."""
+    one_of_each = {tuple(w.shape): w for w in weights}.values()
+    four_bit = all(int4.unpack(w[:FOUR_BIT_ROWS_CHECKED]) is not None for w in one_of_each)
+    return tuple(p for p in packers() if p != "int4" or four_bit)
+
+
+def _measure(
+    sample: list[torch.Tensor], offered: Sequence[str], repeats: int, clock: Callable[[], float]
+) -> Forms:
+    """The forms calibration keeps, timed on ``sample`` (packed copies with each packer ``offered``)."""
     few_seconds = _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
     few = few_rows_limit(few_seconds)
     forms, most_saved = Forms(few), 0.0
-    for packer in packers() if packing else ():  # the one that saves the most, if any saves at all
+    for packer in offered:  # the one that saves the most, if any saves at all
         seconds = _time_packed(sample, packer, repeats, clock)
         for count in range(1, few + 1):  # these would otherwise take the few-columns form
             seconds[count] = (few_seconds[count][1], seconds[count][1])

@@ -33,6 +33,7 @@ from swarm.models.matmul import (
     packing_available,
     project,
 )
+from swarm.testing.weights import four_bit
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no packed-weight kernels")
 
@@ -107,9 +108,11 @@ def test_packed_weights_give_f_linears_result_for_the_row_counts_they_are_kept_f
     packer: str, rows: int, bias: bool, beyond: bool, packed_calls: list[int]
 ) -> None:
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=generator)
+    features = 64 if packer == "int4" else 40  # the 4-bit form takes blocks of 32 weights
+    weight = torch.randn(96, features, generator=generator)
+    weight = four_bit(weight) if packer == "int4" else weight
     b = torch.randn(96, generator=generator) if bias else None
-    x = torch.randn(1, rows, 40, generator=generator)
+    x = torch.randn(1, rows, features, generator=generator)
     forms = Forms(packer=packer, packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=beyond)
     got = linear(x, weight, b, forms, pack(weight, packer))
     assert got.shape == (1, rows, 96)
@@ -229,7 +232,8 @@ def test_calibration_with_packing_times_each_packer_once_more_per_row_count() ->
     calibrate(weights, repeats=2, clock=clock)
     assert calibrate(weights, repeats=2, packing=True, clock=clock) == PLAIN  # packing is its own key
     per_packer = len(PACKED_TIMED_ROWS) + 1  # and LONG_ROWS
-    assert reads[0] == (MAX_FEW_ROWS * 2 + per_packer * len(packers())) * 3 * 2 * 2
+    timed_packers = [p for p in packers() if p != "int4"]  # the 4-bit form only for 4-bit weights
+    assert reads[0] == (MAX_FEW_ROWS * 2 + per_packer * len(timed_packers)) * 3 * 2 * 2
 
 
 def test_calibration_times_every_shape_within_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,8 +324,9 @@ def test_calibration_works_where_nothing_can_be_kept(
 _THREAD_PROBE = """
 import os, threading, torch
 from swarm.models import matmul
+from swarm.testing.weights import four_bit
 torch.set_num_threads(1)
-weight = torch.randn(512, 64)
+weight = four_bit(torch.randn(512, 64)) if {packer!r} == "int4" else torch.randn(512, 64)
 forms = matmul.Forms(few_rows=4, packer={packer!r}, packed_rows=frozenset(range(1, 17)), packed_beyond=True)
 packed = matmul.pack(weight, {packer!r}) if {packer!r} else None
 inputs = [torch.randn(rows, 64) for rows in (1, 3, 8, 64)]

@@ -1,0 +1,136 @@
+"""swarm.models.int4: exactly 4-bit weights found bit for bit, multiplied to F.linear's result, and greedy tokens
+through 4-bit blocks equal to transformers' on a model whose weights are 4-bit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from client.local import in_process_client
+from swarm.models import SamplingParams, Step, int4, matmul
+from swarm.models.matmul import PACKED_TIMED_ROWS, Forms, NotFourBit, pack, taken
+from swarm.testing.weights import four_bit, make_four_bit
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        not int4.available(), reason="no 4-bit kernel here (needs x86-64 AVX2 and a C compiler)"
+    ),
+]
+
+EVERY_ROW_COUNT = Forms(packer="int4", packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=True)
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300]
+
+
+def _weight(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    return four_bit(torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (7, 32), (1, 1536), (200, 96)])
+def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(shape: tuple[int, int]) -> None:
+    """One-hot rows pick out single weights: the product is each widened weight itself, bit for bit."""
+    weight = _weight(*shape)
+    packed = int4.unpack(weight)
+    assert packed is not None and packed.shape == (shape[0], int4.row_bytes(shape[1]))
+    columns = shape[1]
+    picked = torch.cat(
+        [int4.product(torch.eye(columns)[i : i + 64], packed, shape[0]) for i in range(0, columns, 64)]
+    )
+    assert torch.equal(picked, weight.T)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64])
+def test_products_are_f_linears_for_every_row_count(rows: int) -> None:
+    weight = _weight(96, 128, seed=rows)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows + 1))
+    packed = int4.unpack(weight)
+    assert packed is not None
+    got = int4.product(x, packed, 96)
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        int4.product(x.T.contiguous().T, packed, 96), got, atol=0, rtol=0
+    )  # any layout
+
+
+def test_weights_that_are_not_exactly_4_bit_are_left_alone() -> None:
+    weight = _weight(16, 64)
+    assert int4.unpack(weight) is not None
+    nudged = weight.clone()
+    nudged[3, 40] = torch.nextafter(nudged[3, 40], torch.tensor(1.0))  # one weight one float32 step off
+    assert int4.unpack(nudged) is None
+    assert int4.unpack(torch.randn(16, 64)) is None  # plain float32
+    assert int4.unpack(_weight(16, 64)[:, :48]) is None  # rows not whole blocks
+    assert int4.unpack(weight.double()) is None
+    assert int4.unpack(weight.bfloat16()) is None
+    assert int4.unpack(torch.full((4, 32), float("nan"))) is None
+    constant = torch.full((4, 32), 0.25)  # d = 0: every weight is the block's minimum
+    assert int4.unpack(constant) is not None
+    with pytest.raises(NotFourBit, match="not exactly 4-bit"):
+        pack(torch.randn(16, 64), "int4")
+
+
+def test_packed_weights_that_do_not_fit_the_input_are_refused() -> None:
+    packed = int4.unpack(_weight(16, 64))
+    assert packed is not None
+    with pytest.raises(ValueError, match="do not fit"):
+        int4.product(torch.randn(2, 96), packed, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        int4.product(torch.randn(2, 64), packed, 8)
+
+
+def test_calibration_offers_the_4_bit_form_only_for_4_bit_weights() -> None:
+    assert "int4" in matmul._offered([_weight(64, 64), _weight(32, 128)])
+    assert "int4" not in matmul._offered([_weight(64, 64), torch.randn(32, 128)])
+    # forms calibrated on 4-bit weights of these shapes, taken by weights that are not 4-bit: F.linear
+    forms, copies = taken(EVERY_ROW_COUNT, [_weight(64, 64), torch.randn(64, 64)])
+    assert forms == Forms() and copies == {}
+
+
+@pytest.fixture(scope="module")
+def four_bit_model(tiny_source):  # type: ignore[no-untyped-def]
+    """The tiny Llama with 4-bit weights: transformers' model, and our ranges of it taking the 4-bit form."""
+    reference = tiny_source.load_reference_model()
+    make_four_bit(reference.model.layers)  # the decoder layers: the head stays as the client loads it
+    blocks = []
+    for start, end in [(0, 2), (2, 4), (4, 6)]:
+        block = tiny_source.load_blocks(start, end, cache_tokens=1000)
+        make_four_bit(block.layers)
+        block.use_forms(EVERY_ROW_COUNT)
+        assert block.forms == EVERY_ROW_COUNT and block._packed  # taken: every weight of theirs is 4-bit
+        blocks.append(block)
+    return reference, blocks
+
+
+def test_greedy_generation_through_4_bit_blocks_matches_transformers(tiny_source, four_bit_model) -> None:  # type: ignore[no-untyped-def]
+    reference, blocks = four_bit_model
+    reference.generation_config.eos_token_id = None
+    ids = torch.tensor([PROMPT])
+    expected = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+    )
+    client = in_process_client(tiny_source.load_head(), {f"peer-{i}": b for i, b in enumerate(blocks)})
+    assert (
+        asyncio.run(client.generate_ids(PROMPT, 32, SamplingParams())) == expected[0, len(PROMPT) :].tolist()
+    )
+
+
+def test_batched_4_bit_decode_steps_equal_the_same_steps_alone(tiny_source, four_bit_model) -> None:  # type: ignore[no-untyped-def]
+    """Sessions decoding together go through the kernel's multi-row passes (up to 8 rows, then 8 more)."""
+    _, blocks = four_bit_model
+    block, head = blocks[0], tiny_source.load_head()
+    sessions = [f"s{i}" for i in range(11)]
+    for i, session in enumerate(sessions):
+        block.open_session(session, 20)
+        block.forward([Step(session, head.embed(torch.tensor(PROMPT[: i % 5 + 2])), 0, 2, 0)])
+    tokens = {s: torch.tensor([PROMPT[i % len(PROMPT)]]) for i, s in enumerate(sessions)}
+    together = block.forward(
+        [Step(s, head.embed(tokens[s]), 0, 2, i % 5 + 2) for i, s in enumerate(sessions)]
+    )
+    for i, session in enumerate(sessions):  # the same step again: a replay from that position
+        alone = block.forward([Step(session, head.embed(tokens[session]), 0, 2, i % 5 + 2)])[0]
+        torch.testing.assert_close(alone, together[i], atol=1e-5, rtol=1e-5)
+    for session in sessions:
+        block.close_session(session)
