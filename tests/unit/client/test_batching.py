@@ -304,7 +304,8 @@ def test_sessions_that_end_at_different_times_never_overstate_their_group(tiny_s
     number of steps it declares (a session that ended is not counted in its mates' group), and the tokens are
     those of the sessions run one by one. The settle wait is made endless: a session that neither joined nor
     left its round (one that ended without saying so) would hang the test instead of costing 20 ms."""
-    client, chain = make_client(tiny_source, TINY_SPLIT, round_settle_s=600.0)
+    # one lane: every session's rounds are the same group's
+    client, chain = make_client(tiny_source, TINY_SPLIT, round_settle_s=600.0, batch_lanes=1)
     sent: list[tuple[str, int]] = []
     step = chain.step
 
