@@ -82,8 +82,17 @@ def product(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
+    if rows.ndim != 2 or rows.dtype != torch.float32 or rows.device.type != "cpu":
+        raise ValueError(
+            f"the 4-bit kernel takes CPU float32 rows [M, K], got {rows.dtype} {tuple(rows.shape)}"
+        )
     count, columns = rows.shape
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, row_bytes(columns)):
+    if (
+        columns % BLOCK
+        or packed.dtype != torch.uint8
+        or packed.device.type != "cpu"
+        or tuple(packed.shape) != (out_features, row_bytes(columns))
+    ):
         raise ValueError(
             f"packed weights of shape {tuple(packed.shape)} do not fit inputs of {columns} features and "
             f"{out_features} outputs"

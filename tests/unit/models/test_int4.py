@@ -79,6 +79,11 @@ def test_packed_weights_that_do_not_fit_the_input_are_refused() -> None:
         int4.product(torch.randn(2, 96), packed, 16)
     with pytest.raises(ValueError, match="do not fit"):
         int4.product(torch.randn(2, 64), packed, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        int4.product(torch.randn(2, 65), packed, 16)  # the same packed row length, but not whole blocks
+    for rows in (torch.randn(2, 64, dtype=torch.float64), torch.randn(64), torch.randn(1, 2, 64)):
+        with pytest.raises(ValueError, match="CPU float32 rows"):
+            int4.product(rows, packed, 16)
 
 
 def test_calibration_offers_the_4_bit_form_only_for_4_bit_weights() -> None:
