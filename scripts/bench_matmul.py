@@ -5,9 +5,9 @@
     .venv/bin/python scripts/bench_matmul.py --model tiny --layers 2 --repeats 1 --max-rows 2   # CI smoke size
 
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
-``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel torch
-has here (``swarm.models.matmul``; the 4-bit one where the weights are 4-bit), plus the LM head for one row, on one torch thread; and the forms
-``matmul.calibrate`` chose for them on this machine.
+``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel this
+machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
+row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-BLOCK = 32
+from swarm.models.int4 import BLOCK, LEVELS
 
 
 def four_bit(weight: torch.Tensor) -> torch.Tensor:
@@ -15,8 +15,8 @@ def four_bit(weight: torch.Tensor) -> torch.Tensor:
     rows, columns = weight.shape
     blocks = weight.detach().float().reshape(rows, columns // BLOCK, BLOCK)
     least = blocks.amin(-1, keepdim=True)
-    scale = (blocks.amax(-1, keepdim=True) - least) / 15
-    levels = torch.trunc((blocks - least) / torch.where(scale == 0, 1.0, scale) + 0.5).clamp(0, 15)
+    scale = (blocks.amax(-1, keepdim=True) - least) / LEVELS
+    levels = torch.trunc((blocks - least) / torch.where(scale == 0, 1.0, scale) + 0.5).clamp(0, LEVELS)
     return (scale.half().float() * levels + least.half().float()).reshape(rows, columns)
 
 

@@ -8,6 +8,7 @@ import random
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -829,17 +830,29 @@ def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within
     assert asyncio.run(_with_executor(executor, body)) == [1, 3]
 
 
-def _noted_calls(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str | None, int]]]:
-    """Per ``blocks.forward`` call from now on: the (session, tokens) of its steps."""
-    calls: list[list[tuple[str | None, int]]] = []
+_Note = TypeVar("_Note")
+
+
+def _noted_forwards(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, note: Callable[[list[Step]], _Note]
+) -> list[_Note]:
+    """Per ``blocks.forward`` call from now on: ``note`` of its steps, taken in the thread that runs it."""
+    calls: list[_Note] = []
     real_forward = blocks.forward
 
     def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        calls.append([(step.session_id, step.hidden.shape[0]) for step in steps])
+        calls.append(note(steps))
         return real_forward(steps, between_layers)
 
     monkeypatch.setattr(blocks, "forward", noted)
     return calls
+
+
+def _noted_calls(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str | None, int]]]:
+    """Per ``blocks.forward`` call from now on: the (session, tokens) of its steps."""
+    return _noted_forwards(
+        blocks, monkeypatch, lambda steps: [(step.session_id, step.hidden.shape[0]) for step in steps]
+    )
 
 
 def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
@@ -896,15 +909,9 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
 
 def _noted_threads(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str | None]]]:
     """Per ``blocks.forward`` call from now on: the OS thread's name (decode or prefill lane) and its sessions."""
-    calls: list[tuple[str, list[str | None]]] = []
-    real_forward = blocks.forward
-
-    def noted(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        calls.append((_os_thread_name(), [step.session_id for step in steps]))
-        return real_forward(steps, between_layers)
-
-    monkeypatch.setattr(blocks, "forward", noted)
-    return calls
+    return _noted_forwards(
+        blocks, monkeypatch, lambda steps: (_os_thread_name(), [step.session_id for step in steps])
+    )
 
 
 def test_a_short_prefill_riding_along_goes_to_the_prefill_thread_when_no_decode_step_comes(
