@@ -119,6 +119,13 @@ class BlockRange:
         them (on the torch thread, or before serving)."""
         self.forms, self._packed = taken(forms, self._weights())
 
+    def same_form(self, rows: int, more_rows: int) -> bool:
+        """Whether ``more_rows`` more rows leave a forward call of ``rows`` in the same form of products (always
+        off the CPU, where every call is F.linear)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return True
+        return self.forms.form(rows) == self.forms.form(rows + more_rows)
+
     # --- sessions -----------------------------------------------------------------------------------------
 
     def open_session(self, session_id: str, max_length_tokens: int) -> None:

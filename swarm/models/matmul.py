@@ -82,6 +82,13 @@ class Forms:
         """Whether an input of ``rows`` rows goes through the packed copy (when its owner keeps one)."""
         return bool(self.packer) and (rows in self.packed_rows or (rows > PACKED_ROWS and self.packed_beyond))
 
+    def form(self, rows: int) -> str:
+        """The form ``linear`` takes for a CPU float32 input of ``rows`` rows: the packer's name, "few_rows"
+        (the few-columns form) or "plain" (F.linear)."""
+        if self.packs(rows):
+            return self.packer
+        return "few_rows" if 0 < rows <= self.few_rows else "plain"
+
 
 PLAIN = Forms()  # F.linear for every input
 

@@ -17,7 +17,9 @@ wait it would have) goes on the decode lane instead and waits there for their ne
 the decode calls here plus ``batch_window_s``, ``ride_wait_s`` at most), which takes it as a few more rows of the
 same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own on the
 prefill thread read them all once more. If no decode call comes, it goes to the prefill thread: alone on the
-decode lane it would hold back the steps that come just after it. A full queue is a CapacityError at once, not
+decode lane it would hold back the steps that come just after it. Nor does it ride where its rows would move
+the call to another form of products (here a decode call of the default model, 4-bit, goes to F.linear with a
+16-token window). A full queue is a CapacityError at once, not
 a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
@@ -181,6 +183,7 @@ class Executor:
         self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
         # when the decode lane's last two forward calls with a decode step began: their period (_ride_wait_s)
         self._decode_calls = (-math.inf, -math.inf)
+        self._decode_rows = 1  # how many decode steps the decode lane's last such call ran (_rides_along)
         self._decode = _Lane(
             asyncio.Queue(self.config.queue_jobs),
             ThreadPoolExecutor(
@@ -238,9 +241,16 @@ class Executor:
     def _rides_along(self, job: _Job) -> bool:
         """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``): only while
         a decode step came here within the wait it would have (``_ride_wait_s``), so one more is likely within
-        it (a user's quick next turn after their own answer ended would wait the whole of it for nobody)."""
+        it (a user's quick next turn after their own answer ended would wait the whole of it for nobody), and
+        only if its rows leave that call's products in the form they take without it. A decode call through
+        the 4-bit kernel (swarm/models/int4.py) that takes a 16-token spot-check window goes through F.linear
+        instead: traced on the default model, 2 decode steps took 45-56 ms of CPU in such a call against 14
+        alone, at every hop, while the window's own call on the prefill thread runs beside the decode steps."""
         short = job.tokens <= self.config.ride_along_tokens and not job.long_prefill
-        return short and job.step is not None and self.clock() - self._last_decode_s < self._ride_wait_s()
+        if not short or job.step is None or job.blocks is None:
+            return False
+        recent = self.clock() - self._last_decode_s < self._ride_wait_s()
+        return recent and job.blocks.same_form(self._decode_rows, job.tokens)
 
     def _ride_wait_s(self) -> float:
         """How long a prefill riding along waits for a decode call: the decode calls' last period here plus
@@ -590,8 +600,10 @@ class Executor:
         assert blocks is not None  # a step job always names its blocks
         try:
             if lane is self._decode:
-                if any(job.tokens == 1 for job in jobs):
+                decoding = sum(job.tokens == 1 for job in jobs)
+                if decoding:
                     self._decode_calls = (self._decode_calls[1], self.clock())
+                    self._decode_rows = decoding
                 outputs = await loop.run_in_executor(lane.thread, self._decode_forward, blocks, steps)
             else:
                 # while others decode here: None, no turn; False, a shared one; True, alone

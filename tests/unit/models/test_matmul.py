@@ -191,6 +191,19 @@ def paced_clock(f_linear_s: float, few_columns_s: float) -> tuple[Callable[[], f
     return clock, reads
 
 
+def test_forms_name_the_form_each_row_count_takes() -> None:
+    forms = Forms(few_rows=3, packer="int4", packed_rows=frozenset({1, 2}))
+    assert [forms.form(rows) for rows in (1, 2, 3, 4, PACKED_ROWS + 1)] == [
+        "int4",
+        "int4",
+        "few_rows",
+        "plain",
+        "plain",
+    ]
+    assert Forms(packer="onednn", packed_beyond=True).form(PACKED_ROWS + 1) == "onednn"
+    assert PLAIN.form(1) == "plain"
+
+
 @pytest.mark.parametrize(
     ("f_linear_s", "other_s", "expected"),
     # rows the few-columns form takes stay with it when packed weights are no faster than it

@@ -16,6 +16,7 @@ import torch
 from swarm.errors import CapacityError, SessionError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
+from swarm.models.matmul import PLAIN, Forms
 from swarm.peer import turns as turns_module
 from swarm.peer.executor import (
     _ARRIVALS_HORIZON_S,
@@ -35,7 +36,9 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def blocks() -> BlockRange:
     torch.set_num_threads(1)
-    return resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
+    blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
+    blocks.use_forms(PLAIN)  # F.linear for any rows, whatever this CPU's calibration: prefills may ride along
+    return blocks
 
 
 def _hidden(blocks: BlockRange, tokens: int, seed: int) -> torch.Tensor:
@@ -905,6 +908,53 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
     blocks.forward([Step("alone-d", _hidden(blocks, 1, 9), 0, 2, 3)])
     torch.testing.assert_close(decoded, blocks.forward([Step("alone-d", d_step, 0, 2, 4)])[0])
     blocks.close_session("alone-d")
+
+
+@pytest.mark.parametrize("few_rows", [2, 8])
+def test_a_short_prefill_rides_only_if_the_decode_call_keeps_its_form_of_products(
+    few_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d decodes one step a call. A 4-token prefill of p would make d's next call 5 rows: with the few-columns
+    form up to 8 rows that call stays in it, and p rides; up to 2 rows d's call would leave it for F.linear
+    (as a 4-bit decode call does for a spot-check window), so p goes to the prefill thread. Either way both
+    get the outputs each gets alone."""
+    blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
+    blocks.use_forms(Forms(few_rows=few_rows))
+    rides = few_rows >= 5
+    assert blocks.same_form(1, 4) is rides
+    config = ExecutorConfig(
+        batch_window_s=600.0, group_window_s=0.0, decode_recent_s=1e4, ride_along_tokens=4
+    )
+    executor = Executor(config, clock=lambda: 0.0)
+    calls = _noted_calls(blocks, monkeypatch)
+    d_prompt, d_step, p_prompt = _hidden(blocks, 3, 1), _hidden(blocks, 1, 2), _hidden(blocks, 4, 3)
+
+    async def body() -> tuple[torch.Tensor, torch.Tensor]:
+        for sid in ("form-d", "form-p"):
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        await executor.forward(blocks, Step("form-d", d_prompt, 0, 2, 0))
+        await executor.forward(
+            blocks, Step("form-d", _hidden(blocks, 1, 9), 0, 2, 3)
+        )  # one decode step a call
+        prefill = asyncio.ensure_future(executor.forward(blocks, Step("form-p", p_prompt, 0, 2, 0)))
+        await asyncio.sleep(0)  # p's task runs to its submit (nothing on the way suspends)
+        assert executor._decode.queue.qsize() == int(rides), "p rides the decode lane iff the form holds"
+        decoded = await executor.forward(blocks, Step("form-d", d_step, 0, 2, 4))
+        prefilled = (await prefill).hidden
+        assert ([("form-p", 4), ("form-d", 1)] in calls) is rides, calls
+        assert ([("form-p", 4)] in calls) is not rides, calls
+        for sid in ("form-d", "form-p"):
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return prefilled, decoded.hidden
+
+    prefilled, decoded = asyncio.run(_with_executor(executor, body))
+    monkeypatch.undo()
+    blocks.open_session("alone-p", 16)
+    torch.testing.assert_close(prefilled, blocks.forward([Step("alone-p", p_prompt, 0, 2, 0)])[0])
+    blocks.open_session("alone-d", 16)
+    blocks.forward([Step("alone-d", d_prompt, 0, 2, 0)])
+    blocks.forward([Step("alone-d", _hidden(blocks, 1, 9), 0, 2, 3)])
+    torch.testing.assert_close(decoded, blocks.forward([Step("alone-d", d_step, 0, 2, 4)])[0])
 
 
 def _noted_threads(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str | None]]]:
