@@ -19,8 +19,7 @@ same products: on a CPU a forward call's cost is mostly reading the weights, and
 prefill thread read them all once more. If no decode call comes, it goes to the prefill thread: alone on the
 decode lane it would hold back the steps that come just after it. Nor does it ride where its rows would move
 the call to another form of products (here a decode call of the default model, 4-bit, goes to F.linear with a
-16-token window). A full queue is a CapacityError at once, not
-a backlog.
+16-token window). A full queue is a CapacityError at once, not a backlog.
 
 A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
 client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
