@@ -106,7 +106,12 @@ class ExecutorConfig:
     # instead, as a few more rows of the same products. At 8 client processes on 2 cores (scripts/bench_e2e.py,
     # default spot-checks) the peers' prefill threads fell from ~3 to ~1.5 ms of CPU per generated token, and 8
     # processes gained ~4% (alternated probes: 104.0 against 100.0 tok/s, means of 7 and 9 runs). The prefills
-    # riding in one call hold busy_chunk_tokens at most, as a prefill call would while others decode.
+    # riding in one call hold busy_chunk_tokens at most, as a prefill call would while others decode. It rides only
+    # if its rows leave the call's products in the form they take without it (swarm.models.matmul.Forms.form):
+    # a 4-bit decode call of the default model went through F.linear with a 16-token window, 2 decode steps
+    # 45-56 ms of CPU against 14 (traced); not riding then, 8 client processes gained (paired A/B of
+    # ride_along_tokens 0, 4 rounds: median 1.14) and their peers' decode lanes spent 12.7 against 23.1 ms of CPU
+    # per generated token (scripts/bench_e2e.py, session 26 against 25).
     ride_along_tokens: int = setting(
         16,
         "a prefill of at most this many tokens that comes while others decode here runs in the next decode"
