@@ -900,6 +900,19 @@ def test_while_others_decode_a_short_prefill_rides_in_their_next_forward_call(
 
     prefilled, decoded = asyncio.run(_with_executor(executor, body))
     monkeypatch.undo()
+    _assert_as_alone(blocks, p_prompt, prefilled, d_prompt, d_step, decoded)
+
+
+def _assert_as_alone(
+    blocks: BlockRange,
+    p_prompt: torch.Tensor,
+    prefilled: torch.Tensor,
+    d_prompt: torch.Tensor,
+    d_step: torch.Tensor,
+    decoded: torch.Tensor,
+) -> None:
+    """The ride tests' outputs equal each step's alone: p's prompt gave ``prefilled``; d's prompt, a decode
+    step at 3 (seed 9), then ``d_step`` at 4 gave ``decoded``."""
     blocks.open_session("alone-p", 16)
     torch.testing.assert_close(prefilled, blocks.forward([Step("alone-p", p_prompt, 0, 2, 0)])[0])
     blocks.close_session("alone-p")
@@ -933,9 +946,8 @@ def test_a_short_prefill_rides_only_if_the_decode_call_keeps_its_form_of_product
         for sid in ("form-d", "form-p"):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
         await executor.forward(blocks, Step("form-d", d_prompt, 0, 2, 0))
-        await executor.forward(
-            blocks, Step("form-d", _hidden(blocks, 1, 9), 0, 2, 3)
-        )  # one decode step a call
+        # one decode step a call
+        await executor.forward(blocks, Step("form-d", _hidden(blocks, 1, 9), 0, 2, 3))
         prefill = asyncio.ensure_future(executor.forward(blocks, Step("form-p", p_prompt, 0, 2, 0)))
         await asyncio.sleep(0)  # p's task runs to its submit (nothing on the way suspends)
         assert executor._decode.queue.qsize() == int(rides), "p rides the decode lane iff the form holds"
@@ -949,12 +961,7 @@ def test_a_short_prefill_rides_only_if_the_decode_call_keeps_its_form_of_product
 
     prefilled, decoded = asyncio.run(_with_executor(executor, body))
     monkeypatch.undo()
-    blocks.open_session("alone-p", 16)
-    torch.testing.assert_close(prefilled, blocks.forward([Step("alone-p", p_prompt, 0, 2, 0)])[0])
-    blocks.open_session("alone-d", 16)
-    blocks.forward([Step("alone-d", d_prompt, 0, 2, 0)])
-    blocks.forward([Step("alone-d", _hidden(blocks, 1, 9), 0, 2, 3)])
-    torch.testing.assert_close(decoded, blocks.forward([Step("alone-d", d_step, 0, 2, 4)])[0])
+    _assert_as_alone(blocks, p_prompt, prefilled, d_prompt, d_step, decoded)
 
 
 def _noted_threads(blocks: BlockRange, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str | None]]]:
