@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import cache_dir
-from swarm.models.kept import keep, machine, read_kept
+from swarm.models.kept import keep, machine, one_at_a_time, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -241,13 +241,27 @@ def calibrated_screen(
     if not kinds:
         return None, 0
     key = json.dumps([machine(), torch.get_num_threads(), *weight.shape])
+    kept = _kept_pick(key, kinds, weight)
+    if kept is not None:
+        return kept
+    with one_at_a_time(_picks_path()):
+        kept = _kept_pick(key, kinds, weight)  # picked by the process we waited for, or not
+        if kept is not None:
+            return kept
+        screen, rows = pick_screen(dense, [kind(weight) for kind in kinds.values()], sample, clock)
+        keep(_picks_path(), key, {"screen": type(screen).__name__ if screen else "", "rows": rows})
+    return screen, rows
+
+
+def _kept_pick(
+    key: str, kinds: dict[str, type[ArgmaxScreen]], weight: torch.Tensor
+) -> tuple[ArgmaxScreen | None, int] | None:
+    """The screen kept under ``key`` (built on ``weight``) and its rows, or None if none valid is kept."""
     entry = read_kept(_picks_path(), key)
     if isinstance(entry, dict) and _valid_pick(entry.get("screen"), entry.get("rows"), kinds):
         name, rows = entry["screen"], entry["rows"]
         return (kinds[name](weight), rows) if name else (None, 0)
-    screen, rows = pick_screen(dense, [kind(weight) for kind in kinds.values()], sample, clock)
-    keep(_picks_path(), key, {"screen": type(screen).__name__ if screen else "", "rows": rows})
-    return screen, rows
+    return None
 
 
 def _valid_pick(name: object, rows: object, kinds: dict[str, type[ArgmaxScreen]]) -> bool:

@@ -1,16 +1,20 @@
 """Facts of this machine measured once and kept in the cache directory, so a process starting again on the
 same machine does not spend seconds timing them again (swarm.models.matmul's forms, swarm.models.argmax's
 screen). Each file maps a key (the machine, the torch build and the shapes timed) to what was measured; a
-damaged or unreadable file only means measuring again."""
+damaged or unreadable file only means measuring again. The processes of one machine measure one at a time
+(``one_at_a_time``): peers and clients started together would otherwise time each other's memory traffic, and
+keep for good what none of them would have measured alone."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,6 +44,26 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         f"{fields.get('model name') or 'unknown CPU'} (family {fields.get('cpu family', '?')}, model "
         f"{fields.get('model', '?')}, flags {digest}), {os.cpu_count()} CPUs, torch {torch.__version__}"
     )
+
+
+@contextlib.contextmanager
+def one_at_a_time(path: Path) -> Iterator[None]:
+    """Held by one process of the machine at a time while it measures what it keeps in ``path``: an exclusive
+    ``flock`` on a file beside it, which the kernel drops with the process. A caller that waited reads ``path``
+    again inside, since the one before it may have kept the answer. Where no lock can be had (an unwritable
+    directory) it measures anyway."""
+    try:
+        lock = open(path.with_name(f".{path.name}.lock"), "a")  # noqa: SIM115 (closed below, after the lock)
+    except OSError as e:
+        logger.info("measuring without a lock on %s: %s", path.name, e)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def read_kept(path: Path, key: str) -> object | None:

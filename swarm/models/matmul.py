@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from swarm.config import cache_dir
 from swarm.models import int4
-from swarm.models.kept import keep, machine, read_kept
+from swarm.models.kept import keep, machine, one_at_a_time, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +284,14 @@ def calibrate(
             stored_key = json.dumps([machine(), *key])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
-                forms, how = _measure(_sample(weights), offered, repeats, clock), "measured on this CPU"
-                _store(stored_key, forms)
+                with one_at_a_time(_store_path()):
+                    forms = _stored(stored_key)  # measured by the process we waited for, or not
+                    if forms is None:
+                        forms, how = (
+                            _measure(_sample(weights), offered, repeats, clock),
+                            "measured on this CPU",
+                        )
+                        _store(stored_key, forms)
             _calibrated[key] = forms
             logger.info(
                 "matmul forms %s: few-columns for %s, packed weights %s",

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -332,6 +333,57 @@ def test_calibration_works_where_nothing_can_be_kept(
     (tmp_path / "a file").write_text("")
     monkeypatch.setattr(matmul, "_store_path", lambda: blocked)
     assert calibrate([torch.randn(24, 8)], clock=paced_clock(2.0, 1.0)[0]).few_rows == MAX_FEW_ROWS
+
+
+_MEASURER = """
+import sys, torch
+from swarm.models import matmul
+torch.set_num_threads(int(sys.argv[1]))
+reads, now = [0], [0.0]
+def clock():  # a pass of F.linear takes 2 s, of the few-columns form 1 s; the first read waits for the test
+    if reads[0] == 0:
+        print("measuring", flush=True)
+        sys.stdin.readline()
+    reads[0] += 1
+    if reads[0] % 2 == 0:  # the end of a pass: they alternate, F.linear first
+        now[0] += 2.0 if reads[0] % 4 == 2 else 1.0
+    return now[0]
+print(matmul.calibrate([torch.randn(24, 8)], clock=clock).few_rows, flush=True)
+"""
+
+
+def test_a_calibration_waits_for_another_process_measuring_and_takes_what_it_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Peers started together on one machine measure one at a time: timed beside each other, each would keep
+    for good forms none of them would have measured alone."""
+    monkeypatch.setattr(matmul, "_store_path", lambda: tmp_path / matmul.STORE_NAME)
+    other = subprocess.Popen(
+        [sys.executable, "-c", _MEASURER, str(torch.get_num_threads())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "FLOWSWARM_CACHE": str(tmp_path)},
+    )
+    assert other.stdin is not None and other.stdout is not None
+    try:
+        assert other.stdout.readline() == "measuring\n"  # it holds the lock now
+        ours: list[Forms] = []
+        waiting = threading.Thread(
+            target=lambda: ours.append(calibrate([torch.randn(24, 8)], clock=_never_timed))
+        )
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not ours  # waits for the other process, does not time beside it
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        theirs = int(other.stdout.readline())
+        waiting.join(30)
+        assert not waiting.is_alive()
+        assert [forms.few_rows for forms in ours] == [theirs] and theirs > 0  # theirs, not timed again
+    finally:
+        other.kill()
+        other.wait()
 
 
 _THREAD_PROBE = """
