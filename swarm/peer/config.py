@@ -95,6 +95,18 @@ class ExecutorConfig:
         "let prefill chunks run beside those of other peers on this device while sessions decode here",
         flag="--executor-no-prefill-turns",
     )
+    # A chunk also waits between two layers for the decode calls of the other peers on this device (they share
+    # its cores; swarm/peer/turns.py, DecodeCalls), at most this long per layer. Sarathi's trade: the decode
+    # steps keep their pace and the long prompt takes longer. 4 sessions decoding during a 2048-token prefill
+    # (3 peers on 2 cores, paired probes of 3 rounds each, twice): decode p99 129-215 against 146-233 ms, lower
+    # in each of the 6 pairs; p99 / p50 alone, medians 1.71 and 1.77 against 2.23 and 2.31; but the prefill
+    # took 46-73 against 33-42 s. 8 ms did not lower the p99 (200-207 against 185-233 ms): a chunk that goes on
+    # before a decode call ends runs beside it anyway.
+    device_decode_wait_s: float = setting(
+        0.02,
+        "between two layers a prefill chunk waits at most this long for decode calls of other peers on this"
+        " device (0: never)",
+    )
     busy_prefill_share: float = setting(
         1.0,
         "while other sessions decode here, prefill chunks run at most this share of the time (1: no pause)",
@@ -156,6 +168,8 @@ class ExecutorConfig:
         positive(self, "busy_chunk_tokens", "decode_recent_s")
         if self.ride_along_tokens < 0:
             raise ValueError("ride_along_tokens must be >= 0")
+        if self.device_decode_wait_s < 0:
+            raise ValueError(f"device_decode_wait_s must be >= 0, got {self.device_decode_wait_s}")
         if self.batch_window_s < 0 or self.group_window_s < 0 or self.ride_wait_s < 0:
             raise ValueError("batch_window_s, group_window_s and ride_wait_s must be >= 0")
         if not 0 < self.busy_prefill_share <= 1:

@@ -69,7 +69,7 @@ from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.threads import name_os_thread
 from swarm.peer.config import ExecutorConfig
-from swarm.peer.turns import DeviceTurns
+from swarm.peer.turns import DecodeCalls, DeviceTurns
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +173,13 @@ class Executor:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         turns: DeviceTurns | None = None,
+        decode_calls: DecodeCalls | None = None,
     ) -> None:
         self.config = config or ExecutorConfig()
         self.turns = turns  # this device's prefill turns (swarm/peer/turns.py), if taken
+        self.decode_calls = (
+            decode_calls  # this device's decode calls, which chunks wait for (turns.py), if seen
+        )
         # when decode steps arrive: whether others decode now (_chunk_tokens), which sessions are due (_Arrivals)
         self.clock = clock
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
@@ -636,7 +640,8 @@ class Executor:
         running = threading.Event()
         self._decode_call = running
         try:
-            return blocks.forward(steps)
+            with self.decode_calls.running() if self.decode_calls else contextlib.nullcontext():
+                return blocks.forward(steps)
         finally:
             running.set()
 
@@ -659,8 +664,12 @@ class Executor:
 
         A chunk's layers and a decode step share this process's GIL and the core's caches (on a GPU, the
         device's queue), so the decode step, the latency-bound one, goes first. Waiting for the call running now,
-        never for the next, keeps a chunk going at least a layer per decode call under back-to-back ones."""
+        never for the next, keeps a chunk going at least a layer per decode call under back-to-back ones. Then
+        for the decode calls of the other peers on this device, which share its cores (``decode_calls``, at most
+        ``device_decode_wait_s``)."""
         self._decode_call.wait()
+        if self.decode_calls is not None:
+            self.decode_calls.wait()
 
     async def _call(
         self, loop: asyncio.AbstractEventLoop, lane: _Lane, job: _Job, call: Callable[[], Any]

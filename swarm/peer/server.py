@@ -52,7 +52,7 @@ from swarm.peer.measure import (
 )
 from swarm.peer.planner_service import PlannerService
 from swarm.peer.state import Identity, Peer, Served
-from swarm.peer.turns import TURNS_SUPPORTED, DeviceTurns, turns_path
+from swarm.peer.turns import TURNS_SUPPORTED, DecodeCalls, DeviceTurns, decode_calls_path, turns_path
 from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -110,7 +110,15 @@ async def _serve(
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     taking_turns = config.executor.prefill_turns and TURNS_SUPPORTED
     turns = DeviceTurns(turns_path(config.device)) if taking_turns else None
-    executor = Executor(config.executor, name=f"torch-{config.device}", turns=turns)
+    seeing_decodes = config.executor.device_decode_wait_s > 0 and TURNS_SUPPORTED
+    decode_calls = (
+        DecodeCalls(decode_calls_path(turns_path(config.device)), config.executor.device_decode_wait_s)
+        if seeing_decodes
+        else None
+    )
+    executor = Executor(
+        config.executor, name=f"torch-{config.device}", turns=turns, decode_calls=decode_calls
+    )
     peer = Peer(identity, source.spec, executor, config.sessions, read_live=directory.read_peers)
     announcer = Announcer(directory, peer.record)
     links = LinkMonitor(

@@ -21,6 +21,13 @@ peer that dies never holds it. A peer that hangs holding it (stopped, or its dev
 other peer's prefills: a turn not had within ``wait_s`` (a chunk takes well under a second) is gone without,
 and so is every turn for ``skip_s`` after that. Peers of other users, or of another cache directory, do not see
 the file.
+
+Decode calls are seen across the device too (``DecodeCalls``): a chunk waits between two layers for the decode
+call of its own peer running beside it (swarm/peer/executor.py), and for those of the other peers on the device
+as well, which share its cores (traced on 2 cores: decode calls waited 10-70 ms in the run queue while another
+peer's chunk ran). Each decode call holds a shared ``flock`` on a second file per device; a chunk between two
+layers looks whether it could take that file alone, and if not looks again after a millisecond, for at most
+``wait_s``: a chunk behind back-to-back decode calls of three peers still runs a layer per ``wait_s``.
 """
 
 from __future__ import annotations
@@ -65,6 +72,81 @@ def turns_path(
     uuid = gpu_uuid(index) if parsed.type == "cuda" else None
     name = re.sub(r"[^a-z0-9]", "", f"{parsed.type}{uuid.lower() if uuid else index}")
     return (directory or cache_dir()) / f"prefill-turns-{name}.lock"
+
+
+def decode_calls_path(turns: Path) -> Path:
+    """The file of a device's decode calls, beside its turns' file (``turns_path``)."""
+    return turns.with_name(turns.name.replace("prefill-turns-", "decode-calls-", 1))
+
+
+class DecodeCalls:
+    """This peer's side of its device's decode calls (see the module doc): ``running`` on the decode thread,
+    ``wait`` on the prefill thread, each with a file of its own (two holders of one file cannot tell each other
+    apart). Where locks fail (an unwritable directory, a file system without them), neither does anything."""
+
+    def __init__(
+        self,
+        path: Path,
+        wait_s: float,
+        poll_s: float = 0.001,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self.clock = clock
+        self.sleep = sleep
+        self.waited = 0  # how many waits found a decode call running (for tests and logs)
+        try:
+            self._decoding: IO[bytes] | None = open(path, "a+b")  # noqa: SIM115 (held for the peer's life)
+            self._looking: IO[bytes] | None = open(path, "a+b")  # noqa: SIM115
+        except OSError as e:
+            logger.warning("no decode calls file %s (%s): chunks wait only for this peer's calls", path, e)
+            self._decoding = self._looking = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Held by a decode call for its length. It never waits: the file is only ever held alone for the
+        instant a chunk looks, and a call that meets that instant goes unseen."""
+        held = self._decoding
+        if held is not None:
+            try:
+                fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                held = None
+        try:
+            yield
+        finally:
+            if held is not None:
+                fcntl.flock(held, fcntl.LOCK_UN)
+
+    def wait(self) -> None:
+        """Return once no decode call runs on the device, or after ``wait_s``."""
+        if self._looking is None or self.wait_s <= 0:
+            return
+        deadline = None
+        while True:
+            try:
+                fcntl.flock(self._looking, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                now = self.clock()
+                if deadline is None:
+                    deadline = now + self.wait_s
+                    self.waited += 1
+                if now >= deadline:
+                    return
+                self.sleep(self.poll_s)
+                continue
+            except OSError:
+                return
+            fcntl.flock(self._looking, fcntl.LOCK_UN)
+            return
+
+    def close(self) -> None:
+        for file in (self._decoding, self._looking):
+            if file is not None:
+                file.close()
+        self._decoding = self._looking = None
 
 
 class DeviceTurns:

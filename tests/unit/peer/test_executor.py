@@ -28,7 +28,7 @@ from swarm.peer.executor import (
     _Job,
     _onward_groups,
 )
-from swarm.peer.turns import DeviceTurns
+from swarm.peer.turns import DecodeCalls, DeviceTurns, decode_calls_path, turns_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -795,6 +795,57 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
             await executor.call(lambda s=sid: blocks.close_session(s))
 
     asyncio.run(_with_executor(executor, body))
+
+
+def test_a_prefill_chunk_waits_between_its_layers_for_another_peers_decode_call_on_the_device(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two peers on one device: peer A's decode call is held; a chunk on peer B runs its first layer, then waits
+    before its second until A's call has ended (B's own decode lane is idle)."""
+    release = threading.Event()
+    began = _gate_forward(blocks, monkeypatch, {"device-d": release})
+    real_forward = blocks.forward
+    reached = threading.Event()
+    decode_held_when_passed: list[bool] = []
+
+    def watched(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        def hook() -> None:
+            reached.set()
+            assert between_layers is not None
+            between_layers()
+            decode_held_when_passed.append(not release.is_set())
+
+        return real_forward(steps, hook if steps[0].hidden.shape[0] > 1 else None)
+
+    monkeypatch.setattr(blocks, "forward", watched)
+    path = decode_calls_path(turns_path("cpu", tmp_path))
+    config = ExecutorConfig(ride_along_tokens=0)
+    peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
+    peer_b = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
+
+    async def body() -> None:
+        for sid in ("device-d", "device-p"):
+            await peer_a.call(lambda s=sid: blocks.open_session(s, 16))
+        decode = asyncio.ensure_future(
+            peer_a.forward(blocks, Step("device-d", _hidden(blocks, 1, 1), 0, 2, 0))
+        )
+        assert await asyncio.to_thread(began["device-d"].wait, 30)
+        chunk = asyncio.ensure_future(
+            peer_b.forward(blocks, Step("device-p", _hidden(blocks, 4, 2), 0, 2, 0))
+        )
+        assert await asyncio.to_thread(reached.wait, 30), (
+            "the chunk's first layer runs beside the decode call"
+        )
+        release.set()
+        await asyncio.gather(decode, chunk)
+        assert decode_held_when_passed == [False], "its second layer waits for the other peer's decode call"
+        for sid in ("device-d", "device-p"):
+            await peer_a.call(lambda s=sid: blocks.close_session(s))
+
+    async def both() -> None:
+        await _with_executor(peer_b, lambda: _with_executor(peer_a, body))
+
+    asyncio.run(both())
 
 
 def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within_the_busy_chunk_budget() -> (

@@ -5,12 +5,13 @@ from __future__ import annotations
 import fcntl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from swarm.peer import turns as turns_module
-from swarm.peer.turns import DeviceTurns, turns_path
+from swarm.peer.turns import DecodeCalls, DeviceTurns, decode_calls_path, turns_path
 
 
 def test_each_device_has_its_own_turns_file_and_cuda_is_gpu_0(tmp_path: Path) -> None:
@@ -128,3 +129,57 @@ def test_a_turn_alone_waiting_goes_before_shared_turns_asked_for_after_it(
     waiting_alone.join(30)
     later_shared.join(30)
     assert entered == ["alone", "shared"]
+
+
+class _Ticks:
+    """A clock that moves only when slept on, and the sleeps it saw; ``at_sleep`` runs once at the n-th."""
+
+    def __init__(self, at_sleep: int = -1, then: Callable[[], None] = lambda: None) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+        self.at_sleep, self.then = at_sleep, then
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+        if self.sleeps == self.at_sleep:
+            self.then()
+
+
+def test_a_chunk_waits_for_another_peers_decode_call_until_it_ends(tmp_path: Path) -> None:
+    path = decode_calls_path(turns_path("cpu", tmp_path))
+    other = DecodeCalls(path, wait_s=0.02)  # another peer on the device
+    running = other.running()
+    running.__enter__()
+    ticks = _Ticks(at_sleep=5, then=lambda: running.__exit__(None, None, None))
+    ours = DecodeCalls(path, wait_s=0.02, poll_s=0.001, clock=ticks.clock, sleep=ticks.sleep)
+    ours.wait()
+    assert (ours.waited, ticks.sleeps) == (1, 5)  # looked again each millisecond until the call ended
+    ours.wait()
+    assert (ours.waited, ticks.sleeps) == (1, 5)  # nobody decodes: no wait at all
+
+
+def test_a_chunk_waits_at_most_wait_s_behind_decode_calls_that_keep_coming(tmp_path: Path) -> None:
+    path = decode_calls_path(turns_path("cpu", tmp_path))
+    others = [
+        DecodeCalls(path, wait_s=0.02) for _ in range(2)
+    ]  # two peers' calls overlap: the file stays held
+    with others[0].running(), others[1].running():
+        ticks = _Ticks()
+        ours = DecodeCalls(path, wait_s=0.02, poll_s=0.001, clock=ticks.clock, sleep=ticks.sleep)
+        ours.wait()
+        assert ours.waited == 1 and ticks.now == pytest.approx(0.02, abs=0.0011)
+        assert DecodeCalls(path, wait_s=0.0).wait() is None  # 0: never waits (it would hang here otherwise)
+    for each in [*others, ours]:
+        each.close()
+
+
+def test_decode_calls_go_without_a_file_where_none_can_be_made(tmp_path: Path) -> None:
+    (tmp_path / "a file").write_text("")
+    calls = DecodeCalls(tmp_path / "a file" / "decode-calls-cpu0.lock", wait_s=0.02)  # parent is a file
+    with calls.running():
+        calls.wait()
+    assert calls.waited == 0
