@@ -95,8 +95,9 @@ class ExecutorConfig:
         "let prefill chunks run beside those of other peers on this device while sessions decode here",
         flag="--executor-no-prefill-turns",
     )
-    # A chunk also waits between two layers for the decode calls of the other peers on this device (they share
-    # its cores; swarm/peer/turns.py, DecodeCalls), at most this long per layer. Sarathi's trade: the decode
+    # A long prefill's chunk also waits between two layers for the decode calls of the other peers on this
+    # device (they share its cores; swarm/peer/turns.py, DecodeCalls), at most this long per layer; short
+    # prefills (a prompt, a spot-check's window: one call each) wait only for this peer's. Sarathi's trade: the decode
     # steps keep their pace and the long prompt takes longer. 4 sessions decoding during a 2048-token prefill
     # (3 peers on 2 cores, paired probes of 3 rounds each, twice): decode p99 129-215 against 146-233 ms, lower
     # in each of the 6 pairs; p99 / p50 alone, medians 1.71 and 1.77 against 2.23 and 2.31; but the prefill
@@ -104,8 +105,8 @@ class ExecutorConfig:
     # before a decode call ends runs beside it anyway.
     device_decode_wait_s: float = setting(
         0.02,
-        "between two layers a prefill chunk waits at most this long for decode calls of other peers on this"
-        " device (0: never)",
+        "between two layers a long prefill's chunk waits at most this long for decode calls of other peers"
+        " on this device (0: never)",
     )
     busy_prefill_share: float = setting(
         1.0,

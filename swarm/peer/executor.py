@@ -6,9 +6,10 @@ steps and plain calls on one, prefill chunks on the other, at a lower OS priorit
 is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
 computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
 behind the chunks. Niceness does not give it the GIL, the caches or the hand-offs around the step, so a chunk
-also waits between two of its layers for the decode call running beside it, and while others decode here the
-peers of one device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses). A
-long prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
+also waits between two of its layers for the decode call running beside it (a long prompt's chunk for those of
+the other peers on the device too, ``device_decode_wait_s``), and while others decode here the peers of one
+device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses). A long
+prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
 queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
@@ -654,19 +655,25 @@ class Executor:
         other matter: at 8 client processes, with spot-checks, every prefill call alone cost 5 % of the decode
         throughput (100.5 against 105.8 tok/s, alternated runs), while beside a long prompt's chunks they slowed
         decode steps as much as the chunks do (decode p99 84-86 against 67-71 ms)."""
+        between_layers = self._yield_to_device if alone else self._yield_to_decode
         if alone is None or self.turns is None:
-            return blocks.forward(steps, self._yield_to_decode)
+            return blocks.forward(steps, between_layers)
         with self.turns.turn(alone):
-            return blocks.forward(steps, self._yield_to_decode)
+            return blocks.forward(steps, between_layers)
 
     def _yield_to_decode(self) -> None:
         """Between two layers of a chunk, on the prefill thread: wait for the decode call running now, if any.
 
         A chunk's layers and a decode step share this process's GIL and the core's caches (on a GPU, the
         device's queue), so the decode step, the latency-bound one, goes first. Waiting for the call running now,
-        never for the next, keeps a chunk going at least a layer per decode call under back-to-back ones. Then
-        for the decode calls of the other peers on this device, which share its cores (``decode_calls``, at most
-        ``device_decode_wait_s``)."""
+        never for the next, keeps a chunk going at least a layer per decode call under back-to-back ones."""
+        self._decode_call.wait()
+
+    def _yield_to_device(self) -> None:
+        """``_yield_to_decode``, then (a long prefill's chunk while others decode here) the decode calls of the
+        other peers on this device, which share its cores (``decode_calls``, at most ``device_decode_wait_s``).
+        Short prefills (a session's prompt, a spot-check's window) are one call each and wait only for this
+        peer's: every session's first token and every check would wait for the whole device's decoding."""
         self._decode_call.wait()
         if self.decode_calls is not None:
             self.decode_calls.wait()

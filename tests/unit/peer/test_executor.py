@@ -797,49 +797,55 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
     asyncio.run(_with_executor(executor, body))
 
 
-def test_a_prefill_chunk_waits_between_its_layers_for_another_peers_decode_call_on_the_device(
+def test_a_long_prefills_chunks_wait_between_their_layers_for_another_peers_decode_call_on_the_device(
     blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Two peers on one device: peer A's decode call is held; a chunk on peer B runs its first layer, then waits
-    before its second until A's call has ended (B's own decode lane is idle)."""
+    """Two peers on one device: peer A's decode call is held. On peer B, where others decode too (its own
+    decode lane idle now), a short prefill goes on beside A's call, while a long prefill's chunk runs its first
+    layer, then waits before its second until A's call has ended."""
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"device-d": release})
     real_forward = blocks.forward
     reached = threading.Event()
-    decode_held_when_passed: list[bool] = []
+    passed: list[tuple[str | None, bool]] = []  # (session, A's call still held) at each chunk's second layer
 
     def watched(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         def hook() -> None:
             reached.set()
             assert between_layers is not None
             between_layers()
-            decode_held_when_passed.append(not release.is_set())
+            passed.append((steps[0].session_id, not release.is_set()))
 
         return real_forward(steps, hook if steps[0].hidden.shape[0] > 1 else None)
 
     monkeypatch.setattr(blocks, "forward", watched)
     path = decode_calls_path(turns_path("cpu", tmp_path))
-    config = ExecutorConfig(ride_along_tokens=0)
+    # chunks of 2 tokens while others decode; B's clock stands still, so one decode step keeps it decoding
+    config = ExecutorConfig(ride_along_tokens=0, busy_chunk_tokens=2, prefill_chunk_tokens=2)
     peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
-    peer_b = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
+    peer_b = Executor(config, clock=lambda: 0.0, decode_calls=DecodeCalls(path, wait_s=30))
+    sessions = ("device-d", "device-b", "device-s", "device-p")
 
     async def body() -> None:
-        for sid in ("device-d", "device-p"):
+        for sid in sessions:
             await peer_a.call(lambda s=sid: blocks.open_session(s, 16))
+        await peer_b.forward(blocks, Step("device-b", _hidden(blocks, 1, 3), 0, 2, 0))  # others decode on B
         decode = asyncio.ensure_future(
             peer_a.forward(blocks, Step("device-d", _hidden(blocks, 1, 1), 0, 2, 0))
         )
         assert await asyncio.to_thread(began["device-d"].wait, 30)
-        chunk = asyncio.ensure_future(
-            peer_b.forward(blocks, Step("device-p", _hidden(blocks, 4, 2), 0, 2, 0))
-        )
+        await peer_b.forward(blocks, Step("device-s", _hidden(blocks, 2, 4), 0, 2, 0))  # one call
+        assert passed == [("device-s", True)], "a short prefill goes on beside the other peer's decode call"
+        reached.clear()
+        long = asyncio.ensure_future(peer_b.forward(blocks, Step("device-p", _hidden(blocks, 4, 2), 0, 2, 0)))
         assert await asyncio.to_thread(reached.wait, 30), (
             "the chunk's first layer runs beside the decode call"
         )
+        await asyncio.sleep(0.2)  # a chunk that did not wait would pass its second layer meanwhile
         release.set()
-        await asyncio.gather(decode, chunk)
-        assert decode_held_when_passed == [False], "its second layer waits for the other peer's decode call"
-        for sid in ("device-d", "device-p"):
+        await asyncio.gather(decode, long)
+        assert passed[1:] == [("device-p", False)] * 2, "each chunk's second layer waited for A's decode call"
+        for sid in sessions:
             await peer_a.call(lambda s=sid: blocks.close_session(s))
 
     async def both() -> None:
