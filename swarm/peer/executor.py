@@ -6,10 +6,10 @@ steps and plain calls on one, prefill chunks on the other, at a lower OS priorit
 is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
 computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
 behind the chunks. Niceness does not give it the GIL, the caches or the hand-offs around the step, so a chunk
-also waits between two of its layers for the decode call running beside it (a long prompt's chunk for those of
-the other peers on the device too, ``device_decode_wait_s``), and while others decode here the peers of one
-device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses). A long
-prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
+also waits between two of its layers for the decode call running beside it (a long prompt's chunk, with
+``device_decode_wait_s``, for those of the other peers on the device too), and while others decode here the
+peers of one device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses).
+A long prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
 queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
 *same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
 tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
