@@ -95,17 +95,19 @@ class ExecutorConfig:
         "let prefill chunks run beside those of other peers on this device while sessions decode here",
         flag="--executor-no-prefill-turns",
     )
-    # A long prefill's chunk can also wait between two layers for the decode calls of the other peers on this
-    # device (they share its cores; swarm/peer/turns.py, DecodeCalls), at most this long per layer; short
-    # prefills (one call each) wait only for this peer's. Sarathi's trade: the decode steps keep their pace and
-    # the long prompt takes longer. 4 sessions decoding during a 2048-token prefill (3 peers on 2 cores, paired
-    # probes of 3 rounds each, twice), at 20 ms: decode p99 129-215 against 146-233 ms, lower in each of the 6
-    # pairs; p99 / p50 alone, medians 1.71 and 1.77 against 2.23 and 2.31; the prefill 46-73 against 33-42 s.
-    # 8 ms did not lower the p99 (200-207 ms). Off by default: a chat prompt that comes while others decode is
-    # more than one busy chunk (37 tokens against 32), so it waited too, and one client starting 8 generations
-    # at once reached 29.7-32.5 against 48.1-59.5 tok/s (paired, 4 rounds): their first tokens came late.
+    # A chunk of a long prompt (longer than prefill_chunk_tokens) can also wait between two layers for the decode
+    # calls of the other peers on this device (they share its cores; swarm/peer/turns.py, DecodeCalls), at most
+    # this long per layer; shorter prefills wait only for this peer's. Sarathi's trade: the decode steps keep
+    # their pace and the long prompt takes longer. 4 sessions decoding during a 2048-token prefill (3 peers on
+    # 2 cores, paired probes of 3 rounds), at 20 ms: decode p99 129-215 against 146-233 ms, lower in each of 6
+    # pairs (p99 / p50 alone, medians 1.71 and 1.77 against 2.23 and 2.31), the prefill 46-73 against 33-42 s;
+    # in a slower spell 223 / 233 / 240 against 231 / 242 / 294 ms (p99 / p50 alone, median 2.00 against 2.44),
+    # the prefill 67-73 against 50-57 s. 8 ms did not lower the p99 (200-207 ms). Only long prompts wait: when
+    # every prompt cut into chunks while others decode waited too (a 37-token chat prompt is more than one busy
+    # chunk), one client starting 8 generations at once reached 29.7-32.5 against 48.1-59.5 tok/s (paired, 4
+    # rounds); held to long prompts, 29.3 against 32.0 (median of 4 pairs, beside a test run: noise).
     device_decode_wait_s: float = setting(
-        0.0,
+        0.02,
         "between two layers a long prefill's chunk waits at most this long for decode calls of other peers"
         " on this device (0: never)",
     )

@@ -105,6 +105,8 @@ class _Job:
         False  # a lone decode step at its route's first hop: its batch may wait for sessions due here
     )
     long_prefill: bool = False  # a chunk of a prefill longer than one chunk (it takes this device's turns)
+    # a chunk of a prompt longer than one idle chunk (prefill_chunk_tokens): it waits for the device's decode calls
+    yields_to_device: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # its forward call began (it runs to its end even if its caller gives up)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # ... and has ended
@@ -374,11 +376,19 @@ class Executor:
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
+        long = tokens > self.config.prefill_chunk_tokens  # not a chat prompt cut only because others decode
         while offset < tokens:
             hidden = step.hidden[offset : offset + self._chunk_tokens()]  # [<=chunk, H]
             chunk = Step(step.session_id, hidden, step.start, step.end, step.position + offset)
             part = await self._forward_job(
-                _Job(None, chunk, blocks, asyncio.get_running_loop().create_future(), long_prefill=True)
+                _Job(
+                    None,
+                    chunk,
+                    blocks,
+                    asyncio.get_running_loop().create_future(),
+                    long_prefill=True,
+                    yields_to_device=long,
+                )
             )
             parts.append(part.hidden)
             offset += hidden.shape[0]
@@ -612,7 +622,10 @@ class Executor:
             else:
                 # while others decode here: None, no turn; False, a shared one; True, alone
                 alone = any(job.long_prefill for job in jobs) if self._decoding() else None
-                outputs = await loop.run_in_executor(lane.thread, self._prefill_forward, blocks, steps, alone)
+                device = bool(alone) and any(job.yields_to_device for job in jobs)
+                outputs = await loop.run_in_executor(
+                    lane.thread, self._prefill_forward, blocks, steps, alone, device
+                )
         except Exception as e:
             if len(jobs) == 1:
                 if not isinstance(e, SwarmError):
@@ -647,15 +660,16 @@ class Executor:
             running.set()
 
     def _prefill_forward(
-        self, blocks: BlockRange, steps: list[Step], alone: bool | None
+        self, blocks: BlockRange, steps: list[Step], alone: bool | None, device: bool = False
     ) -> list[torch.Tensor]:
         """``blocks.forward(steps)`` on the prefill thread, giving way to decode steps between layers, and in
         this device's turn (``self.turns``) unless ``alone`` is None (nobody decodes here): alone for a long
         prefill's chunk, shared for short prefills. Short ones (spot-check windows) sharing their turns with each
         other matter: at 8 client processes, with spot-checks, every prefill call alone cost 5 % of the decode
         throughput (100.5 against 105.8 tok/s, alternated runs), while beside a long prompt's chunks they slowed
-        decode steps as much as the chunks do (decode p99 84-86 against 67-71 ms)."""
-        between_layers = self._yield_to_device if alone else self._yield_to_decode
+        decode steps as much as the chunks do (decode p99 84-86 against 67-71 ms). With ``device``, a long
+        prompt's chunk waits for the decode calls of the device's other peers too (``_yield_to_device``)."""
+        between_layers = self._yield_to_device if device else self._yield_to_decode
         if alone is None or self.turns is None:
             return blocks.forward(steps, between_layers)
         with self.turns.turn(alone):
@@ -670,10 +684,12 @@ class Executor:
         self._decode_call.wait()
 
     def _yield_to_device(self) -> None:
-        """``_yield_to_decode``, then (a long prefill's chunk while others decode here) the decode calls of the
-        other peers on this device, which share its cores (``decode_calls``, at most ``device_decode_wait_s``).
-        Short prefills (a session's prompt, a spot-check's window) are one call each and wait only for this
-        peer's: every session's first token and every check would wait for the whole device's decoding."""
+        """``_yield_to_decode``, then (a chunk of a prompt longer than ``prefill_chunk_tokens``, while others
+        decode here) the decode calls of the other peers on this device, which share its cores (``decode_calls``,
+        at most ``device_decode_wait_s``). Shorter prefills wait only for this peer's: a chat prompt (37 tokens
+        here) is cut into chunks while others decode, and when it waited for the whole device's decoding too,
+        the first tokens of 8 generations one client started at once came so late that they reached 29.7-32.5
+        against 48.1-59.5 tok/s (paired, 4 rounds); a spot-check's window is one call."""
         self._decode_call.wait()
         if self.decode_calls is not None:
             self.decode_calls.wait()

@@ -22,10 +22,11 @@ other peer's prefills: a turn not had within ``wait_s`` (a chunk takes well unde
 and so is every turn for ``skip_s`` after that. Peers of other users, or of another cache directory, do not see
 the file.
 
-Decode calls are seen across the device too (``DecodeCalls``): a chunk waits between two layers for the decode
-call of its own peer running beside it (swarm/peer/executor.py), and for those of the other peers on the device
-as well, which share its cores (traced on 2 cores: decode calls waited 10-70 ms in the run queue while another
-peer's chunk ran). Each decode call holds a shared ``flock`` on a second file per device; a chunk between two
+Decode calls are seen across the device too (``DecodeCalls``, ``device_decode_wait_s``; its figures are in
+swarm/peer/config.py): a chunk waits between two layers for the decode call of its own peer running
+beside it (swarm/peer/executor.py), and a long prompt's chunk then for those of the other peers on the device,
+which share its cores (traced on 2 cores: decode calls waited 10-70 ms in the run queue while another peer's
+chunk ran). Each decode call holds a shared ``flock`` on a second file per device; a chunk between two
 layers looks whether it could take that file alone, and if not looks again after a millisecond, for at most
 ``wait_s``: a chunk behind back-to-back decode calls of three peers still runs a layer per ``wait_s``.
 """
@@ -96,7 +97,7 @@ class DecodeCalls:
         self.poll_s = poll_s
         self.clock = clock
         self.sleep = sleep
-        self.waited = 0  # how many waits found a decode call running (for tests and logs)
+        self.waited = 0  # how many waits found a decode call running (for tests)
         try:
             self._decoding: IO[bytes] | None = open(path, "a+b")  # noqa: SIM115 (held for the peer's life)
             self._looking: IO[bytes] | None = open(path, "a+b")  # noqa: SIM115

@@ -797,11 +797,15 @@ def test_a_prefill_chunk_waits_between_its_layers_for_the_decode_call_running_be
     asyncio.run(_with_executor(executor, body))
 
 
-def test_a_long_prefills_chunks_wait_between_their_layers_for_another_peers_decode_call_on_the_device(
-    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(
+    ("idle_chunk", "waits"), [(2, True), (4, False)], ids=["longer than an idle chunk", "cut only while busy"]
+)
+def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decode_call_on_the_device(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, idle_chunk: int, waits: bool
 ) -> None:
     """Two peers on one device: peer A's decode call is held. On peer B, where others decode too (its own
-    decode lane idle now), a short prefill goes on beside A's call, while a long prefill's chunk runs its first
+    decode lane idle now), a short prefill goes on beside A's call, and so do the chunks of a prompt cut only
+    because others decode (within one idle chunk); a chunk of a prompt longer than an idle chunk runs its first
     layer, then waits before its second until A's call has ended."""
     release = threading.Event()
     began = _gate_forward(blocks, monkeypatch, {"device-d": release})
@@ -821,7 +825,7 @@ def test_a_long_prefills_chunks_wait_between_their_layers_for_another_peers_deco
     monkeypatch.setattr(blocks, "forward", watched)
     path = decode_calls_path(turns_path("cpu", tmp_path))
     # chunks of 2 tokens while others decode; B's clock stands still, so one decode step keeps it decoding
-    config = ExecutorConfig(ride_along_tokens=0, busy_chunk_tokens=2, prefill_chunk_tokens=2)
+    config = ExecutorConfig(ride_along_tokens=0, busy_chunk_tokens=2, prefill_chunk_tokens=idle_chunk)
     peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
     peer_b = Executor(config, clock=lambda: 0.0, decode_calls=DecodeCalls(path, wait_s=30))
     sessions = ("device-d", "device-b", "device-s", "device-p")
@@ -837,14 +841,18 @@ def test_a_long_prefills_chunks_wait_between_their_layers_for_another_peers_deco
         await peer_b.forward(blocks, Step("device-s", _hidden(blocks, 2, 4), 0, 2, 0))  # one call
         assert passed == [("device-s", True)], "a short prefill goes on beside the other peer's decode call"
         reached.clear()
-        long = asyncio.ensure_future(peer_b.forward(blocks, Step("device-p", _hidden(blocks, 4, 2), 0, 2, 0)))
-        assert await asyncio.to_thread(reached.wait, 30), (
-            "the chunk's first layer runs beside the decode call"
-        )
-        await asyncio.sleep(0.2)  # a chunk that did not wait would pass its second layer meanwhile
-        release.set()
-        await asyncio.gather(decode, long)
-        assert passed[1:] == [("device-p", False)] * 2, "each chunk's second layer waited for A's decode call"
+        prompt = peer_b.forward(blocks, Step("device-p", _hidden(blocks, 4, 2), 0, 2, 0))  # 2 chunks
+        if waits:
+            long = asyncio.ensure_future(prompt)
+            assert await asyncio.to_thread(reached.wait, 30), "its first layer runs beside the decode call"
+            await asyncio.sleep(0.2)  # a chunk that did not wait would pass its second layer meanwhile
+            release.set()
+            await asyncio.gather(decode, long)
+        else:
+            await asyncio.wait_for(prompt, 10)  # a chunk waiting for A would take wait_s, 30 s, a layer
+            release.set()
+            await decode
+        assert passed[1:] == [("device-p", not waits)] * 2, "each chunk passed its second layer as it should"
         for sid in sessions:
             await peer_a.call(lambda s=sid: blocks.close_session(s))
 
