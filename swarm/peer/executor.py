@@ -180,9 +180,7 @@ class Executor:
     ) -> None:
         self.config = config or ExecutorConfig()
         self.turns = turns  # this device's prefill turns (swarm/peer/turns.py), if taken
-        self.decode_calls = (
-            decode_calls  # this device's decode calls, which chunks wait for (turns.py), if seen
-        )
+        self.decode_calls = decode_calls  # this device's decode calls, which long chunks wait for (turns.py)
         # when decode steps arrive: whether others decode now (_chunk_tokens), which sessions are due (_Arrivals)
         self.clock = clock
         self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
@@ -690,7 +688,7 @@ class Executor:
         here) is cut into chunks while others decode, and when it waited for the whole device's decoding too,
         the first tokens of 8 generations one client started at once came so late that they reached 29.7-32.5
         against 48.1-59.5 tok/s (paired, 4 rounds); a spot-check's window is one call."""
-        self._decode_call.wait()
+        self._yield_to_decode()
         if self.decode_calls is not None:
             self.decode_calls.wait()
 

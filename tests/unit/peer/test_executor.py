@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -827,7 +828,13 @@ def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decod
     # chunks of 2 tokens while others decode; B's clock stands still, so one decode step keeps it decoding
     config = ExecutorConfig(ride_along_tokens=0, busy_chunk_tokens=2, prefill_chunk_tokens=idle_chunk)
     peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
-    peer_b = Executor(config, clock=lambda: 0.0, decode_calls=DecodeCalls(path, wait_s=30))
+    polled = threading.Event()  # B found the device's file held by a decode call and looks again
+
+    def poll(seconds: float) -> None:
+        polled.set()
+        time.sleep(seconds)
+
+    peer_b = Executor(config, clock=lambda: 0.0, decode_calls=DecodeCalls(path, wait_s=30, sleep=poll))
     sessions = ("device-d", "device-b", "device-s", "device-p")
 
     async def body() -> None:
@@ -845,7 +852,7 @@ def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decod
         if waits:
             long = asyncio.ensure_future(prompt)
             assert await asyncio.to_thread(reached.wait, 30), "its first layer runs beside the decode call"
-            await asyncio.sleep(0.2)  # a chunk that did not wait would pass its second layer meanwhile
+            assert await asyncio.to_thread(polled.wait, 30), "before its second, it waits for A's call"
             release.set()
             await asyncio.gather(decode, long)
         else:
