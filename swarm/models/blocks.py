@@ -28,7 +28,7 @@ from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.kv_cache import KVCache, SessionCache
-from swarm.models.matmul import Forms, calibrate, project, taken
+from swarm.models.matmul import Forms, calibrate, linear_together, packed_together, project, taken
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
@@ -118,6 +118,13 @@ class BlockRange:
         """Take ``forms`` for the projections from now on, keeping packed copies of the weights only if they use
         them (on the torch thread, or before serving)."""
         self.forms, self._packed = taken(forms, self._weights())
+        # the projections that read the same input, packed together where the form allows (one product each)
+        self._together = {
+            id(group[0]): together
+            for block in self.layers
+            for group in _same_input(block)
+            if (together := packed_together(self.forms, self._packed, group)) is not None
+        }
 
     def same_form(self, rows: int, more_rows: int) -> bool:
         """Whether ``more_rows`` more rows leave a forward call of ``rows`` in the same form of products (always
@@ -307,9 +314,10 @@ class BlockRange:
 
         x = block.input_layernorm(h)  # [1, N, H]
         # q [1, nh, N, hd]; k, v [1, nkv, N, hd]
-        q = self._project(x, attn.q_proj).view(1, tokens, num_heads, head_dim).transpose(1, 2)
-        k = self._project(x, attn.k_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)
-        v = self._project(x, attn.v_proj).view(1, tokens, num_kv, head_dim).transpose(1, 2)
+        q, k, v = self._projections(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+        q = q.view(1, tokens, num_heads, head_dim).transpose(1, 2)
+        k = k.view(1, tokens, num_kv, head_dim).transpose(1, 2)
+        v = v.view(1, tokens, num_kv, head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         gqa = num_kv != num_heads
 
@@ -343,12 +351,35 @@ class BlockRange:
         h = h + self._project(out, attn.o_proj)
         # the gated MLP of transformers' *MLP, written out
         mlp, x = block.mlp, block.post_attention_layernorm(h)
-        gated = mlp.act_fn(self._project(x, mlp.gate_proj)) * self._project(x, mlp.up_proj)
+        gate, up = self._projections(x, (mlp.gate_proj, mlp.up_proj))
+        gated = mlp.act_fn(gate) * up
         return h + self._project(gated, mlp.down_proj)
 
     def _project(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """A projection in the form this CPU runs fastest for x's rows (swarm.models.matmul)."""
         return project(x, layer, self.forms, self._packed.get(id(layer.weight)))
+
+    def _projections(self, x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
+        """``[self._project(x, layer) for layer in layers]``, as one product where their weights are packed
+        together (swarm.models.matmul.packed_together)."""
+        weights = [layer.weight for layer in layers]
+        together = self._together.get(id(weights[0]))
+        out = linear_together(x, weights, self.forms, together)
+        return out if out is not None else [self._project(x, layer) for layer in layers]
+
+
+def _same_input(block: nn.Module) -> list[list[torch.Tensor]]:
+    """A decoder layer's projections that read the same input: q, k, v; the MLP's gate and up. Only those
+    without a bias (a packed product adds none)."""
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    groups = []
+    for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+        linears: list[nn.Linear] = [
+            layer for name in names if isinstance(layer := getattr(owner, name, None), nn.Linear)
+        ]
+        if len(linears) == len(names) and all(layer.bias is None for layer in linears):
+            groups.append([layer.weight for layer in linears])
+    return groups
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,40 @@ def test_batched_4_bit_decode_steps_equal_the_same_steps_alone(tiny_source, four
         torch.testing.assert_close(alone, together[i], atol=1e-5, rtol=1e-5)
     for session in sessions:
         block.close_session(session)
+
+
+def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_memory(
+    tiny_source, four_bit_model
+) -> None:  # type: ignore[no-untyped-def]
+    """q, k, v (and the MLP's gate and up) go through one product of their packed rows one after another."""
+    _, blocks = four_bit_model
+    block, head = blocks[1], tiny_source.load_head()
+    layer = block.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        together = block._together[id(group[0].weight)]
+        start = together.data_ptr()
+        for projection in group:  # the copies kept of each are views of the one kept together
+            packed = block._packed[id(projection.weight)]
+            assert start <= packed.data_ptr() < start + together.numel()
+    sessions = ["a", "b", "c"]
+    outputs = []
+    for together in (dict(block._together), {}):  # packed together, then one product each
+        block._together = together
+        for i, session in enumerate(sessions):
+            block.open_session(session, 20)
+            steps = [Step(session, head.embed(torch.tensor(PROMPT[: i + 2])), 2, 4, 0)]
+            outputs.append(block.forward(steps)[0])
+        outputs.extend(
+            block.forward(
+                [
+                    Step(s, head.embed(torch.tensor(PROMPT[i : i + 1])), 2, 4, i + 2)
+                    for i, s in enumerate(sessions)
+                ]
+            )
+        )
+        for session in sessions:
+            block.close_session(session)
+    half = len(outputs) // 2
+    for fused, apart in zip(outputs[:half], outputs[half:], strict=True):
+        assert torch.equal(fused, apart)
