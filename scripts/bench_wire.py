@@ -4,8 +4,9 @@
     .venv/bin/python scripts/bench_wire.py [--calls 300] [--hidden-size 576]
 
 Round trips of a decode step's size (one token of hidden states) by: a hivemind unary call; a fresh libp2p stream
-per message; a stream kept open between messages (what swarm.transport does). Then encode/decode of a StepRequest
-and a StepReply of that size, in float32 and bfloat16. Medians, in microseconds.
+per message; a stream kept open between messages (what swarm.transport does), and the same with hivemind's
+send_raw_data, which writes the length prefix apart. Then encode/decode of a StepRequest and a StepReply of that
+size, in float32 and bfloat16. Medians, in microseconds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from functools import partial
 import torch
 from hivemind.p2p import P2P
 
-from swarm.transport.streams import read_frame
+from swarm.transport.streams import read_frame, send_frame
 from swarm.wire import Hop, StepReply, StepRequest, decode_reply, decode_request, encode_reply, encode_request
 
 
@@ -49,7 +50,7 @@ async def _round_trips(calls: int, payload: bytes) -> dict[str, float]:
         ) -> None:
             try:
                 while True:
-                    await P2P.send_raw_data(await read_frame(reader), writer)
+                    await send_frame(writer, await read_frame(reader))
             except (asyncio.IncompleteReadError, ConnectionError):
                 writer.close()
 
@@ -62,13 +63,19 @@ async def _round_trips(calls: int, payload: bytes) -> dict[str, float]:
 
         async def fresh_stream() -> None:
             _, reader, writer = await client.call_binary_stream_handler(target, "bench.stream")
-            await P2P.send_raw_data(payload, writer)
+            await send_frame(writer, payload)
             await read_frame(reader)
             writer.close()
 
         _, reader, writer = await client.call_binary_stream_handler(target, "bench.stream")
 
         async def open_stream() -> None:
+            await send_frame(writer, payload)
+            await read_frame(reader)
+
+        async def open_stream_prefix_apart() -> (
+            None
+        ):  # hivemind's send_raw_data: the length prefix written apart
             await P2P.send_raw_data(payload, writer)
             await read_frame(reader)
 
@@ -76,6 +83,7 @@ async def _round_trips(calls: int, payload: bytes) -> dict[str, float]:
             "unary_call_us": await _timed(calls, unary),
             "fresh_stream_us": await _timed(calls // 3, fresh_stream),
             "open_stream_us": await _timed(calls, open_stream),
+            "open_stream_prefix_apart_us": await _timed(calls, open_stream_prefix_apart),
         }
     finally:
         await client.shutdown()

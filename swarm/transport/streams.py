@@ -68,6 +68,15 @@ async def read_frame(reader: asyncio.StreamReader, *, first: bool = False) -> by
     return await reader.readexactly(length)
 
 
+async def send_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write ``data`` with its length prefix (what ``read_frame`` reads) in one write. hivemind's send_raw_data
+    writes the 8-byte prefix on its own: a send of its own, and for the daemon a read of its own, on every frame.
+    A 2.6 KB frame and its echo on an open stream: 358 against 400 us, p2pd 315 against 375 us of CPU, this
+    process 159 against 179 (scripts/bench_wire.py)."""
+    writer.writelines((len(data).to_bytes(HEADER_BYTES, "big"), data))
+    await writer.drain()
+
+
 @dataclass
 class _Stream:
     reader: asyncio.StreamReader
@@ -126,7 +135,7 @@ class StreamPool:
         done = False
         try:
             try:
-                await P2P.send_raw_data(request, stream.writer)
+                await send_frame(stream.writer, request)
             except (ConnectionError, OSError) as e:  # the frame did not get through whole: nothing ran
                 raise StaleStream(f"could not write on the stream: {e}") from None
             reply = await read_frame(stream.reader, first=True)
@@ -167,7 +176,7 @@ async def serve_stream(
                 return
             reply = await handler(request, remote)
             try:
-                await P2P.send_raw_data(reply, writer)
+                await send_frame(writer, reply)
             except (ConnectionError, OSError) as e:  # the caller went away; it will report its own timeout
                 logger.debug("could not send a stream reply to %s: %s", remote[-8:], e)
                 return
