@@ -155,15 +155,20 @@ class _Arrivals:
         )
 
 
-def _start_prefill_thread(nice: int) -> None:
-    """Name the calling (prefill) thread and run it ``nice`` steps nicer than it is (Linux sets niceness per
-    thread)."""
+def _start_prefill_thread(nice: int, idle: bool) -> None:
+    """Name the calling (prefill) thread, run it ``nice`` steps nicer than it is (Linux sets niceness per
+    thread) and, with ``idle``, under the idle scheduling policy (see ExecutorConfig.prefill_idle)."""
     name_os_thread(PREFILL_THREAD)
     thread = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
     except (AttributeError, OSError) as e:  # not Linux, or not allowed: prefill just competes as an equal
         logger.info("prefill thread keeps its priority (%s)", e)
+    if idle:
+        try:
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError) as e:  # not Linux: its niceness alone
+            logger.info("prefill thread keeps the normal scheduling policy (%s)", e)
 
 
 class Executor:
@@ -201,7 +206,7 @@ class Executor:
             max_workers=1,
             thread_name_prefix=f"{name}-prefill",
             initializer=_start_prefill_thread,
-            initargs=(self.config.prefill_nice,),
+            initargs=(self.config.prefill_nice, self.config.prefill_idle),
         )
         self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)
         # held while a prefill chunk or a plain call runs: calls (open, close, moves) change caches and ranges

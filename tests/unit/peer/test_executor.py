@@ -219,21 +219,26 @@ def test_a_job_whose_caller_gave_up_while_queued_is_skipped(blocks: BlockRange) 
     assert ran == ["kept"]
 
 
+@pytest.mark.parametrize("idle", [True, False])
 def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_lower_priority(
-    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, idle: bool
 ) -> None:
     """The chunk's forward blocks until the decode step's result is back: with one torch thread this could
-    never finish. Each thread's niceness and OS name are read inside its forward: the chunk's niceness is
-    prefill_nice higher, and each lane's thread carries its name (per-thread CPU tells the lanes apart)."""
-    executor = Executor(ExecutorConfig(prefill_nice=5, ride_along_tokens=0))  # an 8-token chunk, not riding
+    never finish. Each thread's niceness, scheduling policy and OS name are read inside its forward: the chunk's
+    niceness is prefill_nice higher, its policy the idle one with prefill_idle, and each lane's thread carries
+    its name (per-thread CPU tells the lanes apart)."""
+    config = ExecutorConfig(prefill_nice=5, prefill_idle=idle, ride_along_tokens=0)  # an 8-token chunk
+    executor = Executor(config)
     decoded = threading.Event()
     nice: dict[int, int] = {}
+    policy: dict[int, int] = {}
     names: dict[int, str] = {}
     real_forward = blocks.forward
 
     def gated(steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         tokens = steps[0].hidden.shape[0]
         nice[tokens] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        policy[tokens] = os.sched_getscheduler(threading.get_native_id())
         names[tokens] = _os_thread_name()
         if tokens > 1:
             assert decoded.wait(30), "the decode step waited for the chunk"
@@ -253,6 +258,7 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
 
     asyncio.run(_with_executor(executor, body))
     assert nice[8] == min(19, nice[1] + 5)
+    assert policy == {1: os.SCHED_OTHER, 8: os.SCHED_IDLE if idle else os.SCHED_OTHER}
     assert names == {1: DECODE_THREAD, 8: PREFILL_THREAD}
 
 
