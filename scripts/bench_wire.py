@@ -73,9 +73,8 @@ async def _round_trips(calls: int, payload: bytes) -> dict[str, float]:
             await send_frame(writer, payload)
             await read_frame(reader)
 
-        async def open_stream_prefix_apart() -> (
-            None
-        ):  # hivemind's send_raw_data: the length prefix written apart
+        # hivemind's send_raw_data, which writes the length prefix apart: a send of its own per frame
+        async def open_stream_prefix_apart() -> None:
             await P2P.send_raw_data(payload, writer)
             await read_frame(reader)
 
