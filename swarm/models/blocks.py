@@ -12,6 +12,10 @@ norms, projections and MLP see all their tokens as one [1, N, H] tensor (the wei
 what decode speed is bound by, and decode rows ride along a prefill chunk almost for free), attention runs per
 step over its own session's cache (no padding copies; 2x faster than padding+masking at 8 sessions of ~1k tokens
 on CPU). Stateless steps (no session) run one by one. A BlockRange is not thread-safe: one executor thread owns it.
+
+Decode steps alone (one token per session) whose layers are all packed 4-bit go through swarm.models.int4's
+decode_layer instead, one C call per layer: the same operations without an interpreter and dispatch cost for
+each of them, which on a CPU cost more than a one-row step's products.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
+from swarm.models import int4
 from swarm.models.kv_cache import KVCache, SessionCache
 from swarm.models.matmul import Forms, calibrate, linear_together, packed_together, project, taken
 from swarm.models.spec import ModelSpec
@@ -107,6 +112,7 @@ class BlockRange:
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
         # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
+        self._silu = getattr(config, "hidden_act", None) in ("silu", "swish")
         weights = self._weights()
         affordable = 0 < sum(w.numel() * w.element_size() for w in weights) <= pack_bytes
         self.use_forms(calibrate(weights, packing=affordable))
@@ -125,6 +131,42 @@ class BlockRange:
             for group in _same_input(block)
             if (together := packed_together(self.forms, self._packed, group)) is not None
         }
+        # each layer as int4.decode_layer takes it, where it can (None: the layer's decode steps go through _layer)
+        self._fused = [self._fused_weights(block) for block in self.layers]
+
+    def _fused_weights(self, block: Any) -> int4.LayerWeights | None:
+        """The layer's weights for int4.decode_layer: a Llama-family layer (RMSNorms, SiLU-gated MLP, no biases,
+        no norms of q and k) whose projections are all packed 4-bit, q, k, v and gate, up together."""
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        norms: list[Any] = [getattr(block, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+        if attn is None or mlp is None or not self._silu or self.head_dim % 2 or self.head_dim > 512:
+            return None
+        if any(getattr(attn, name, None) is not None for name in ("q_norm", "k_norm")):
+            return None
+        if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
+            return None
+        weights = [n.weight for n in norms]
+        if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in weights):
+            return None
+        if norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return None
+        qkv = self._together.get(id(attn.q_proj.weight))
+        gate_up = self._together.get(id(mlp.gate_proj.weight))
+        o, down = self._packed.get(id(attn.o_proj.weight)), self._packed.get(id(mlp.down_proj.weight))
+        if qkv is None or gate_up is None or o is None or down is None:
+            return None
+        if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        return int4.LayerWeights(
+            weights[0],
+            weights[1],
+            float(norms[0].variance_epsilon),
+            qkv,
+            o,
+            gate_up,
+            down,
+            int(mlp.down_proj.weight.shape[1]),
+        )
 
     def same_form(self, rows: int, more_rows: int) -> bool:
         """Whether ``more_rows`` more rows leave a forward call of ``rows`` in the same form of products (always
@@ -271,12 +313,51 @@ class BlockRange:
         )[None]  # [1, N]
         cos, sin = self.rotary(h, position_ids)  # [1, N, head_dim] each, in h's dtype
         caches = [self.cache.get(s.session_id or "") for s in steps]
+        if self._fusable(start, end, sizes, h):
+            return self._run_fused(h[0], cos[0], sin[0], caches, start, end, between_layers)
         attention = [self._attention_mask(s.position, t) for s, t in zip(steps, sizes, strict=True)]
         for layer in range(start, end):
             if between_layers is not None and layer > start:
                 between_layers()
             h = self._layer(layer, h, cos, sin, _Ragged(caches, sizes, attention))
         return list(h[0].split(sizes))
+
+    def _fusable(self, start: int, end: int, sizes: list[int], h: torch.Tensor) -> bool:
+        """Whether these steps go through int4.decode_layer: one token each, as many rows as the 4-bit form
+        takes, float32 on the CPU, and every layer fused."""
+        return (
+            all(size == 1 for size in sizes)
+            and self.forms.packs(len(sizes))
+            and h.dtype == torch.float32
+            and h.device.type == "cpu"
+            and all(w is not None for w in self._fused[start - self.range.start : end - self.range.start])
+        )
+
+    def _run_fused(
+        self,
+        h: torch.Tensor,  # [N, H], each row one token of its own session
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[SessionCache],
+        start: int,
+        end: int,
+        between_layers: Callable[[], None] | None,
+    ) -> list[torch.Tensor]:
+        """_run for decode steps, a layer a call of int4.decode_layer (h is changed in place)."""
+        h = h.contiguous()
+        like = torch.empty(self.spec.num_kv_heads, 1, self.head_dim)  # what a cache grows by
+        layers: Any = self.layers
+        attention = int4.Attention(
+            self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, float(layers[0].self_attn.scaling)
+        )
+        for layer in range(start, end):
+            if between_layers is not None and layer > start:
+                between_layers()
+            weights = self._fused[layer - self.range.start]
+            assert weights is not None  # _fusable
+            slots = [cache.reserve(layer, like) for cache in caches]
+            int4.decode_layer(h, weights, attention, cos, sin, slots)
+        return list(h.split(1))
 
     def _attention_mask(self, first: int, tokens: int) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) for ``tokens`` new queries after ``first`` cached keys."""

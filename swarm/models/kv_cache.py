@@ -49,19 +49,26 @@ class SessionCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [kv_heads, T, head_dim] after the cached tokens; return views of all [kv_heads, L, head_dim]."""
+        keys, values, old = self.reserve(layer, k)
+        new = old + k.shape[1]
+        keys[:, old:new] = k
+        values[:, old:new] = v
+        return keys[:, :new], values[:, :new]
+
+    def reserve(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Count ``like.shape[1]`` more tokens in ``layer``, whose keys and values the caller writes at once:
+        (keys, values, old length), the whole stores [kv_heads, capacity, head_dim] with room for them."""
         i = layer - self.layers.start
-        old, new = self.lengths[i], self.lengths[i] + k.shape[1]
+        old, new = self.lengths[i], self.lengths[i] + like.shape[1]
         if new > self.max_length_tokens:
             raise ProtocolError(
                 f"session {self.session_id}: {new} tokens exceed its max length {self.max_length_tokens}"
             )
         keys, values = self.keys[i], self.values[i]
         if keys is None or values is None or keys.shape[1] < new:
-            keys, values = self._grow(i, k, new)
-        keys[:, old:new] = k
-        values[:, old:new] = v
+            keys, values = self._grow(i, like, new)
         self.lengths[i] = new
-        return keys[:, :new], values[:, :new]
+        return keys, values, old
 
     def widen(self, layers: LayerRange) -> None:
         """Hold ``layers`` (which cover the held ones) from now on; the new layers start empty. The cached

@@ -176,3 +176,78 @@ def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_
     half = len(outputs) // 2
     for fused, apart in zip(outputs[:half], outputs[half:], strict=True):
         assert torch.equal(fused, apart)
+
+
+def test_decode_steps_through_the_fused_layer_equal_the_layer_written_out(
+    tiny_source, four_bit_model, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """int4.decode_layer runs a whole layer for rows of one token each: the same as _layer's torch operations to
+    float rounding, outputs and caches alike, for sessions of different lengths growing past their first
+    cache capacity, in any order."""
+    _, blocks = four_bit_model
+    block, head = blocks[2], tiny_source.load_head()
+    fused = list(block._fused)
+    assert all(weights is not None for weights in fused)
+    calls = []
+    real = int4.decode_layer
+    monkeypatch.setattr(int4, "decode_layer", lambda *a: calls.append(len(a[0])) or real(*a))
+    sessions = [f"f{i}" for i in range(9)]
+    lengths = {s: 1 + 7 * i for i, s in enumerate(sessions)}
+    results = {}
+    for mode, layers in (("fused", fused), ("written out", [None] * len(fused))):
+        block._fused = layers
+        rng = torch.Generator().manual_seed(3)
+        for session in sessions:
+            block.open_session(session, 100)  # 9 of them in the fixture's 1000 cache tokens
+            prompt = torch.tensor([PROMPT[j % len(PROMPT)] for j in range(lengths[session])])
+            block.forward([Step(session, head.embed(prompt), 4, 6, 0)])
+        outputs = []
+        order = torch.Generator().manual_seed(5)
+        for step in range(30):  # past the caches' first capacity
+            batch = [sessions[i] for i in torch.randperm(len(sessions), generator=order)[: 1 + step % 9]]
+            hidden = torch.randn(len(batch), tiny_source.spec.hidden_size, generator=rng)
+            positions = [block.session_length(s, 4) for s in batch]
+            out = block.forward(
+                [
+                    Step(s, hidden[i : i + 1], 4, 6, p)
+                    for i, (s, p) in enumerate(zip(batch, positions, strict=True))
+                ]
+            )
+            outputs.append(torch.cat(out))
+        caches = {s: block.cache.get(s) for s in sessions}
+        results[mode] = (
+            outputs,
+            {
+                s: [(c.keys[i][:, : c.lengths[i]], c.values[i][:, : c.lengths[i]]) for i in range(2)]
+                for s, c in caches.items()
+            },
+            {s: list(c.lengths) for s, c in caches.items()},
+        )
+        for session in sessions:
+            block.close_session(session)
+    block._fused = fused
+    # 30 steps x 2 layers and f0's one-token prompt (a step of one token too), then none while written out
+    assert len(calls) == 62 and max(calls) == 9
+    (fused_out, fused_kv, fused_lengths), (plain_out, plain_kv, plain_lengths) = (
+        results["fused"],
+        results["written out"],
+    )
+    assert fused_lengths == plain_lengths
+    for a, b in zip(fused_out, plain_out, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for session in sessions:
+        for (k1, v1), (k2, v2) in zip(fused_kv[session], plain_kv[session], strict=True):
+            torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
+    attention = int4.Attention(heads=2, kv_heads=1, head_dim=32, scale=0.2)
+    h = torch.zeros(1, 64)
+    full = torch.zeros(1, 4, 32)
+    weights = int4.LayerWeights(*(torch.zeros(1),) * 2, 1e-5, *(torch.zeros(1, dtype=torch.uint8),) * 4, 64)
+    angles = torch.zeros(1, 32)
+    with pytest.raises(ValueError, match="cannot take token 4"):
+        int4.decode_layer(h, weights, attention, angles, angles, [(full, full, 4)])
+    with pytest.raises(ValueError, match="N caches"):
+        int4.decode_layer(h, weights, attention, angles, angles, [])
