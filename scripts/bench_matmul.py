@@ -7,7 +7,9 @@
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
 ``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel this
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
-row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine.
+row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
+takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
+each) with each layer in one call of ``int4.decode_layer`` and written out in torch operations, alternated.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from swarm.models.loading import resolve_model
+from swarm.models import Step
+from swarm.models.int4 import LayerWeights
+from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.matmul import PACKED_ROWS, Forms, NotFourBit, calibrate, linear, pack, packers
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -89,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in for_head
         },
     }
+    decode_calls = _decode_calls(source, layers, args.max_rows, args.repeats)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
         json.dumps(
@@ -102,9 +107,43 @@ def main(argv: Sequence[str] | None = None) -> None:
                 },
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
+                "decode_call_ms_by_rows": decode_calls,
             }
         )
     )
+
+
+def _decode_calls(
+    source: ModelSource, layers: int, max_rows: int, repeats: int
+) -> dict[str, dict[str, float]] | None:
+    """{rows: {"decode_layer": ms, "written_out": ms}} for a decode call of ``layers`` layers (None where the
+    calibrated forms leave the layers unfused: weights not 4-bit, no kernel)."""
+    blocks = source.load_blocks(0, layers, cache_tokens=64 * max_rows * 4, pack_bytes=2**40)
+    fused = list(blocks._fused)
+    if not all(fused):
+        return None
+    hidden = source.spec.hidden_size
+    calls: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in sorted({1, max(1, max_rows // 2), max_rows}):
+            if not blocks.forms.packs(rows):
+                continue
+            sessions = [f"bench-{rows}-{i}" for i in range(rows)]
+            for session in sessions:
+                blocks.open_session(session, 64 * 4)
+                blocks.forward([Step(session, torch.randn(37, hidden), 0, layers, 0)])
+            times: dict[str, list[float]] = {"decode_layer": [], "written_out": []}
+            for _ in range(max(1, repeats)):  # alternated: a slow spell of the machine hits both
+                unfused: list[LayerWeights | None] = [None] * len(fused)
+                for name, form in (("decode_layer", fused), ("written_out", unfused)):
+                    blocks._fused = form
+                    steps = [Step(s, torch.randn(1, hidden), 0, layers, 37) for s in sessions]  # replayed
+                    times[name].append(_median_ms(5, functools.partial(blocks.forward, steps)))
+            blocks._fused = fused
+            calls[str(rows)] = {name: statistics.median(ms) for name, ms in times.items()}
+            for session in sessions:
+                blocks.close_session(session)
+    return calls
 
 
 def _copies(packer: str, weights: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
