@@ -17,10 +17,10 @@ took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear``
 
 `decode_layer` runs a whole Llama-family layer for rows of one token each (decode steps) in one call of the same
 library: norms, the packed products, rotary angles, the cache writes, attention and the gated MLP. Written out
-in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer call of one row
-took 11.0 ms, 5.75 of them in the kernel; in one call it takes 6.6 ms (4 rows: 16.4 -> 10.5, 8 rows: 25.8 ->
-18.6; /work/bench29/fusedab.py alternates the two on one range). Each operation rounds as torch's does except
-the sums of the norms and of attention, and exp (libm's): outputs agree to float rounding (relative 1e-6).
+in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer call of the
+default model took 10.6 ms for one row, and takes 6.2 ms so (4 rows: 18.0 -> 11.3 ms, 8 rows: 24.5 -> 16.6;
+``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
+of the norms and of attention, and exp (libm's): outputs agree to float rounding (relative 1e-6).
 """
 
 from __future__ import annotations
