@@ -13,9 +13,10 @@ what decode speed is bound by, and decode rows ride along a prefill chunk almost
 step over its own session's cache (no padding copies; 2x faster than padding+masking at 8 sessions of ~1k tokens
 on CPU). Stateless steps (no session) run one by one. A BlockRange is not thread-safe: one executor thread owns it.
 
-Decode steps alone (one token per session) whose layers are all packed 4-bit go through swarm.models.int4's
-decode_layer instead, one C call per layer: the same operations without an interpreter and dispatch cost for
-each of them, which on a CPU cost more than a one-row step's products.
+Steps of few tokens in all (decode steps, short prefills such as spot-check windows) whose layers are all
+packed 4-bit go through swarm.models.int4's decode_layer instead, one C call per layer: the same operations
+without an interpreter and dispatch cost for each of them, which on a CPU cost more than a one-row step's
+products.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ class BlockRange:
         cos, sin = self.rotary(h, position_ids)  # [1, N, head_dim] each, in h's dtype
         caches = [self.cache.get(s.session_id or "") for s in steps]
         if self._fusable(start, end, sizes, h):
-            return self._run_fused(h[0], cos[0], sin[0], caches, start, end, between_layers)
+            return self._run_fused(h[0], cos[0], sin[0], caches, sizes, start, end, between_layers)
         attention = [self._attention_mask(s.position, t) for s, t in zip(steps, sizes, strict=True)]
         for layer in range(start, end):
             if between_layers is not None and layer > start:
@@ -323,11 +324,11 @@ class BlockRange:
         return list(h[0].split(sizes))
 
     def _fusable(self, start: int, end: int, sizes: list[int], h: torch.Tensor) -> bool:
-        """Whether these steps go through int4.decode_layer: one token each, as many rows as the 4-bit form
-        takes, float32 on the CPU, and every layer fused."""
+        """Whether these steps go through int4.decode_layer: as many tokens in all as the 4-bit form takes
+        (decode steps, short prefills such as spot-check windows, and both in one call), float32 on the CPU, and
+        every layer fused."""
         return (
-            all(size == 1 for size in sizes)
-            and self.forms.packs(len(sizes))
+            self.forms.packs(sum(sizes))
             and h.dtype == torch.float32
             and h.device.type == "cpu"
             and all(w is not None for w in self._fused[start - self.range.start : end - self.range.start])
@@ -335,17 +336,21 @@ class BlockRange:
 
     def _run_fused(
         self,
-        h: torch.Tensor,  # [N, H], each row one token of its own session
+        h: torch.Tensor,  # [N, H], the steps' tokens one after another
         cos: torch.Tensor,
         sin: torch.Tensor,
         caches: list[SessionCache],
+        sizes: list[int],
         start: int,
         end: int,
         between_layers: Callable[[], None] | None,
     ) -> list[torch.Tensor]:
-        """_run for decode steps, a layer a call of int4.decode_layer (h is changed in place)."""
+        """_run for steps of few tokens, a layer a call of int4.decode_layer (h is changed in place). A step's
+        tokens are rows at consecutive positions of one cache: each row attends to the rows before it, which the
+        call has cached by then, so a step of several tokens is causal as in _layer."""
         h = h.contiguous()
-        like = torch.empty(self.spec.num_kv_heads, 1, self.head_dim)  # what a cache grows by
+        # what each step's cache grows by
+        likes = {size: torch.empty(self.spec.num_kv_heads, size, self.head_dim) for size in set(sizes)}
         layers: Any = self.layers
         attention = int4.Attention(
             self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, float(layers[0].self_attn.scaling)
@@ -355,9 +360,12 @@ class BlockRange:
                 between_layers()
             weights = self._fused[layer - self.range.start]
             assert weights is not None  # _fusable
-            slots = [cache.reserve(layer, like) for cache in caches]
+            slots: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            for cache, size in zip(caches, sizes, strict=True):
+                keys, values, length = cache.reserve(layer, likes[size])
+                slots.extend((keys, values, length + i) for i in range(size))
             int4.decode_layer(h, weights, attention, cos, sin, slots)
-        return list(h.split(1))
+        return list(h.split(sizes))
 
     def _attention_mask(self, first: int, tokens: int) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) for ``tokens`` new queries after ``first`` cached keys."""

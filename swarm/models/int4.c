@@ -147,7 +147,9 @@ static void attend(const float *q, const float *keys, const float *values, long 
     }
 }
 
-/* h [rows, hidden] += the layer's attention and MLP, each row one new token of its own session.
+/* h [rows, hidden] += the layer's attention and MLP, each row one new token of a session. Rows are taken in
+   order, each cached before the next attends, so consecutive rows of one session (one cache, lengths counting
+   up) attend causally to each other.
    Packed weights as int4_matmul takes them: q|k|v one after another, o, gate|up one after another, down.
    cos, sin [rows, head_dim]: each row's rotary angles. keys[r], values[r]: row r's cache of this layer,
    [kv_heads, capacities[r], head_dim], whose first lengths[r] tokens are cached; this token goes after them.

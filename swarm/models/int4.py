@@ -15,8 +15,8 @@ and kept in the cache directory. torch's own 4-bit kernel does not serve: ``_wei
 took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear`` took 21.5 ms and this kernel
 7.1 ms. The kernel needs AVX2 and FMA; without them, or without a compiler, the form is not offered.
 
-`decode_layer` runs a whole Llama-family layer for rows of one token each (decode steps) in one call of the same
-library: norms, the packed products, rotary angles, the cache writes, attention and the gated MLP. Written out
+`decode_layer` runs a whole Llama-family layer for rows of a token each (decode steps, short prefills) in one
+call of the same library: norms, the packed products, rotary angles, the cache writes, attention and the gated MLP. Written out
 in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer call of the
 default model took 10.6 ms for one row, and takes 6.2 ms so (4 rows: 18.0 -> 11.3 ms, 8 rows: 24.5 -> 16.6;
 ``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
@@ -151,9 +151,10 @@ def decode_layer(
     sin: torch.Tensor,
     caches: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
 ) -> None:
-    """h [rows, hidden] (contiguous float32) += one Llama-family layer, each row one new token of its own session
+    """h [rows, hidden] (contiguous float32) += one Llama-family layer, each row one new token of a session
     (int4.c's decode_layer). cos, sin [rows, head_dim]; caches: per row (keys, values, length), keys and values
-    [kv_heads, capacity, head_dim] with room for this token at position length, where its key and value go."""
+    [kv_heads, capacity, head_dim] with room for this token at position length, where its key and value go.
+    Rows are taken in order: consecutive rows of one cache at lengths counting up attend causally."""
     function = _decode_layer()
     rows = h.shape[0]
     if function is None:

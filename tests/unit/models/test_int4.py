@@ -178,12 +178,13 @@ def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_
         assert torch.equal(fused, apart)
 
 
-def test_decode_steps_through_the_fused_layer_equal_the_layer_written_out(
+def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     tiny_source, four_bit_model, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """int4.decode_layer runs a whole layer for rows of one token each: the same as _layer's torch operations to
-    float rounding, outputs and caches alike, for sessions of different lengths growing past their first
-    cache capacity, in any order."""
+    """int4.decode_layer runs a whole layer for steps of few tokens: the same as _layer's torch operations to
+    float rounding, outputs and caches alike, for prompts (a step's tokens attend causally to each other),
+    decode steps and steps of 2 or 3 tokens batched together, sessions of different lengths growing past
+    their first cache capacity, in any order."""
     _, blocks = four_bit_model
     block, head = blocks[2], tiny_source.load_head()
     fused = list(block._fused)
@@ -192,28 +193,25 @@ def test_decode_steps_through_the_fused_layer_equal_the_layer_written_out(
     real = int4.decode_layer
     monkeypatch.setattr(int4, "decode_layer", lambda *a: calls.append(len(a[0])) or real(*a))
     sessions = [f"f{i}" for i in range(9)]
-    lengths = {s: 1 + 7 * i for i, s in enumerate(sessions)}
+    lengths = {s: 1 + 5 * i for i, s in enumerate(sessions)}
     results = {}
     for mode, layers in (("fused", fused), ("written out", [None] * len(fused))):
         block._fused = layers
         rng = torch.Generator().manual_seed(3)
-        for session in sessions:
-            block.open_session(session, 100)  # 9 of them in the fixture's 1000 cache tokens
-            prompt = torch.tensor([PROMPT[j % len(PROMPT)] for j in range(lengths[session])])
-            block.forward([Step(session, head.embed(prompt), 4, 6, 0)])
         outputs = []
+        for session in sessions:
+            block.open_session(session, 110)  # 9 of them in the fixture's 1000 cache tokens
+            prompt = torch.tensor([PROMPT[j % len(PROMPT)] for j in range(lengths[session])])
+            outputs.extend(block.forward([Step(session, head.embed(prompt), 4, 6, 0)]))
         order = torch.Generator().manual_seed(5)
         for step in range(30):  # past the caches' first capacity
             batch = [sessions[i] for i in torch.randperm(len(sessions), generator=order)[: 1 + step % 9]]
-            hidden = torch.randn(len(batch), tiny_source.spec.hidden_size, generator=rng)
-            positions = [block.session_length(s, 4) for s in batch]
-            out = block.forward(
-                [
-                    Step(s, hidden[i : i + 1], 4, 6, p)
-                    for i, (s, p) in enumerate(zip(batch, positions, strict=True))
-                ]
-            )
-            outputs.append(torch.cat(out))
+            sizes = [1 + (step + i) % 3 if step % 3 == 0 else 1 for i in range(len(batch))]
+            steps = []
+            for session, size in zip(batch, sizes, strict=True):
+                hidden = torch.randn(size, tiny_source.spec.hidden_size, generator=rng)
+                steps.append(Step(session, hidden, 4, 6, block.session_length(session, 4)))
+            outputs.append(torch.cat(block.forward(steps)))
         caches = {s: block.cache.get(s) for s in sessions}
         results[mode] = (
             outputs,
@@ -226,8 +224,8 @@ def test_decode_steps_through_the_fused_layer_equal_the_layer_written_out(
         for session in sessions:
             block.close_session(session)
     block._fused = fused
-    # 30 steps x 2 layers and f0's one-token prompt (a step of one token too), then none while written out
-    assert len(calls) == 62 and max(calls) == 9
+    # (9 prompts + 30 steps) x 2 layers, then none while written out
+    assert len(calls) == 78 and max(calls) == max(lengths.values())
     (fused_out, fused_kv, fused_lengths), (plain_out, plain_kv, plain_lengths) = (
         results["fused"],
         results["written out"],
