@@ -112,8 +112,9 @@ class BlockRange:
         # so sessions longer than the window are refused rather than silently computed differently.
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
-        # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
+        # the MLP's activation, which int4.decode_layer computes only for SiLU
         self._silu = getattr(config, "hidden_act", None) in ("silu", "swish")
+        # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
         weights = self._weights()
         affordable = 0 < sum(w.numel() * w.element_size() for w in weights) <= pack_bytes
         self.use_forms(calibrate(weights, packing=affordable))
