@@ -146,30 +146,55 @@ static float dot(const float *a, const float *b, long n) {
 }
 
 /* softmax(q . K^T * scale) V over `length` keys of one kv head: [dim] into out */
-static void attend(const float *q, const float *keys, const float *values, long length, long dim, float scale,
-                   float *scores, float *out) {
-    float most = -INFINITY;
-    for (long j = 0; j < length; j++) {
-        scores[j] = dot(q, keys + j * dim, dim) * scale;
-        if (scores[j] > most) most = scores[j];
+/* q . k for 8 keys one after another, dim a multiple of 8: each key's sums in a register, then added across */
+static inline __m256 dots8(const float *q, const float *keys, long dim) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    for (long i = 0; i < dim; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + k * dim + i), acc[k]);
     }
-    __m256 sums = _mm256_setzero_ps(), top = _mm256_set1_ps(most);
+    __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);  /* per 128-bit half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* softmax(q . K^T * scale) V over `length` keys of one kv head, for the `group` query heads that share it
+   (q and out [group][dim]; scores [group][length]): each key and value is read once for the whole group. */
+static void attend(const float *q, long group, const float *keys, const float *values, long length, long dim,
+                   float scale, float *scores, float *out) {
     long j = 0;
-    for (; j + 8 <= length; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
-        _mm256_storeu_ps(scores + j, e);
-        sums = _mm256_add_ps(sums, e);
+    if (dim % 8 == 0)
+        for (; j + 8 <= length; j += 8)
+            for (long h = 0; h < group; h++)
+                _mm256_storeu_ps(scores + h * length + j,
+                                 _mm256_mul_ps(dots8(q + h * dim, keys + j * dim, dim), _mm256_set1_ps(scale)));
+    for (; j < length; j++)
+        for (long h = 0; h < group; h++) scores[h * length + j] = dot(q + h * dim, keys + j * dim, dim) * scale;
+    float sums[group];
+    for (long h = 0; h < group; h++) {
+        float *row = scores + h * length, most = -INFINITY;
+        for (j = 0; j < length; j++) most = row[j] > most ? row[j] : most;
+        __m256 partial = _mm256_setzero_ps(), top = _mm256_set1_ps(most);
+        for (j = 0; j + 8 <= length; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), top));
+            _mm256_storeu_ps(row + j, e);
+            partial = _mm256_add_ps(partial, e);
+        }
+        sums[h] = total(partial);
+        for (; j < length; j++) {
+            row[j] = expf(row[j] - most);
+            sums[h] += row[j];
+        }
     }
-    float sum = total(sums);
-    for (; j < length; j++) {
-        scores[j] = expf(scores[j] - most);
-        sum += scores[j];
-    }
-    for (long i = 0; i < dim; i++) out[i] = 0.0f;
-    for (long j = 0; j < length; j++) {
-        float p = scores[j] / sum;
+    for (long i = 0; i < group * dim; i++) out[i] = 0.0f;
+    for (j = 0; j < length; j++) {
         const float *v = values + j * dim;
-        for (long i = 0; i < dim; i++) out[i] += p * v[i];
+        for (long h = 0; h < group; h++) {
+            float p = scores[h * length + j] / sums[h], *o = out + h * dim;
+            for (long i = 0; i < dim; i++) o[i] += p * v[i];
+        }
     }
 }
 
@@ -189,7 +214,8 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
     long longest = 0;
     for (long r = 0; r < rows; r++) longest = lengths[r] + 1 > longest ? lengths[r] + 1 : longest;
     if (head_dim > 512) return -1;
-    size_t floats = rows * (hidden + qkv_width + q_width + 2 * intermediate + intermediate + hidden) + longest;
+    size_t floats = rows * (hidden + qkv_width + q_width + 2 * intermediate + intermediate + hidden) +
+                    heads / kv_heads * longest;
     float *scratch = malloc(floats * sizeof(float));
     if (!scratch) return -1;
     float *x = scratch, *projected = x + rows * hidden, *attended = projected + rows * qkv_width;
@@ -212,11 +238,10 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
                 vc[i] = v[kv * head_dim + i];
             }
         }
-        for (long head = 0; head < heads; head++) {
-            long kv = head / group;
-            attend(q + head * head_dim, keys[r] + kv * capacity * head_dim, values[r] + kv * capacity * head_dim,
-                   at + 1, head_dim, scale, scores, attended + r * q_width + head * head_dim);
-        }
+        for (long kv = 0; kv < kv_heads; kv++)  /* query heads kv * group .. (kv + 1) * group - 1 share it */
+            attend(q + kv * group * head_dim, group, keys[r] + kv * capacity * head_dim,
+                   values[r] + kv * capacity * head_dim, at + 1, head_dim, scale, scores,
+                   attended + r * q_width + kv * group * head_dim);
     }
     int4_matmul(attended, rows, q_width, o, hidden, back);
     for (long i = 0; i < rows * hidden; i++) h[i] = h[i] + back[i];
