@@ -135,13 +135,22 @@ class BlockRange:
         }
         # each layer as int4.decode_layer takes it, where it can (None: the layer's decode steps go through _layer)
         self._fused = [self._fused_weights(block) for block in self.layers]
+        attn: Any = getattr(self.layers[0], "self_attn", None) if len(self.layers) else None
+        scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        self._attention = int4.Attention(self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, scale)
 
     def _fused_weights(self, block: Any) -> int4.LayerWeights | None:
         """The layer's weights for int4.decode_layer: a Llama-family layer (RMSNorms, SiLU-gated MLP, no biases,
         no norms of q and k) whose projections are all packed 4-bit, q, k, v and gate, up together."""
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         norms: list[Any] = [getattr(block, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-        if attn is None or mlp is None or not self._silu or self.head_dim % 2 or self.head_dim > 512:
+        if (
+            attn is None
+            or mlp is None
+            or not self._silu
+            or self.head_dim % 2
+            or self.head_dim > int4.MAX_HEAD_DIM
+        ):
             return None
         if any(getattr(attn, name, None) is not None for name in ("q_norm", "k_norm")):
             return None
@@ -352,10 +361,6 @@ class BlockRange:
         h = h.contiguous()
         # what each step's cache grows by
         likes = {size: torch.empty(self.spec.num_kv_heads, size, self.head_dim) for size in set(sizes)}
-        layers: Any = self.layers
-        attention = int4.Attention(
-            self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, float(layers[0].self_attn.scaling)
-        )
         for layer in range(start, end):
             if between_layers is not None and layer > start:
                 between_layers()
@@ -365,7 +370,7 @@ class BlockRange:
             for cache, size in zip(caches, sizes, strict=True):
                 keys, values, length = cache.reserve(layer, likes[size])
                 slots.extend((keys, values, length + i) for i in range(size))
-            int4.decode_layer(h, weights, attention, cos, sin, slots)
+            int4.decode_layer(h, weights, self._attention, cos, sin, slots)
         return list(h.split(sizes))
 
     def _attention_mask(self, first: int, tokens: int) -> tuple[torch.Tensor | None, bool]:

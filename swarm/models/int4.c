@@ -14,6 +14,7 @@
 
 #define BLOCK 32
 #define FUSED_ROWS 8
+#define MAX_HEAD_DIM 512 /* decode_layer's rotary scratch; int4.py's MAX_HEAD_DIM */
 
 /* the 32 weights of one block, widened to float32 */
 static inline void widen(const uint8_t *nibbles, float d, float m, __m256 w[4]) {
@@ -130,7 +131,7 @@ static void rms_norm(const float *h, long n, const float *weight, float eps, flo
 /* x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x[half:], x[:half]) */
 static void rope(float *x, long dim, const float *cos, const float *sin) {
     long half = dim / 2;
-    float rotated[512];
+    float rotated[MAX_HEAD_DIM];
     for (long i = 0; i < half; i++) rotated[i] = -x[i + half];
     for (long i = half; i < dim; i++) rotated[i] = x[i - half];
     for (long i = 0; i < dim; i++) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
@@ -213,7 +214,7 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
     long q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     long longest = 0;
     for (long r = 0; r < rows; r++) longest = lengths[r] + 1 > longest ? lengths[r] + 1 : longest;
-    if (head_dim > 512) return -1;
+    if (head_dim > MAX_HEAD_DIM) return -1;
     size_t floats = rows * (hidden + qkv_width + q_width + 2 * intermediate + intermediate + hidden) +
                     heads / kv_heads * longest;
     float *scratch = malloc(floats * sizeof(float));

@@ -46,6 +46,7 @@ from swarm.config import cache_dir
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # weights of a row sharing one scale and minimum (GGUF's Q4_1 block)
+MAX_HEAD_DIM = 512  # decode_layer's rotary scratch (int4.c's rope)
 LEVELS = 15  # q runs 0 .. 15
 SOURCE = Path(__file__).with_name("int4.c")
 FLAGS = (
@@ -159,6 +160,10 @@ def decode_layer(
     rows = h.shape[0]
     if function is None:
         raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
+    if attention.head_dim % 2 or not 0 < attention.head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"decode_layer takes an even head_dim up to {MAX_HEAD_DIM}, got {attention.head_dim}"
+        )
     if (
         h.ndim != 2
         or h.dtype != torch.float32
@@ -228,40 +233,33 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _function(name: str, argtypes: Sequence[type], restype: type | None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The compiled library's function ``name``, typed (None where the library is not available)."""
     library = _library()
     if library is None:
         return None
-    function = library.int4_matmul
-    address = ctypes.c_void_p
-    function.argtypes = [address, ctypes.c_long, ctypes.c_long, address, ctypes.c_long, address]
-    function.restype = None
+    function = getattr(library, name)
+    function.argtypes, function.restype = list(argtypes), restype
     return function
+
+
+_ADDRESS, _COUNT, _REAL = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("int4_matmul", [_ADDRESS, _COUNT, _COUNT, _ADDRESS, _COUNT, _ADDRESS], None)
 
 
 @functools.cache
 def _decode_layer() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = _library()
-    if library is None:
-        return None
-    function = library.decode_layer
-    address, count, real = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    function.argtypes = [
-        *(address, count, count, address, address, real),  # h, rows, hidden, norm weights, eps
-        *(address, address, address, address, count),  # packed qkv, o, gate_up, down; intermediate size
-        *(count, count, count, real),  # heads, kv heads, head dim, scale
-        *(
-            address,
-            address,
-            address,
-            address,
-            address,
-            address,
-        ),  # cos, sin, keys, values, capacities, lengths
+    arguments = [
+        *(_ADDRESS, _COUNT, _COUNT, _ADDRESS, _ADDRESS, _REAL),  # h, rows, hidden, norm weights, eps
+        *(_ADDRESS, _ADDRESS, _ADDRESS, _ADDRESS, _COUNT),  # packed qkv, o, gate_up, down; intermediate size
+        *(_COUNT, _COUNT, _COUNT, _REAL),  # heads, kv heads, head dim, scale
+        *(_ADDRESS,) * 6,  # cos, sin, keys, values, capacities, lengths
     ]
-    function.restype = ctypes.c_int
-    return function
+    return _function("decode_layer", arguments, ctypes.c_int)
 
 
 def _unsupported() -> str:
