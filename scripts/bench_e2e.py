@@ -18,7 +18,8 @@ Aggregate tokens/s = decode steps of all sessions inside the common window (from
 token to the first session's last token) / the window's length; sessions' prefills are outside it. Each
 aggregate phase also gives the machine's busy cores and where they went: CPU ms per generated token by process
 role and thread (cpu_ms_per_token: peers' decode and prefill lanes and event loops, clients' heads and loops,
-p2pd, DHT children; see cpu_by_thread).
+p2pd, DHT children; see cpu_by_thread), and when the last session's first token came (last_first_token_s: the
+sessions' prompts wait behind the running sessions' decode steps).
 
     .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
     .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
@@ -263,6 +264,12 @@ def longest_gap_ms(timelines: Sequence[Sequence[float]]) -> float:
     return round(1000 * max(b - a for t in timelines for a, b in zip(t[1:], t[2:], strict=False)), 1)
 
 
+def last_first_s(timelines: Sequence[Sequence[float]]) -> float:
+    """Seconds from the first session's start to the last session's first token: for sessions started together,
+    how long the last one waited for its prompt (the others' decode steps go first)."""
+    return round(max(t[1] for t in timelines) - min(t[0] for t in timelines), 3)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -447,6 +454,7 @@ class Seen:
 
     windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # (start, end): seconds of the day
     gaps_ms: dict[str, float] = field(default_factory=dict)  # its longest decode gap (longest_gap_ms)
+    last_first_s: dict[str, float] = field(default_factory=dict)  # when its last first token came
     busy_cores: dict[str, float | None] = field(default_factory=dict)  # cores_busy_since its start
     # CPU ms per generated token by process role and thread (cpu_by_thread), summed over the phase
     cpu_ms_per_token: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -496,6 +504,7 @@ def measure_one_client(
         seen.phase(f"one_client/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"one_client/{n}"] = longest_gap_ms(timelines)
+        seen.last_first_s[f"one_client/{n}"] = last_first_s(timelines)
         log(
             f"one client, {n} sessions: {rates[str(n)]} tok/s (client head: {rows / max(1, calls):.1f} rows/call)"
         )
@@ -516,6 +525,7 @@ def measure_processes(
         seen.phase(f"processes/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"processes/{n}"] = longest_gap_ms(timelines)
+        seen.last_first_s[f"processes/{n}"] = last_first_s(timelines)
         log(f"{n} client processes: {rates[str(n)]} tok/s")
     return rates
 
@@ -626,6 +636,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_s": single["ttft"],
         "aggregate_tok_s": {"processes": processes, "one_client": one_client},
         "longest_decode_gap_ms": by_mode(seen.gaps_ms),
+        # sessions started together: when the last one's first token came, s after they began (last_first_s)
+        "last_first_token_s": by_mode(seen.last_first_s),
         # the whole machine's busy cores (of "machine"'s cpus) during each aggregate phase, averaged over it
         "busy_cores": by_mode(seen.busy_cores),
         # where that CPU went: ms per generated token (prefill included) by process role and thread

@@ -374,7 +374,7 @@ class Executor:
         step, blocks = job.step, job.blocks
         assert step is not None and blocks is not None
         tokens = step.hidden.shape[0]
-        if tokens <= self._chunk_tokens():
+        if tokens <= self._whole_tokens():
             return await self._forward_job(job)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
@@ -408,6 +408,14 @@ class Executor:
         config = self.config
         if self._decoding():
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
+        return config.prefill_chunk_tokens
+
+    def _whole_tokens(self) -> int:
+        """The longest prompt that runs whole: one idle chunk, or while others decode here a short prompt
+        (busy_prompt_tokens; a longer one goes in busy chunks)."""
+        config = self.config
+        if self._decoding():
+            return min(max(config.busy_chunk_tokens, config.busy_prompt_tokens), config.prefill_chunk_tokens)
         return config.prefill_chunk_tokens
 
     async def _forward_job(self, job: _Job) -> StepResult:
@@ -555,18 +563,20 @@ class Executor:
 
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
-        blocks on this lane (decode steps, or prefill chunks) within ``max_batch`` steps and ``max_batch_tokens``
-        tokens (prefill chunks, and prefills riding on the decode lane: ``_chunk_tokens()``); the rest of the
-        queue keeps its order, and no step is taken past an earlier one of its own session."""
+        blocks on this lane (decode steps, or prefills) within ``max_batch`` steps and ``max_batch_tokens``
+        tokens (a long prompt's chunk, and prefills riding on the decode lane: ``_chunk_tokens()``; whole prompts:
+        ``_whole_tokens()``); the rest of the queue keeps its order, and no step is taken past an earlier one of
+        its own session."""
         if first.session_id is None:
             return [first]
         batch, kept = [first, *(taken or [])], []
         tokens = sum(job.tokens for job in batch)
-        # the per-call token budget: a prefill lane's batch of chunks is held to one chunk's while others decode
-        # (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as 96 tokens
+        # the per-call token budget: a prefill lane's call with a long prompt's chunk is held to one chunk while
+        # others decode (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as
+        # 96 tokens; whole short prompts share a call up to _whole_tokens() (ExecutorConfig.busy_prompt_tokens)
         budget, chunk = self.config.max_batch_tokens, self._chunk_tokens()
         if lane is self._prefill:
-            budget = min(budget, chunk)
+            budget = min(budget, chunk if first.long_prefill else self._whole_tokens())
         # prefills riding on the decode lane (its only jobs of several tokens) share that same chunk's budget,
         # so a flood of short prompts cannot make the decode steps' calls long prefill calls
         riding = sum(job.tokens for job in batch if job.tokens > 1)
@@ -580,6 +590,7 @@ class Executor:
             rides = job.tokens > 1 and lane is self._decode
             fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
             fits &= not rides or riding + job.tokens <= chunk
+            fits &= not job.long_prefill or tokens + job.tokens <= chunk  # a chunk's call stays one chunk
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens

@@ -342,6 +342,7 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     for mode in ("processes", "one_client"):
         assert _sizes(aggregate[mode], {"1", "2"}, _positive), aggregate
         assert _sizes(out["longest_decode_gap_ms"][mode], {"1", "2"}, _positive), out["longest_decode_gap_ms"]
+        assert _sizes(out["last_first_token_s"][mode], {"1", "2"}, _positive), out["last_first_token_s"]
         assert _sizes(out["busy_cores"][mode], {"1", "2"}, lambda c: _positive(c) and c <= cpus), out[
             "busy_cores"
         ]

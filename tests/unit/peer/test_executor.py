@@ -701,10 +701,12 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     """Two executors sharing one turns file (two peers on one device) prefill ``tokens`` each, the first one held
     in its first call. While someone decodes on each, a chunk of a prefill longer than a chunk (busy_chunk_tokens=2)
     runs alone, and a short prefill beside other short ones only: the second begins at once only if both are
-    short. While nobody decodes, no turns are taken."""
+    short (busy_prompt_tokens=2: 4 tokens are a prompt cut into chunks). While nobody decodes, no turns are taken."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     turns = tmp_path / "turns.lock"
-    config = ExecutorConfig(busy_chunk_tokens=2, decode_recent_s=60.0, ride_along_tokens=0)
+    config = ExecutorConfig(
+        busy_chunk_tokens=2, busy_prompt_tokens=2, decode_recent_s=60.0, ride_along_tokens=0
+    )
     first, second = (Executor(config, turns=DeviceTurns(turns, wait_s=60.0)) for _ in range(2))
     free_now: list[bool] = []  # what each try for a turn found, a's first
     b_tried = threading.Event()
@@ -832,7 +834,9 @@ def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decod
     monkeypatch.setattr(blocks, "forward", watched)
     path = decode_calls_path(turns_path("cpu", tmp_path))
     # chunks of 2 tokens while others decode; B's clock stands still, so one decode step keeps it decoding
-    config = ExecutorConfig(ride_along_tokens=0, busy_chunk_tokens=2, prefill_chunk_tokens=idle_chunk)
+    config = ExecutorConfig(
+        ride_along_tokens=0, busy_chunk_tokens=2, busy_prompt_tokens=2, prefill_chunk_tokens=idle_chunk
+    )
     peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
     polled = threading.Event()  # B found the device's file held by a decode call and looks again
 
@@ -875,40 +879,58 @@ def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decod
     asyncio.run(both())
 
 
-def test_while_others_decode_prefill_chunks_of_sessions_share_a_call_only_within_the_busy_chunk_budget() -> (
-    None
-):
-    """Three 8-token prefills queued together run as one forward call when nobody decodes here, and as three
-    while someone does (busy_chunk_tokens=8: the budget of a call, not only of a chunk)."""
+@pytest.mark.parametrize(
+    ("prompts", "busy_prompt_tokens", "busy_calls"),
+    [
+        ((8, 8, 8), 8, 3),  # each prompt fills the budget of a call
+        ((8, 8, 8), 16, 2),
+        ((8, 8, 8), 24, 1),
+        ((8, 8, 30), 24, 5),  # [8 + 8], then the 30-token prompt in busy chunks: 8 + 8 + 8 + 6, one per call
+    ],
+)
+def test_while_others_decode_whole_prompts_share_a_call_within_the_busy_prompt_budget_and_chunks_stay_alone(
+    prompts: tuple[int, ...], busy_prompt_tokens: int, busy_calls: int
+) -> None:
+    """Three prefills queued together run as few forward calls as fit prefill_chunk_tokens (32) when nobody
+    decodes here. While someone does, the
+    prompts of at most busy_prompt_tokens run whole, several sessions' in one call within that budget, and a
+    longer prompt runs in busy chunks (8 tokens), each in a call of its own: a chunk joins no call beyond one
+    chunk's tokens, even one of whole prompts with room for it."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
     clock = _Clock()
     config = ExecutorConfig(
-        prefill_chunk_tokens=32, busy_chunk_tokens=8, decode_recent_s=1.0, ride_along_tokens=0
+        prefill_chunk_tokens=32,
+        busy_chunk_tokens=8,
+        busy_prompt_tokens=busy_prompt_tokens,
+        decode_recent_s=1.0,
+        ride_along_tokens=0,
     )
     executor = Executor(config, clock=clock)
     sessions = ["budget-x", "budget-y", "budget-z", "budget-d"]
 
-    async def calls_for_three(position: int) -> int:
+    async def calls_for_three(again: bool) -> int:
+        """Calls for the prompts sent at once (again: each session's second, after its first)."""
         before = executor.batches_run
         await asyncio.gather(
             *(
-                executor.forward(blocks, Step(sid, _hidden(blocks, 8, i), 0, 2, position))
-                for i, sid in enumerate(sessions[:3])
+                executor.forward(blocks, Step(sid, _hidden(blocks, tokens, i), 0, 2, tokens if again else 0))
+                for i, (sid, tokens) in enumerate(zip(sessions, prompts, strict=False))
             )
         )
         return executor.batches_run - before
 
     async def body() -> list[int]:
         for sid in sessions:
-            await executor.call(lambda s=sid: blocks.open_session(s, 64))
-        quiet = await calls_for_three(0)
+            await executor.call(lambda s=sid: blocks.open_session(s, 128))
+        quiet = await calls_for_three(again=False)
         await executor.forward(blocks, Step("budget-d", _hidden(blocks, 1, 5), 0, 2, 0))  # someone decodes
-        busy = await calls_for_three(8)
+        busy = await calls_for_three(again=True)
         for sid in sessions:
             await executor.call(lambda s=sid: blocks.close_session(s))
         return [quiet, busy]
 
-    assert asyncio.run(_with_executor(executor, body)) == [1, 3]
+    quiet_calls = 1 if sum(prompts) <= 32 else 2  # one idle chunk's budget (prefill_chunk_tokens)
+    assert asyncio.run(_with_executor(executor, body)) == [quiet_calls, busy_calls]
 
 
 _Note = TypeVar("_Note")
