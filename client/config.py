@@ -86,17 +86,19 @@ class ClientConfig:
     dropped from the step after the check ends. True: a liar is caught before the checked step's output is
     used (tests of exact outputs with a lying peer, at rate 1.0); each check then stalls the stream."""
 
-    spot_check_tokens: int = 8
+    spot_check_tokens: int = 4
     """How many of the session's newest tokens one spot-check re-runs (its cost does not grow with the session).
 
     A check is 2 prefills of this many tokens per hop and one more (each stage alone, the route forwarded, one
     stage by another holder), so on a CPU it costs what the peers' products cost at that many rows. A longer
     window catches no more liars: a corrupted output is off at every token of it, and to a peer a check is a
-    new session's first prefill whatever its length. 8, not 16: on a 2-vCPU Zen 3 a 10-layer prefill of the
-    default model took 18 ms at 8 rows (its 4-bit weights, swarm/models/int4.py) against 53 at 16 (F.linear);
-    8 client processes there gained ~8% (scripts/bench_e2e.py's processes phase, alternated runs: 51.5 / 47.9
-    against 48.4 / 44.4 tok/s), the peers' prefill threads spending 5.5-6.5 against 9.0-10.4 ms of CPU per
-    generated token."""
+    new session's first prefill whatever its length. While others decode on a peer, such a prefill rides in
+    their next forward call (ExecutorConfig.ride_along_tokens), which it makes longer, so the window is what
+    every check costs the decoding sessions: 4 sessions of one client decoding 512 tokens (3 peers on 2 cores,
+    checks at 0.02) had decode gaps of p50 / p99 68-69 / 106-107 ms with 4 tokens against 72-74 / 192-193 with
+    8, in two alternated pairs (88.7 ms p99 with no checks); a 10-layer decode call of 4 sessions took 15.5 ms
+    alone, 24 with a 4-token window riding and 34 with an 8-token one. Before, 8 replaced 16: a 10-layer
+    prefill of 16 rows left the 4-bit kernel for F.linear (53 against 18 ms)."""
 
     spot_check_seed: int | None = None
     """Seed of the draw of which steps are checked (None: unpredictable, as it should be against real liars)."""
