@@ -80,8 +80,11 @@ class ExecutorConfig:
     # many tokens. 8 generations one client started at once (37-token prompts, 3 peers on 2 cores; paired, 5
     # rounds): the last first token came 2.29-3.00 s (median 2.45) after the start against 3.34-4.52 (3.88) with
     # 32, earlier in every pair; 73.5 against 64.5 tok/s (medians, noisy); the longest decode gap 242 against
-    # 211 ms. A long prompt's chunks stay at busy_chunk_tokens, which is what keeps decode steps' latency: with
-    # 128 for those too, decode p99 during a 2048-token prefill rose from 2.2-2.4x to 2.3-2.8x the p50 alone.
+    # 211 ms. 8 client processes lost a little (scripts/bench_e2e.py --ab, 4 rounds: B / A 0.88-1.00, median
+    # 0.94), likely because sessions that start together step as one group, which passes the peers one hop at
+    # a time, where staggered ones formed groups that overlapped on the two cores (not traced). A long prompt's
+    # chunks stay at busy_chunk_tokens, which is what keeps decode steps' latency: with 128 for those too,
+    # decode p99 during a 2048-token prefill rose from 2.2-2.4x to 2.3-2.8x the p50 alone.
     busy_prompt_tokens: int = setting(
         128,
         "while other sessions decode here, prompts of at most this many tokens run whole, several sessions'"
