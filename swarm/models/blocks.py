@@ -144,13 +144,7 @@ class BlockRange:
         no norms of q and k) whose projections are all packed 4-bit, q, k, v and gate, up together."""
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         norms: list[Any] = [getattr(block, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-        if (
-            attn is None
-            or mlp is None
-            or not self._silu
-            or self.head_dim % 2
-            or self.head_dim > int4.MAX_HEAD_DIM
-        ):
+        if attn is None or mlp is None or not self._silu or not int4.takes_head_dim(self.head_dim):
             return None
         if any(getattr(attn, name, None) is not None for name in ("q_norm", "k_norm")):
             return None

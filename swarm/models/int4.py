@@ -16,10 +16,10 @@ took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear``
 7.1 ms. The kernel needs AVX2 and FMA; without them, or without a compiler, the form is not offered.
 
 `decode_layer` runs a whole Llama-family layer for rows of a token each (decode steps, short prefills) in one
-call of the same library: norms, the packed products, rotary angles, the cache writes, attention and the gated MLP. Written out
-in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer call of the
-default model took 10.6 ms for one row, and takes 6.2 ms so (4 rows: 18.0 -> 11.3 ms, 8 rows: 24.5 -> 16.6;
-``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
+call of the same library: norms, the packed products, rotary angles, the cache writes, attention and the gated
+MLP. Written out in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer
+call of the default model took 10.6 ms for one row written out and takes 6.2 ms in this form (4 rows: 18.0 ->
+11.3 ms, 8 rows: 24.5 -> 16.6; ``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
 of the norms and of attention, and exp (libm's): outputs agree to float rounding (relative 1e-6).
 """
 
@@ -144,6 +144,11 @@ class Attention:
     scale: float
 
 
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether decode_layer computes heads of this size (even, for rotary halves; within its scratch)."""
+    return head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+
 def decode_layer(
     h: torch.Tensor,
     weights: LayerWeights,
@@ -160,7 +165,7 @@ def decode_layer(
     rows = h.shape[0]
     if function is None:
         raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
-    if attention.head_dim % 2 or not 0 < attention.head_dim <= MAX_HEAD_DIM:
+    if not takes_head_dim(attention.head_dim):
         raise ValueError(
             f"decode_layer takes an even head_dim up to {MAX_HEAD_DIM}, got {attention.head_dim}"
         )

@@ -374,7 +374,7 @@ class Executor:
         step, blocks = job.step, job.blocks
         assert step is not None and blocks is not None
         tokens = step.hidden.shape[0]
-        if tokens <= self._whole_tokens():
+        if tokens <= self._whole_tokens(self._chunk_tokens()):
             return await self._forward_job(job)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
@@ -410,13 +410,10 @@ class Executor:
             return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
         return config.prefill_chunk_tokens
 
-    def _whole_tokens(self) -> int:
-        """The longest prompt that runs whole: one idle chunk, or while others decode here a short prompt
-        (busy_prompt_tokens; a longer one goes in busy chunks)."""
-        config = self.config
-        if self._decoding():
-            return min(max(config.busy_chunk_tokens, config.busy_prompt_tokens), config.prefill_chunk_tokens)
-        return config.prefill_chunk_tokens
+    def _whole_tokens(self, chunk: int) -> int:
+        """The longest prompt that runs whole, given the chunk size now (``_chunk_tokens()``): one idle chunk,
+        or while others decode here a short prompt (busy_prompt_tokens; a longer one goes in busy chunks)."""
+        return max(chunk, min(self.config.busy_prompt_tokens, self.config.prefill_chunk_tokens))
 
     async def _forward_job(self, job: _Job) -> StepResult:
         # its queue time starts here, after the waits for its session's order
@@ -565,7 +562,7 @@ class Executor:
         """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
         blocks on this lane (decode steps, or prefills) within ``max_batch`` steps and ``max_batch_tokens``
         tokens (a long prompt's chunk, and prefills riding on the decode lane: ``_chunk_tokens()``; whole prompts:
-        ``_whole_tokens()``); the rest of the queue keeps its order, and no step is taken past an earlier one of
+        ``_whole_tokens``); the rest of the queue keeps its order, and no step is taken past an earlier one of
         its own session."""
         if first.session_id is None:
             return [first]
@@ -573,10 +570,10 @@ class Executor:
         tokens = sum(job.tokens for job in batch)
         # the per-call token budget: a prefill lane's call with a long prompt's chunk is held to one chunk while
         # others decode (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as
-        # 96 tokens; whole short prompts share a call up to _whole_tokens() (ExecutorConfig.busy_prompt_tokens)
+        # 96 tokens; whole short prompts share a call up to _whole_tokens (ExecutorConfig.busy_prompt_tokens)
         budget, chunk = self.config.max_batch_tokens, self._chunk_tokens()
         if lane is self._prefill:
-            budget = min(budget, chunk if first.long_prefill else self._whole_tokens())
+            budget = min(budget, chunk if first.long_prefill else self._whole_tokens(chunk))
         # prefills riding on the decode lane (its only jobs of several tokens) share that same chunk's budget,
         # so a flood of short prompts cannot make the decode steps' calls long prefill calls
         riding = sum(job.tokens for job in batch if job.tokens > 1)
