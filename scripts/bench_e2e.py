@@ -108,12 +108,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--peer-args", default="", help="extra `swarm-peer join` arguments, one string")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N: the peers', the clients' heads' and the reference's",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16, likewise")
+    parser.add_argument(
         "--ab", metavar="B_ARGS", default=None, help="paired A/B: a second swarm with these peer arguments"
     )
     parser.add_argument("--rounds", type=int, default=None, help="--ab's rounds, each measuring A and B (6)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["processes", "one_client", "prefill"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a client process
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--client-options", default="{}", help=argparse.SUPPRESS)  # a worker's ClientConfig
     args = parser.parse_args(argv)
     # Concurrent sessions decode as many tokens as the single session (64): the common window then covers
     # the sessions' steady pace, not mostly their first steps after the staggered prefills (at 32 tokens, 8
@@ -181,23 +188,33 @@ async def swarm_ttft(client: AsyncSwarmClient, ids: Sequence[int]) -> float:
     return times[1] - times[0]
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def local_decode(model: torch.nn.Module, ids: Sequence[int], new_tokens: int) -> tuple[float, list[int]]:
     """The same greedy decode with transformers' own KV cache, in this process: (tokens/s, tokens)."""
     with torch.inference_mode():
-        out = model(torch.tensor([list(ids)]), use_cache=True)
+        out = model(torch.tensor([list(ids)], device=_device_of(model)), use_cache=True)
         first = time.perf_counter()
         tokens = [int(out.logits[0, -1].argmax())]
         for _ in range(new_tokens - 1):
-            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(
+                torch.tensor([tokens[-1:]], device=_device_of(model)),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
             tokens.append(int(out.logits[0, -1].argmax()))
         return (new_tokens - 1) / (time.perf_counter() - first), tokens
 
 
-def blocks_decode(source: ModelSource, ids: Sequence[int], new_tokens: int) -> tuple[float, list[int]]:
+def blocks_decode(
+    source: ModelSource, ids: Sequence[int], new_tokens: int, device: str = "cpu", dtype: str = "float32"
+) -> tuple[float, list[int]]:
     """The same greedy decode through this project's own model code (every layer on one BlockRange, the client's
     head) in this process: what the swarm computes, without the network: (tokens/s, tokens)."""
     num_layers = source.spec.num_layers
-    blocks, head = _own_model(source)
+    blocks, head = _own_model(source, device, dtype)
     session = uuid.uuid4().hex
     blocks.open_session(session, len(ids) + new_tokens)
     try:
@@ -213,16 +230,18 @@ def blocks_decode(source: ModelSource, ids: Sequence[int], new_tokens: int) -> t
 
 
 @functools.cache
-def _own_model(source: ModelSource) -> tuple[BlockRange, ClientHead]:
+def _own_model(source: ModelSource, device: str, dtype: str) -> tuple[BlockRange, ClientHead]:
     # the products in the forms a peer with memory to spare takes (packed or 4-bit weights, as calibrated)
-    blocks = source.load_blocks(0, source.spec.num_layers, cache_tokens=4096, pack_bytes=OWN_MODEL_PACK_BYTES)
-    return blocks, source.load_head()
+    blocks = source.load_blocks(
+        0, source.spec.num_layers, device, dtype, cache_tokens=4096, pack_bytes=OWN_MODEL_PACK_BYTES
+    )
+    return blocks, source.load_head(device, dtype)
 
 
 def local_ttft(model: torch.nn.Module, ids: Sequence[int]) -> float:
     with torch.inference_mode():
         began = time.perf_counter()
-        out = model(torch.tensor([list(ids)]), use_cache=True)
+        out = model(torch.tensor([list(ids)], device=_device_of(model)), use_cache=True)
         int(out.logits[0, -1].argmax())
         return time.perf_counter() - began
 
@@ -333,11 +352,10 @@ class Workers:
     """Client processes (this script with --worker), started once and told to generate together."""
 
     def __init__(
-        self, tmp: Path, initial_peers: Sequence[str], model: str, count: int, spot: dict[str, float]
+        self, tmp: Path, initial_peers: Sequence[str], model: str, count: int, options: dict[str, Any]
     ):
         command = [sys.executable, __file__, "--worker", "--model", model, "--initial-peers", *initial_peers]
-        if "spot_check_rate" in spot:
-            command += ["--spot-check-rate", str(spot["spot_check_rate"])]
+        command += ["--client-options", json.dumps(options)]
         self.procs = []
         for i in range(count):
             with open(tmp / f"client-{i}.log", "wb") as log_file:
@@ -388,14 +406,12 @@ class Workers:
                 proc.wait()
 
 
-def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float | None) -> None:
+def worker_main(initial_peers: Sequence[str], model: str, options: dict[str, Any]) -> None:
     """A client process: connect, say ready, then run one greedy session per order line until stdin ends."""
-    spot: dict[str, Any] = {} if spot_check_rate is None else {"spot_check_rate": spot_check_rate}
-    spot["step_timeout_s"] = STEP_TIMEOUT_S
     offset = (
         time.monotonic() - time.perf_counter()
     )  # timelines in CLOCK_MONOTONIC, comparable across processes
-    with SwarmClient(initial_peers, model=model, **spot) as client:
+    with SwarmClient(initial_peers, model=model, **options) as client:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             order = json.loads(line)
@@ -403,14 +419,17 @@ def worker_main(initial_peers: Sequence[str], model: str, spot_check_rate: float
             print(json.dumps({"times": [t + offset for t in times]}), flush=True)
 
 
-def start_swarm(swarm: LocalSwarm, peers: int, peer_args: str, num_layers: int) -> list[str]:
+def start_swarm(
+    swarm: LocalSwarm, peers: int, peer_args: str, num_layers: int, args: argparse.Namespace
+) -> list[str]:
     """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
     cuts = [round(i * num_layers / peers) for i in range(peers + 1)]
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
     # --no-plan: the peers hold fixed layers, so a plan changes nothing here, but the elected planner's solver
     # process (its first solves, and a re-solve whenever load moves the measured speeds) would share this
     # machine's two cores with the phases being measured.
-    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", *peer_args.split()]
+    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", "--device", args.device]
+    fixed += ["--dtype", args.dtype, *peer_args.split()]
     for i, layers in enumerate(ranges):
         swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
     return ranges
@@ -426,7 +445,7 @@ def measure_single(
     for _ in range(args.repeats):
         swarm_tok_s, swarm_tokens = client.run(swarm_decode(client.aclient, ids, args.new_tokens))
         local_tok_s, local_tokens = local_decode(reference, ids, args.new_tokens)
-        blocks_tok_s, blocks_tokens = blocks_decode(source, ids, args.new_tokens)
+        blocks_tok_s, blocks_tokens = blocks_decode(source, ids, args.new_tokens, args.device, args.dtype)
         best = {
             "swarm": max(best["swarm"], swarm_tok_s),
             "local": max(best["local"], local_tok_s),
@@ -584,7 +603,7 @@ def measure_in_client(
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ClientConfig fields the command line sets for this process's client and the client processes."""
-    options: dict[str, Any] = {"step_timeout_s": STEP_TIMEOUT_S}
+    options: dict[str, Any] = {"step_timeout_s": STEP_TIMEOUT_S, "device": args.device, "dtype": args.dtype}
     if args.spot_check_rate is not None:
         options["spot_check_rate"] = args.spot_check_rate
     if args.batch_lanes is not None:
@@ -598,19 +617,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seen = Seen()
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
-    reference = source.load_reference_model()
-    spot = client_options(args)
+    reference = source.load_reference_model(args.device, args.dtype)
+    options = client_options(args)
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
         LocalSwarm(Path(tmp), model=args.model) as swarm,
         contextlib.ExitStack() as stack,
     ):
-        ranges = start_swarm(swarm, args.peers, args.peer_args, source.spec.num_layers)
+        ranges = start_swarm(swarm, args.peers, args.peer_args, source.spec.num_layers, args)
         swarm.wait_all_ready(timeout_s=300)
         phases["start_peers"] = time.perf_counter() - began
         log(f"peers serving {ranges} after {phases['start_peers']:.0f} s")
         phases["settle"] = wait_quiet()
-        with SwarmClient(swarm.initial_peers, model=args.model, **spot) as client:
+        with SwarmClient(swarm.initial_peers, model=args.model, **options) as client:
             single, one_client, during, head_stats = measure_in_client(
                 client, reference, source, ids, args, seen, phases
             )
@@ -620,7 +639,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # single-session figures above (local and swarm alike) on a 2-core machine.
             mark = time.perf_counter()
             count = max(args.sessions)
-            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, spot))
+            workers = stack.enter_context(Workers(Path(tmp), swarm.initial_peers, args.model, count, options))
             workers.wait_ready()
             phases["start_clients"] = time.perf_counter() - mark
             log(f"{count} client processes ready after {phases['start_clients']:.0f} s")
@@ -843,17 +862,17 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     settings = {"A": args.peer_args, "B": args.ab}
     levels = [str(n) for n in args.sessions]
     rates: dict[str, dict[str, list[float]]] = {name: {n: [] for n in levels} for name in settings}
-    spot = client_options(args)
+    options = client_options(args)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flowswarm-ab-")))
         workers: dict[str, Workers] = {}
         for name, peer_args in settings.items():
             (tmp / name).mkdir()
             swarm = stack.enter_context(LocalSwarm(tmp / name, model=args.model))
-            start_swarm(swarm, args.peers, peer_args, source.spec.num_layers)
+            start_swarm(swarm, args.peers, peer_args, source.spec.num_layers, args)
             swarm.wait_all_ready(timeout_s=300)
             workers[name] = stack.enter_context(
-                Workers(tmp / name, swarm.initial_peers, args.model, max(args.sessions), spot)
+                Workers(tmp / name, swarm.initial_peers, args.model, max(args.sessions), options)
             )
         for each in workers.values():
             each.wait_ready()
@@ -882,7 +901,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # a SIGTERM (timeout, CI) unwinds like an exception, so the `with` blocks stop the peers and clients
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.worker:
-        worker_main(args.initial_peers, args.model, args.spot_check_rate)
+        worker_main(args.initial_peers, args.model, json.loads(args.client_options))
         return
     report = run_ab(args) if args.ab is not None else run(args)
     text = json.dumps(report)

@@ -16,7 +16,7 @@ def greedy_tokens(model: Any, prompt_ids: Sequence[int], new_tokens: int) -> lis
     out = list(prompt_ids)
     with torch.inference_mode():
         for _ in range(new_tokens):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+            out.append(int(model(torch.tensor([out], device=model.device)).logits[0, -1].argmax()))
     return out[len(prompt_ids) :]
 
 
