@@ -20,15 +20,19 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.p2p import P2P
 
+from client.grouping import StepGroups
 from swarm.errors import SwarmError
 from swarm.routing.route import Stage
-from swarm.transport import call_close, call_info, call_step, call_step_acked, call_wait
+from swarm.transport import call_close, call_info, call_step, call_step_acked, call_step_batch, call_wait
 from swarm.types import NodeID, SessionID
-from swarm.wire import CloseRequest, Hop, StepReply, StepRequest, StepWait
+from swarm.wire import CloseRequest, Hop, StepAck, StepReply, StepRequest, StepWait
 
 logger = logging.getLogger(__name__)
 
 Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the latest DHT snapshot
+# A round's steps to one first hop wait this long for their mates before going as one message: members send
+# within a pass or two of the event loop once the round settled (client.batching.Round).
+GROUP_WAIT_S = 0.005
 
 
 class RemoteChain:
@@ -49,6 +53,26 @@ class RemoteChain:
         self.wire_dtype = wire_dtype  # hidden states travel in the swarm's dtype, not the client's
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
+        self.groups = StepGroups(self._send_batch, GROUP_WAIT_S)
+
+    async def _send_batch(
+        self, hop: Hop, requests: list[StepRequest]
+    ) -> list[StepAck | StepReply | SwarmError]:
+        return await call_step_batch(
+            self.p2p, hop.peer_id, requests, maddrs=hop.maddrs, timeout_s=self.step_timeout_s
+        )
+
+    async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
+        """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
+        if StepGroups.takes(request):
+            return await self.groups.step(first, request)
+        if request.wait_result:
+            return await call_step_acked(
+                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+            )
+        return await call_step(
+            self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+        )
 
     def _hops(self, stages: Sequence[Stage]) -> tuple[Hop, ...]:
         return tuple(
@@ -83,9 +107,9 @@ class RemoteChain:
             batch_size=batch[1],
         )
         if not request.wait_result:
-            reply = await call_step(
-                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
-            )
+            reply = await self._send_first(request, first)
+            if not isinstance(reply, StepReply):
+                raise SwarmError(f"peer {first.peer_id} acknowledged a step that asked for its output")
         else:
             reply = await self._step_and_wait(request, first, rest[-1])
         return reply.hidden.to(hidden.dtype)
@@ -108,11 +132,7 @@ class RemoteChain:
                 reply_bytes_hint=request.hidden.numel() * request.hidden.element_size(),
             )
         )
-        stepping = asyncio.ensure_future(
-            call_step_acked(
-                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
-            )
-        )
+        stepping = asyncio.ensure_future(self._send_first(request, first))
         try:
             await asyncio.wait([stepping, waiter], return_when=asyncio.FIRST_COMPLETED)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
