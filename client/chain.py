@@ -20,10 +20,18 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.p2p import P2P
 
-from client.grouping import StepGroups
+from client.grouping import Groups, groupable
 from swarm.errors import SwarmError
 from swarm.routing.route import Stage
-from swarm.transport import call_close, call_info, call_step, call_step_acked, call_step_batch, call_wait
+from swarm.transport import (
+    call_close,
+    call_info,
+    call_step,
+    call_step_acked,
+    call_step_batch,
+    call_wait,
+    call_wait_batch,
+)
 from swarm.types import NodeID, SessionID
 from swarm.wire import CloseRequest, Hop, StepAck, StepReply, StepRequest, StepWait
 
@@ -33,6 +41,7 @@ Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the l
 # A round's steps to one first hop wait this long for their mates before going as one message: members send
 # within a pass or two of the event loop once the round settled (client.batching.Round).
 GROUP_WAIT_S = 0.005
+_Wait = tuple[StepWait, int]  # a wait and the bytes of the output it waits for
 
 
 class RemoteChain:
@@ -46,6 +55,7 @@ class RemoteChain:
         wire_dtype: torch.dtype,
         step_timeout_s: float,
         close_timeout_s: float,
+        group_messages: bool = True,
     ) -> None:
         self.p2p = p2p
         self.maddrs = maddrs
@@ -53,26 +63,65 @@ class RemoteChain:
         self.wire_dtype = wire_dtype  # hidden states travel in the swarm's dtype, not the client's
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
-        self.groups = StepGroups(self._send_batch, GROUP_WAIT_S)
+        self.group_messages = group_messages
+        # a round's steps to one first hop, and its waits at one last hop, each as one message (client.grouping)
+        self.steps: Groups[StepRequest, StepAck | StepReply] = Groups(
+            self._send_steps, self._send_step, GROUP_WAIT_S
+        )
+        self.waits: Groups[_Wait, StepReply] = Groups(self._send_waits, self._send_wait, GROUP_WAIT_S)
 
-    async def _send_batch(
+    async def _send_steps(
         self, hop: Hop, requests: list[StepRequest]
     ) -> list[StepAck | StepReply | SwarmError]:
         return await call_step_batch(
             self.p2p, hop.peer_id, requests, maddrs=hop.maddrs, timeout_s=self.step_timeout_s
         )
 
-    async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
-        """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
-        if StepGroups.takes(request):
-            return await self.groups.step(first, request)
+    async def _send_step(self, hop: Hop, request: StepRequest) -> StepAck | StepReply:
         if request.wait_result:
             return await call_step_acked(
-                self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+                self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=self.step_timeout_s
             )
         return await call_step(
-            self.p2p, first.peer_id, request, maddrs=first.maddrs, timeout_s=self.step_timeout_s
+            self.p2p, hop.peer_id, request, maddrs=hop.maddrs, timeout_s=self.step_timeout_s
         )
+
+    async def _send_waits(self, hop: Hop, waits: list[_Wait]) -> list[StepReply | SwarmError]:
+        return await call_wait_batch(
+            self.p2p,
+            hop.peer_id,
+            [wait for wait, _ in waits],
+            maddrs=hop.maddrs,
+            timeout_s=self.step_timeout_s,
+            reply_bytes_hint=sum(size for _, size in waits),
+        )
+
+    async def _send_wait(self, hop: Hop, wait: _Wait) -> StepReply:
+        return await call_wait(
+            self.p2p,
+            hop.peer_id,
+            wait[0],
+            maddrs=hop.maddrs,
+            timeout_s=self.step_timeout_s,
+            reply_bytes_hint=wait[1],
+        )
+
+    async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
+        """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
+        if self.group_messages and groupable(request):
+            return await self.steps.send(first, (request.batch_id, request.batch_size), request)
+        return await self._send_step(first, request)
+
+    async def _wait_last(self, request: StepRequest, last: Hop) -> StepReply:
+        """The output of ``request`` at the route's last hop: waited for with the round's others there as one
+        message, or alone."""
+        wait = (
+            StepWait(request.session_id, request.position, self.step_timeout_s),
+            request.hidden.numel() * request.hidden.element_size(),
+        )
+        if self.group_messages and groupable(request):
+            return await self.waits.send(last, (request.batch_id, request.batch_size), wait)
+        return await self._send_wait(last, wait)
 
     def _hops(self, stages: Sequence[Stage]) -> tuple[Hop, ...]:
         return tuple(
@@ -121,17 +170,7 @@ class RemoteChain:
         failed step raises its error, naming the failed hop, and cancels the wait; a failed wait raises once the
         step's outcome is known, the step's error first (it names the hop that failed; its acknowledgement may
         then come only when the slowest step sent on with it is taken, at worst at its deadline)."""
-        wait = StepWait(request.session_id, request.position, self.step_timeout_s)
-        waiter = asyncio.ensure_future(
-            call_wait(
-                self.p2p,
-                last.peer_id,
-                wait,
-                maddrs=last.maddrs,
-                timeout_s=self.step_timeout_s,
-                reply_bytes_hint=request.hidden.numel() * request.hidden.element_size(),
-            )
-        )
+        waiter = asyncio.ensure_future(self._wait_last(request, last))
         stepping = asyncio.ensure_future(self._send_first(request, first))
         try:
             await asyncio.wait([stepping, waiter], return_when=asyncio.FIRST_COMPLETED)

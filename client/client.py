@@ -139,6 +139,7 @@ class AsyncSwarmClient:
                 torch_dtype(spec.dtype),
                 config.step_timeout_s,
                 config.close_timeout_s,
+                config.group_messages,
             )
         except BaseException:
             await dht.aclose()

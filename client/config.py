@@ -117,6 +117,11 @@ class ClientConfig:
     with 4 (3 rounds). Before the 4-bit kernel, when a forward call cost twice as much, 2 lanes measured no gain:
     the cores were the limit, and smaller batches cost more per token."""
 
+    group_messages: bool = True
+    """A round's decode steps to a route's first hop go as one message (StepBatch), and its waits for their
+    outputs at the last hop as one (StepWaits), instead of a request and a reply per session each
+    (client.grouping). False sends each alone: the behaviour before, kept to compare the two on one swarm."""
+
     round_settle_s: float = 0.02
     """How long the decode steps of one round of concurrent generations wait for the round's other sessions to
     decide whether they go on (client.batching.Round), so the group the peers wait for holds only steps that

@@ -11,6 +11,8 @@ Requests and their replies:
     StepRequest    -> StepReply     one inference step of a session, forwarded along ``route_rest``
                    -> StepAck       the same, sent with ``wait_result``: the last hop's output goes to a StepWait
     StepWait       -> StepReply     the output of one step, from the route's last hop straight to the client
+    StepBatch      -> StepBatchReply  several steps for one hop in one message (a hop forwarding, a client's round)
+    StepWaits      -> StepBatchReply  several waits for one last hop in one message (a client's round)
     CloseRequest   -> CloseReply    close a session on this peer and every hop in ``route_rest``
     InfoRequest    -> InfoReply     what the peer serves right now
     ProbeRequest   -> ProbeReply    link measurement (payload for bandwidth, empty for RTT) and dial-back
@@ -193,6 +195,17 @@ class StepWait:
 
 
 @dataclass(frozen=True)
+class StepWaits:
+    """The waits of a client's round for the outputs of its steps at the same last hop, in one message.
+
+    Each runs as its own ``rpc_wait`` and is answered in a StepBatchReply, once every one is: its StepReply or
+    its error. A hop that does not know this kind answers ProtocolError (UNKNOWN_KIND); the client then waits
+    for each alone."""
+
+    waits: tuple[StepWait, ...]
+
+
+@dataclass(frozen=True)
 class StepReply:
     """The hidden states after the last hop, and one timing per hop (this one first)."""
 
@@ -313,7 +326,16 @@ class ErrorReply:
         return cls(SwarmError.code, f"{type(error).__name__}: {error}"[:MAX_TEXT_CHARS], peer_id)
 
 
-Request = StepRequest | StepBatch | StepWait | CloseRequest | InfoRequest | ProbeRequest | HandoverRequest
+Request = (
+    StepRequest
+    | StepBatch
+    | StepWait
+    | StepWaits
+    | CloseRequest
+    | InfoRequest
+    | ProbeRequest
+    | HandoverRequest
+)
 Reply = (
     StepReply | StepAck | StepBatchReply | CloseReply | InfoReply | ProbeReply | ErrorReply | HandoverReply
 )
@@ -322,6 +344,7 @@ _REQUEST_KINDS: dict[type, str] = {
     StepRequest: "step",
     StepBatch: "steps",
     StepWait: "wait",
+    StepWaits: "waits",
     CloseRequest: "close",
     InfoRequest: "info",
     ProbeRequest: "probe",
@@ -344,6 +367,7 @@ REPLY_FOR: dict[type, type] = {
     StepRequest: StepReply,  # StepAck when it has wait_result
     StepBatch: StepBatchReply,
     StepWait: StepReply,
+    StepWaits: StepBatchReply,
     CloseRequest: CloseReply,
     InfoRequest: InfoReply,
     ProbeRequest: ProbeReply,
@@ -352,7 +376,8 @@ REPLY_FOR: dict[type, type] = {
 
 
 def request_verb(request: Request) -> str:
-    """ "step", "steps", "wait", "close", "info", "probe" or "handover": the rpc_<verb> that handles it."""
+    """ "step", "steps", "wait", "waits", "close", "info", "probe" or "handover": the rpc_<verb> that handles
+    it."""
     return _REQUEST_KINDS[type(request)]
 
 
@@ -539,6 +564,8 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         return {"timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepWait):
         return {"session_id": msg.session_id, "position": msg.position, "timeout_s": msg.timeout_s}
+    if isinstance(msg, StepWaits):
+        return {"waits": [_encode_body(wait) for wait in msg.waits]}
     if isinstance(msg, CloseRequest):
         return {
             "session_id": msg.session_id,
@@ -652,6 +679,13 @@ def _decode_outcome(item: object) -> StepAck | StepReply | ErrorReply:
     return outcome
 
 
+def _decode_wait(body: dict[str, Any]) -> StepWait:
+    w = "wait"
+    return StepWait(
+        _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
+    )
+
+
 def _decode_handover(body: dict[str, Any]) -> HandoverRequest:
     """A chunk's numbers, checked against each other; its shapes against the model are the receiver's check."""
     w = "handover"
@@ -696,9 +730,9 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
     if kind == "steps_reply":
         return StepBatchReply(tuple(_decode_outcome(item) for item in _items(body, "outcomes")))
     if kind == "wait":
-        return StepWait(
-            _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
-        )
+        return _decode_wait(body)
+    if kind == "waits":
+        return StepWaits(tuple(_decode_wait(_map(wait, "waits")) for wait in _items(body, "waits")))
     if kind == "close":
         return CloseRequest(_str(body, "session_id", w, 128), _route(body), _origin(body, w))
     if kind == "close_reply":
@@ -881,6 +915,7 @@ __all__ = [
     "StepReply",
     "StepRequest",
     "StepWait",
+    "StepWaits",
     "UNKNOWN_KIND",
     "decode_reply",
     "decode_request",

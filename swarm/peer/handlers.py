@@ -60,6 +60,7 @@ from swarm.wire import (
     StepReply,
     StepRequest,
     StepWait,
+    StepWaits,
 )
 
 logger = logging.getLogger(__name__)
@@ -256,6 +257,18 @@ class PeerHandlers:
         step = parked.step
         timing = HopTiming(self.peer_id, step.start, step.end, result.queue_s, result.compute_s, 0.0)
         return StepReply(result.hidden, (_finish(timing, parked.received),))
+
+    async def rpc_waits(self, request: StepWaits, remote_id: str) -> StepBatchReply:
+        """A client round's waits for outputs here, in one message: each runs as its own ``rpc_wait`` and fails
+        alone; the reply waits for the slowest (the client sends together waits for steps it sent together)."""
+
+        async def one(wait: StepWait) -> StepReply | ErrorReply:
+            try:
+                return await self.rpc_wait(wait, remote_id)
+            except Exception as e:  # fails its own wait only; the others and the peer go on
+                return error_reply(e, self.peer_id, remote_id)
+
+        return StepBatchReply(tuple(await asyncio.gather(*(one(wait) for wait in request.waits))))
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
         origin = request.origin or remote_id

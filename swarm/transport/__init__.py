@@ -10,6 +10,7 @@ from swarm.transport.calls import (
     call_step_acked,
     call_step_batch,
     call_wait,
+    call_wait_batch,
     measure_link,
 )
 from swarm.transport.serving import RpcHandler, dispatch, serve
@@ -24,6 +25,7 @@ __all__ = [
     "call_step",
     "call_step_acked",
     "call_step_batch",
+    "call_wait_batch",
     "call_wait",
     "dispatch",
     "measure_link",

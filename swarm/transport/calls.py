@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 from swarm.errors import ProtocolError, SwarmError
 from swarm.transport.channel import call_raw, decode_off_loop
 from swarm.wire import (
+    MAX_FORWARDED_STEPS,
     CloseReply,
     CloseRequest,
     ErrorReply,
@@ -36,6 +37,7 @@ from swarm.wire import (
     StepReply,
     StepRequest,
     StepWait,
+    StepWaits,
     decode_reply,
     encode_request,
 )
@@ -155,6 +157,44 @@ async def call_step_batch(
         expected: type[StepAck | StepReply] = StepAck if request.wait_result else StepReply
         try:
             outcomes.append(_answer(outcome, expected, peer_id))
+        except SwarmError as e:
+            outcomes.append(e)
+    return outcomes
+
+
+async def call_wait_batch(
+    p2p: P2P,
+    peer_id: str,
+    waits: list[StepWait],
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    reply_bytes_hint: int = 0,
+) -> list[StepReply | SwarmError]:
+    """Several waits at the same last hop ``peer_id`` as one message; per wait, what call_wait would return, or
+    the error it would raise (``failed_peer_id`` set). Raises like call_wait when the message as a whole fails;
+    ProtocolError also from a peer that does not know StepWaits (then wait for each alone)."""
+    if not 1 <= len(waits) <= MAX_FORWARDED_STEPS:
+        raise ValueError(f"call_wait_batch sends 1 to {MAX_FORWARDED_STEPS} waits")
+    reply = await _call(
+        p2p,
+        peer_id,
+        StepWaits(tuple(waits)),
+        StepBatchReply,
+        maddrs=maddrs,
+        timeout_s=timeout_s,
+        reply_bytes_hint=reply_bytes_hint,
+    )
+    if len(reply.outcomes) != len(waits):
+        error = ProtocolError(
+            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(waits)} waits"
+        )
+        error.failed_peer_id = peer_id
+        raise error
+    outcomes: list[StepReply | SwarmError] = []
+    for outcome in reply.outcomes:
+        try:
+            outcomes.append(_answer(outcome, StepReply, peer_id))
         except SwarmError as e:
             outcomes.append(e)
     return outcomes

@@ -31,6 +31,7 @@ from swarm.wire import (
     StepReply,
     StepRequest,
     StepWait,
+    StepWaits,
     decode_request,
     encode_reply,
     request_verb,
@@ -50,6 +51,8 @@ class RpcHandler(Protocol):
     async def rpc_steps(self, request: StepBatch, remote_id: str) -> StepBatchReply: ...
 
     async def rpc_wait(self, request: StepWait, remote_id: str) -> StepReply: ...
+
+    async def rpc_waits(self, request: StepWaits, remote_id: str) -> StepBatchReply: ...
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply: ...
 

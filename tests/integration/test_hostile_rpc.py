@@ -20,16 +20,25 @@ from swarm import PROTOCOL_VERSION
 from swarm.errors import CapacityError, ProtocolError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import LocalSwarm, PeerProcess, swarm_client
-from swarm.transport import call_step, call_step_batch, call_wait
+from swarm.transport import (
+    call_close,
+    call_step,
+    call_step_acked,
+    call_step_batch,
+    call_wait,
+    call_wait_batch,
+)
 from swarm.transport.channel import call_raw
 from swarm.wire import (
     MAX_FORWARDED_STEPS,
+    CloseRequest,
     ErrorReply,
     Hop,
     StepBatch,
     StepBatchReply,
     StepRequest,
     StepWait,
+    StepWaits,
     decode_reply,
     encode_request,
 )
@@ -164,6 +173,48 @@ def test_a_route_through_a_hop_that_is_no_peer_of_the_swarm_is_refused(
                 raise AssertionError(f"never refused; answers: {answers}")
             reply = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
             assert reply.hidden.shape == (2, tiny.spec.hidden_size)  # and it keeps serving
+
+    asyncio.run(body())
+
+
+def test_a_clients_waits_in_one_message_over_real_p2p_answer_each_and_fail_alone(
+    peer: PeerProcess, tiny: ModelSource
+) -> None:
+    """StepWaits (a client's round waiting for its outputs at the last hop in one message) from a real libp2p
+    node: each wait gets the output its step left, equal to the same step answered directly; a wait for a step
+    that never came fails in its own outcome at its deadline; a message of more than MAX_FORWARDED_STEPS waits
+    is refused whole; the peer serves on."""
+
+    async def body() -> None:
+        async with swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_dht, _directory, p2p):
+            good = [replace(_step(tiny, uuid.uuid4().hex, 1, 4), wait_result=True) for _ in range(3)]
+            for step in good:
+                await call_step_acked(p2p, peer.peer_id, step, maddrs=peer.maddrs, timeout_s=30)
+            waits = [StepWait(step.session_id, 0, 30.0) for step in good]
+            waits.insert(1, StepWait(uuid.uuid4().hex, 0, 0.2))
+            outcomes = await call_wait_batch(p2p, peer.peer_id, waits, maddrs=peer.maddrs, timeout_s=30)
+            assert [type(o).__name__ for o in outcomes] == [
+                "StepReply",
+                "CapacityError",
+                "StepReply",
+                "StepReply",
+            ]
+            opened = [step.session_id for step in good]
+            for step, outcome in zip(good, [outcomes[0], *outcomes[2:]], strict=True):
+                opened.append(uuid.uuid4().hex)
+                alone = await call_step(
+                    p2p, peer.peer_id, replace(step, session_id=opened[-1], wait_result=False), timeout_s=30
+                )
+                assert torch.allclose(outcome.hidden, alone.hidden, atol=1e-5)  # type: ignore[union-attr]
+            for session_id in opened:  # the peer's cache is small: the tests after this one need it
+                await call_close(p2p, peer.peer_id, CloseRequest(session_id))
+            too_many = StepWaits(
+                tuple(StepWait(uuid.uuid4().hex, 0, 1.0) for _ in range(MAX_FORWARDED_STEPS + 1))
+            )
+            refused = decode_reply(await call_raw(p2p, peer.peer_id, encode_request(too_many), timeout_s=30))
+            assert isinstance(refused, ErrorReply) and refused.code == "protocol", refused
+            ok = await call_step(p2p, peer.peer_id, _step(tiny, uuid.uuid4().hex, 2, 8), timeout_s=30)
+            assert ok.hidden.shape == (2, tiny.spec.hidden_size)
 
     asyncio.run(body())
 

@@ -33,6 +33,7 @@ from swarm.wire import (
     StepReply,
     StepRequest,
     StepWait,
+    StepWaits,
     decode_reply,
     decode_request,
     encode_reply,
@@ -67,6 +68,7 @@ def messages() -> dict[str, Request | Reply]:
             (StepAck((HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)), ErrorReply("capacity", "full", "QmA"))
         ),
         "step_wait_request": StepWait("sess", 5, 30.0),
+        "waits_request": StepWaits((StepWait("sess", 5, 30.0), StepWait("other", 7, 30.0))),
         "step_reply": StepReply(_tensor(torch.float16), (HopTiming("QmA", 0, 2, 0.25, 0.5, 1.0),)),
         "close_request": CloseRequest("sess", ROUTE),
         "close_reply": CloseReply(True),
@@ -79,7 +81,9 @@ def messages() -> dict[str, Request | Reply]:
 
 
 def _encode(message: Request | Reply) -> bytes:
-    if isinstance(message, StepRequest | StepBatch | StepWait | CloseRequest | InfoRequest | ProbeRequest):
+    if isinstance(
+        message, StepRequest | StepBatch | StepWait | StepWaits | CloseRequest | InfoRequest | ProbeRequest
+    ):
         return encode_request(message)
     return encode_reply(message)
 

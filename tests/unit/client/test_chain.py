@@ -143,3 +143,57 @@ def test_a_cancelled_step_cancels_both_calls(monkeypatch: pytest.MonkeyPatch) ->
     calls, result = _run(monkeypatch, cancel)
     assert isinstance(result, asyncio.CancelledError)
     assert calls.step_cancelled and calls.wait_cancelled
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_a_rounds_steps_and_waits_each_go_as_one_message_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, group: bool
+) -> None:
+    sent: list[tuple[str, str, list[str]]] = []  # (call, peer, session ids)
+
+    async def step_batch(_p2p: object, peer_id: str, requests: list[Any], **_: object) -> list[StepAck]:
+        sent.append(("steps", peer_id, [r.session_id for r in requests]))
+        return [StepAck() for _ in requests]
+
+    async def wait_batch(_p2p: object, peer_id: str, waits: list[Any], **_: object) -> list[StepReply]:
+        sent.append(("waits", peer_id, [w.session_id for w in waits]))
+        return [StepReply(torch.full((1, 8), float(w.session_id[1:]))) for w in waits]
+
+    async def step_alone(_p2p: object, peer_id: str, request: Any, **_: object) -> StepAck:
+        sent.append(("step", peer_id, [request.session_id]))
+        return StepAck()
+
+    async def wait_alone(_p2p: object, peer_id: str, wait: Any, **_: object) -> StepReply:
+        sent.append(("wait", peer_id, [wait.session_id]))
+        return StepReply(torch.full((1, 8), float(wait.session_id[1:])))
+
+    for name, fake in (
+        ("call_step_batch", step_batch),
+        ("call_wait_batch", wait_batch),
+        ("call_step_acked", step_alone),
+        ("call_wait", wait_alone),
+    ):
+        monkeypatch.setattr(chain_module, name, fake)
+
+    async def main() -> list[torch.Tensor]:
+        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0, group)  # type: ignore[arg-type]
+        sessions = [SessionID(f"s{i}") for i in (2, 0, 1)]
+        return await asyncio.gather(
+            *(remote.step(s, STAGES, 4, torch.zeros(1, 8), 64, batch=("round", 3)) for s in sessions)
+        )
+
+    outputs = asyncio.run(main())
+    assert [float(out[0, 0]) for out in outputs] == [2.0, 0.0, 1.0]  # each session its own output
+    if group:
+        assert sorted(sent) == [
+            ("steps", "QmFirst", ["s2", "s0", "s1"]),
+            ("waits", "QmLast", ["s2", "s0", "s1"]),
+        ]
+    else:
+        assert sorted(sent) == sorted(
+            [
+                (kind, peer, [s])
+                for kind, peer in (("step", "QmFirst"), ("wait", "QmLast"))
+                for s in ("s2", "s0", "s1")
+            ]
+        )

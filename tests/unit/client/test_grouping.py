@@ -1,4 +1,5 @@
-"""StepGroups: a client round's steps to one first hop go as one message; each step keeps its own outcome."""
+"""Groups: a client round's steps to one first hop (its waits at one last hop) go as one message; each keeps its
+own outcome."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import random
 import pytest
 import torch
 
-from client.grouping import StepGroups
-from swarm.errors import CapacityError, SwarmError, TransportError
-from swarm.wire import Hop, StepAck, StepReply, StepRequest
+from client.grouping import Groups, groupable
+from swarm.errors import CapacityError, ProtocolError, SwarmError, TransportError
+from swarm.wire import MAX_FORWARDED_STEPS, UNKNOWN_KIND, Hop, StepAck, StepReply, StepRequest
 
 FIRST, OTHER = Hop("peer-a", (), 0, 2), Hop("peer-b", (), 0, 2)
 
@@ -22,31 +23,49 @@ def step(session: str, batch: tuple[str, int], *, wait_result: bool = True) -> S
     )  # fmt: skip
 
 
-class Sent:
-    """A stand-in for the first hop's rpc_steps: records each message and answers per step."""
+Outcome = StepAck | StepReply
 
-    def __init__(self, answer: dict[str, StepAck | StepReply | SwarmError] | None = None) -> None:
+
+class Sent:
+    """A stand-in for the hop's rpc_steps: records each message (and each step sent alone), answers per step."""
+
+    def __init__(self, answer: dict[str, Outcome | SwarmError] | None = None) -> None:
         self.messages: list[tuple[str, list[str]]] = []
+        self.alone: list[str] = []
         self.answer = answer or {}
         self.fail: Exception | None = None
         self.release = asyncio.Event()
         self.release.set()
 
-    async def __call__(self, hop: Hop, requests: list[StepRequest]) -> list[StepAck | StepReply | SwarmError]:
+    async def many(self, hop: Hop, requests: list[StepRequest]) -> list[Outcome | SwarmError]:
         self.messages.append((hop.peer_id, [r.session_id for r in requests]))
         await self.release.wait()
         if self.fail is not None:
             raise self.fail
         return [self.answer.get(r.session_id, StepAck()) for r in requests]
 
+    async def one(self, hop: Hop, request: StepRequest) -> Outcome:
+        self.alone.append(request.session_id)
+        outcome = self.answer.get(request.session_id, StepAck())
+        if isinstance(outcome, SwarmError):
+            raise outcome
+        return outcome
+
+    def groups(self, wait_s: float) -> Groups[StepRequest, Outcome]:
+        return Groups(self.many, self.one, wait_s)
+
+
+def send(groups: Groups[StepRequest, Outcome], hop: Hop, request: StepRequest) -> asyncio.Future[Outcome]:
+    return asyncio.ensure_future(groups.send(hop, (request.batch_id, request.batch_size), request))
+
 
 def test_a_rounds_steps_to_one_hop_go_as_one_message_once_all_are_in() -> None:
     async def main() -> None:
         sent = Sent()
-        groups = StepGroups(sent, wait_s=60.0)  # never flushed by the timer here
+        groups = sent.groups(wait_s=60.0)  # never flushed by the timer here
         sessions = [f"s{i}" for i in range(4)]
         random.Random(3).shuffle(sessions)
-        outcomes = await asyncio.gather(*(groups.step(FIRST, step(s, ("round", 4))) for s in sessions))
+        outcomes = await asyncio.gather(*(send(groups, FIRST, step(s, ("round", 4))) for s in sessions))
         assert sent.messages == [("peer-a", sessions)]
         assert all(isinstance(o, StepAck) for o in outcomes)
 
@@ -56,14 +75,14 @@ def test_a_rounds_steps_to_one_hop_go_as_one_message_once_all_are_in() -> None:
 def test_groups_are_per_round_and_per_first_hop() -> None:
     async def main() -> None:
         sent = Sent()
-        groups = StepGroups(sent, wait_s=60.0)
+        groups = sent.groups(wait_s=60.0)
         await asyncio.gather(
-            groups.step(FIRST, step("a1", ("r1", 2))),
-            groups.step(OTHER, step("b1", ("r1", 2))),
-            groups.step(FIRST, step("a2", ("r2", 2))),
-            groups.step(FIRST, step("a3", ("r1", 2))),
-            groups.step(OTHER, step("b2", ("r1", 2))),
-            groups.step(FIRST, step("a4", ("r2", 2))),
+            send(groups, FIRST, step("a1", ("r1", 2))),
+            send(groups, OTHER, step("b1", ("r1", 2))),
+            send(groups, FIRST, step("a2", ("r2", 2))),
+            send(groups, FIRST, step("a3", ("r1", 2))),
+            send(groups, OTHER, step("b2", ("r1", 2))),
+            send(groups, FIRST, step("a4", ("r2", 2))),
         )
         assert sorted(sent.messages) == [
             ("peer-a", ["a1", "a3"]),
@@ -77,8 +96,8 @@ def test_groups_are_per_round_and_per_first_hop() -> None:
 def test_a_member_that_never_sends_holds_its_mates_only_the_wait() -> None:
     async def main() -> None:
         sent = Sent()
-        groups = StepGroups(sent, wait_s=0.01)
-        outcomes = await asyncio.gather(*(groups.step(FIRST, step(s, ("round", 3))) for s in ("x", "y")))
+        groups = sent.groups(wait_s=0.01)
+        outcomes = await asyncio.gather(*(send(groups, FIRST, step(s, ("round", 3))) for s in ("x", "y")))
         assert sent.messages == [("peer-a", ["x", "y"])]  # the third never came
         assert len(outcomes) == 2
 
@@ -90,11 +109,11 @@ def test_each_step_gets_its_own_outcome_and_error() -> None:
         full = CapacityError("peer-a is full")
         output = StepReply(torch.ones(1, 4), ())
         sent = Sent({"bad": full, "one-hop": output})
-        groups = StepGroups(sent, wait_s=60.0)
+        groups = sent.groups(wait_s=60.0)
         results = await asyncio.gather(
-            groups.step(FIRST, step("good", ("round", 3))),
-            groups.step(FIRST, step("bad", ("round", 3))),
-            groups.step(FIRST, step("one-hop", ("round", 3), wait_result=False)),
+            send(groups, FIRST, step("good", ("round", 3))),
+            send(groups, FIRST, step("bad", ("round", 3))),
+            send(groups, FIRST, step("one-hop", ("round", 3), wait_result=False)),
             return_exceptions=True,
         )
         assert isinstance(results[0], StepAck)
@@ -110,8 +129,8 @@ def test_a_cancelled_member_is_skipped_and_a_failed_message_fails_every_other_st
         sent = Sent()
         sent.release.clear()
         sent.fail = TransportError("connection reset") if fails else None
-        groups = StepGroups(sent, wait_s=60.0)
-        waiting = [asyncio.ensure_future(groups.step(FIRST, step(s, ("round", 3)))) for s in ("a", "b", "c")]
+        groups = sent.groups(wait_s=60.0)
+        waiting = [send(groups, FIRST, step(s, ("round", 3))) for s in ("a", "b", "c")]
         while not sent.messages:
             await asyncio.sleep(0)
         waiting[1].cancel()  # its output came first: the session stopped waiting for the acknowledgement
@@ -133,4 +152,33 @@ def test_only_a_rounds_several_steps_are_grouped(batch: tuple[str, int], resend:
         "s", 5, torch.zeros(0 if resend else 1, 4), 0, 2, 16, "hash", wait_result=True, resend_tokens=resend,
         batch_id=batch[0], batch_size=batch[1],
     )  # fmt: skip
-    assert StepGroups.takes(request) is takes
+    assert groupable(request) is takes
+
+
+def test_a_hop_that_does_not_know_the_message_gets_each_alone() -> None:
+    async def main() -> None:
+        full = CapacityError("peer-a is full")
+        sent = Sent({"b": full})
+        sent.fail = ProtocolError(f"{UNKNOWN_KIND} 'steps'")
+        groups = sent.groups(wait_s=60.0)
+        results = await asyncio.gather(
+            *(send(groups, FIRST, step(s, ("round", 3))) for s in ("a", "b", "c")), return_exceptions=True
+        )
+        assert sent.messages == [("peer-a", ["a", "b", "c"])] and sorted(sent.alone) == ["a", "b", "c"]
+        assert isinstance(results[0], StepAck) and results[1] is full and isinstance(results[2], StepAck)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_round_bigger_than_a_message_goes_in_several() -> None:
+    async def main() -> None:
+        sent = Sent()
+        groups = sent.groups(wait_s=0.01)  # the rest go at the wait: a message holds no more
+        size = MAX_FORWARDED_STEPS + 3
+        results = await asyncio.gather(
+            *(send(groups, FIRST, step(f"s{i}", ("round", size))) for i in range(size))
+        )
+        assert [len(names) for _, names in sent.messages] == [MAX_FORWARDED_STEPS, 3]
+        assert len(results) == size
+
+    asyncio.run(asyncio.wait_for(main(), 10))

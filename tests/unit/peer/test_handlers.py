@@ -27,6 +27,7 @@ from swarm.wire import (
     StepBatch,
     StepRequest,
     StepWait,
+    StepWaits,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -297,5 +298,37 @@ def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
         )
         assert torch.allclose(reply.outcomes[3].hidden, relayed.hidden, atol=1e-5)  # type: ignore[union-attr]
         assert h.peer.session_count == 4, "the refused step opened no session"
+
+    run_peers([h.peer, alone.peer], body)
+
+
+def test_a_clients_waits_in_one_message_each_get_their_own_output_or_error() -> None:
+    h = _handlers(Clock())
+    alone = _handlers(
+        Clock()
+    )  # the same steps with their outputs answered directly, for the expected outputs
+
+    def sent(handlers: PeerHandlers, sid: str, hidden: torch.Tensor, wait_result: bool) -> StepRequest:
+        return replace(_step(handlers, sid, 0, 1, max_length=8), hidden=hidden, wait_result=wait_result)
+
+    async def body() -> None:
+        hiddens = {f"s{i}": torch.randn(1, h.peer.spec.hidden_size) for i in range(3)}
+        for sid, hidden in hiddens.items():
+            assert isinstance(await h.rpc_step(sent(h, sid, hidden, True), "QmClient"), StepAck)
+        order = ["s2", "ghost", "s0", "s1"]  # a wait for a step that never came fails at its deadline, alone
+        waits = tuple(StepWait(sid, 0, 10.0 if sid != "ghost" else 0.01) for sid in order)
+        reply = await h.rpc_waits(StepWaits(waits), "QmClient")
+        assert [type(o).__name__ for o in reply.outcomes] == [
+            "StepReply",
+            "ErrorReply",
+            "StepReply",
+            "StepReply",
+        ]
+        assert isinstance(reply.outcomes[1], ErrorReply) and reply.outcomes[1].code == "capacity"
+        for sid, outcome in zip(order, reply.outcomes, strict=True):
+            if sid == "ghost":
+                continue
+            expected = await alone.rpc_step(sent(alone, sid, hiddens[sid], False), "QmClient")
+            assert torch.allclose(outcome.hidden, expected.hidden, atol=1e-5)  # type: ignore[union-attr]
 
     run_peers([h.peer, alone.peer], body)
