@@ -197,8 +197,19 @@ class ExecutorConfig:
         "a decode step waits at most this long for the rest of the steps its client sent with it (0: never)",
     )
 
+    # Lone sessions waited for by pace all ran as one batch, which then passed the route's hops one after another
+    # with one of them working at a time. Two groups keep two hops busy (pipeline micro-batches; the client's
+    # batch_lanes does the same for its own sessions): 8 client processes on 2 vCPUs of a Zen 4, 3 peers x 10
+    # layers of the default model, 109.8 against 93.5 tok/s with one group (medians of 4 paired rounds, B / A
+    # 1.09-1.38, median 1.19: scripts/bench_e2e.py --peer-args "--executor-paced-groups 1" --ab "" --sessions 8);
+    # batches held to 4 by --executor-max-batch instead gave 1.11.
+    paced_groups: int = setting(
+        2,
+        "lone sessions batched by their pace at a route's first hop go in this many groups at most (1: one)",
+    )
+
     def __post_init__(self) -> None:
-        positive(self, "queue_jobs", "max_batch", "max_batch_tokens", "prefill_chunk_tokens")
+        positive(self, "queue_jobs", "max_batch", "max_batch_tokens", "prefill_chunk_tokens", "paced_groups")
         positive(self, "busy_chunk_tokens", "busy_prompt_tokens", "decode_recent_s")
         if self.ride_along_tokens < 0:
             raise ValueError("ride_along_tokens must be >= 0")

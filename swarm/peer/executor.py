@@ -145,6 +145,10 @@ class _Arrivals:
     def forget(self, session_id: str) -> None:
         self._seen.pop(session_id, None)
 
+    def pacing(self, now: float, late_s: float) -> int:
+        """Sessions stepping here by their pace now: seen twice, and due again no more than ``late_s`` ago."""
+        return sum(1 for last, period in self._seen.values() if last + period >= now - late_s)
+
     def due(self, present: set[str | None], now: float, late_s: float, within_s: float) -> bool:
         """Whether a session other than ``present`` is due within ``within_s`` (its last arrival plus its last
         period), and not already more than ``late_s`` late."""
@@ -524,7 +528,8 @@ class Executor:
             window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
             paced = any(job.paced for job in batch)  # later hops get groups (see forward)
-            if left <= 0 or not (grouped or (paced and self._due(batch, left))):
+            waits = paced and sum(job.paced for job in batch) < self._paced_group() and self._due(batch, left)
+            if left <= 0 or not (grouped or waits):
                 break
             await self._next_arrival(left)
             batch = self._take_batch(lane, batch[0], batch[1:])
@@ -546,6 +551,12 @@ class Executor:
         # even under a test's frozen clock.
         present = {job.session_id for job in batch}
         return self._arrivals.due(present, self.clock(), late_s=self.config.batch_window_s, within_s=within_s)
+
+    def _paced_group(self) -> int:
+        """The most lone sessions batched by their pace in one call: those pacing here in ``paced_groups``
+        groups, so that while one group is on the next hop another computes here (ExecutorConfig)."""
+        pacing = self._arrivals.pacing(self.clock(), late_s=self.config.batch_window_s)
+        return max(1, math.ceil(pacing / self.config.paced_groups))
 
     def _group_incomplete(self, batch: list[_Job]) -> bool:
         groups = Counter(job.group for job in batch if job.group is not None)
@@ -579,6 +590,7 @@ class Executor:
         riding = sum(job.tokens for job in batch if job.tokens > 1)
         # in the batch, or skipped: later steps of theirs must not overtake
         sessions = {job.session_id for job in batch}
+        paced, paced_group = sum(job.paced for job in batch), self._paced_group() if first.paced else 0
         while not lane.queue.empty():
             job = lane.queue.get_nowait()
             if job.future.cancelled():
@@ -588,10 +600,14 @@ class Executor:
             fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
             fits &= not rides or riding + job.tokens <= chunk
             fits &= not job.long_prefill or tokens + job.tokens <= chunk  # a chunk's call stays one chunk
+            fits &= (
+                not (first.paced and job.paced) or paced < paced_group
+            )  # the next group goes in the next call
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens
                 riding += job.tokens if rides else 0
+                paced += job.paced
             else:
                 kept.append(job)
             if sid is not None:

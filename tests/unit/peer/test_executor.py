@@ -62,7 +62,7 @@ def _os_thread_name() -> str:
 
 
 def test_concurrent_decode_steps_run_as_one_batch_with_the_same_results(blocks: BlockRange) -> None:
-    executor = Executor(ExecutorConfig(max_batch=8))
+    executor = Executor(ExecutorConfig(max_batch=8, paced_groups=1))
     sessions = [f"s{i}" for i in range(4)]
 
     async def body() -> list[torch.Tensor]:
@@ -353,7 +353,8 @@ def test_a_decode_step_waits_for_a_session_due_by_its_pace_and_runs_with_it(bloc
     than a window late): a new session's step runs at once."""
     now = [0.0]
     executor = Executor(
-        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0), clock=lambda: now[0]
+        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0, paced_groups=1),
+        clock=lambda: now[0],
     )
 
     def step(sid: str, position: int) -> Step:
@@ -381,6 +382,55 @@ def test_a_decode_step_waits_for_a_session_due_by_its_pace_and_runs_with_it(bloc
             await executor.forward(blocks, step("lone", 0))
 
     asyncio.run(_with_executor(executor, body))
+
+
+@pytest.mark.parametrize(("groups", "batches"), [(1, 1), (2, 2), (4, 4)])
+def test_lone_sessions_batched_by_their_pace_go_in_paced_groups(
+    blocks: BlockRange, groups: int, batches: int
+) -> None:
+    """Four sessions step once a second (a fake clock). At t=2 their steps come together: in ``paced_groups``
+    groups, so that one group can go on to the next hop while the next computes here, never waiting for the
+    sessions of the next group (the window is long here, so this cannot pass by timing); the outputs are those
+    of one batch."""
+    now = [0.0]
+    config = ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0, paced_groups=groups)
+    executor = Executor(config, clock=lambda: now[0])
+    sessions = [f"paced-{groups}-{i}" for i in range(4)]
+    random.Random(groups).shuffle(sessions)
+
+    def step(sid: str, position: int) -> Step:
+        return Step(sid, _hidden(blocks, 1, 10 * position + int(sid[-1])), 0, 2, position)
+
+    async def body() -> list[torch.Tensor]:
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        for position in (0, 1):
+            now[0] = float(position)
+            await asyncio.gather(*(executor.forward(blocks, step(sid, position)) for sid in sessions))
+        now[0] = 2.0
+        gate = threading.Event()  # the torch thread is held until all four steps are queued
+        held = asyncio.ensure_future(executor.call(gate.wait))
+        before = executor.batches_run
+        stepping = [asyncio.ensure_future(executor.forward(blocks, step(sid, 2))) for sid in sessions]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        gate.set()
+        async with asyncio.timeout(30):
+            await held
+            results = await asyncio.gather(*stepping)
+        assert executor.batches_run - before == batches
+        for sid in sessions:
+            await executor.call(lambda s=sid: blocks.close_session(s))
+        return [r.hidden for r in results]
+
+    outputs = asyncio.run(_with_executor(executor, body))
+    for sid, output in zip(sessions, outputs, strict=True):
+        blocks.open_session(sid, 16)
+        for position in (0, 1):
+            blocks.forward([step(sid, position)])
+        alone = blocks.forward([step(sid, 2)])[0]
+        blocks.close_session(sid)
+        torch.testing.assert_close(output, alone, atol=1e-5, rtol=1e-5)
 
 
 def test_a_session_is_due_one_period_after_its_last_step_until_a_window_late() -> None:
@@ -587,7 +637,7 @@ def test_decode_steps_of_one_forward_call_go_on_as_a_group_per_next_hop(blocks: 
     """Five decode steps run as one forward call: the three lone ones and the client-grouped one bound for hop B
     get one group of 4 for B (a client's round is regrouped by what ran together), the one bound for C goes on
     alone, and the last hop's step (no next hop) has none. A later call gets a fresh group id."""
-    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=0.0, group_window_s=0.0))
+    executor = Executor(ExecutorConfig(max_batch=8, batch_window_s=0.0, group_window_s=0.0, paced_groups=1))
     onward = {"b1": "QmB", "b2": "QmB", "b3": "QmB", "c1": "QmC", "last": ""}
     sessions = [*onward, "grouped"]
     random_order = sessions[:]
