@@ -42,6 +42,18 @@ Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the l
 # within a pass or two of the event loop once the round settled (client.batching.Round).
 GROUP_WAIT_S = 0.005
 _Wait = tuple[StepWait, int]  # a wait and the bytes of the output it waits for
+RELEASE_TIMEOUT_S = (
+    0.001  # the deadline of a wait sent only to fail an earlier one (RemoteChain._release_wait)
+)
+
+
+def _forget_release(pending: set[asyncio.Future[StepReply]]) -> Callable[[asyncio.Future[StepReply]], None]:
+    def done(call: asyncio.Future[StepReply]) -> None:
+        pending.discard(call)
+        if not call.cancelled():
+            call.exception()  # retrieved: its error (the short deadline) is the expected answer
+
+    return done
 
 
 class RemoteChain:
@@ -64,6 +76,7 @@ class RemoteChain:
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
         self.group_messages = group_messages
+        self._releasing: set[asyncio.Future[StepReply]] = set()  # waits sent to release a grouped one
         # a round's steps to one first hop, and its waits at one last hop, each as one message (client.grouping)
         self.steps: Groups[StepRequest, StepAck | StepReply] = Groups(
             self._send_steps, self._send_step, GROUP_WAIT_S
@@ -105,6 +118,18 @@ class RemoteChain:
             timeout_s=self.step_timeout_s,
             reply_bytes_hint=wait[1],
         )
+
+    def _release_wait(self, request: StepRequest, last: Hop) -> None:
+        """Our wait for ``request``'s output may sit at the last hop in a message with the round's other waits,
+        whose answer comes once every wait in it has one: the step failed before it got there, so the wait would
+        hold its mates until its deadline. A newer wait for the same step fails it there at once (swarm.peer.
+        handoff); this one ends at its own short deadline, and nobody reads it."""
+        wait = StepWait(request.session_id, request.position, RELEASE_TIMEOUT_S)
+        call = asyncio.ensure_future(
+            call_wait(self.p2p, last.peer_id, wait, maddrs=last.maddrs, timeout_s=self.close_timeout_s)
+        )
+        self._releasing.add(call)  # held until done: the loop keeps only weak references to tasks
+        call.add_done_callback(_forget_release(self._releasing))
 
     async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
         """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
@@ -183,6 +208,8 @@ class RemoteChain:
                 if not call.done():
                     call.cancel()
             await asyncio.wait([stepping, waiter])
+            if waiter.cancelled() and self.group_messages and groupable(request):
+                self._release_wait(request, last)
             for call in (stepping, waiter):
                 if not call.cancelled():
                     call.exception()  # retrieved, so asyncio does not log it as lost

@@ -53,10 +53,13 @@ class Groups(Generic[I, O]):
         self._wait_s = wait_s
         self._open: dict[tuple[str, str], _Group[I, O]] = {}
         self._sending: set[asyncio.Task[None]] = set()
+        self._unknown: set[str] = set()  # hops that refused the message unread: each item goes alone there
 
     async def send(self, hop: Hop, batch: tuple[str, int], item: I) -> O:
         """What sending ``item`` alone to ``hop`` would return, or the error it would raise; ``batch`` is the
         (id, size) of the round's steps on this route (StepRequest.batch_id, batch_size)."""
+        if hop.peer_id in self._unknown:
+            return await self._send_one(hop, item)
         loop = asyncio.get_running_loop()
         key = (batch[0], hop.peer_id)
         group = self._open.get(key)
@@ -81,26 +84,27 @@ class Groups(Generic[I, O]):
         task.add_done_callback(self._sending.discard)
 
     async def _deliver(self, group: _Group[I, O]) -> None:
+        members = [(item, future) for item, future in group.members if not future.done()]
+        if not members:  # every member stopped waiting before the group went (its step failed, say)
+            return
         try:
-            outcomes = await self._send_many(group.hop, [item for item, _ in group.members])
+            outcomes = await self._send_many(group.hop, [item for item, _ in members])
+            for (_, future), outcome in zip(members, outcomes, strict=True):
+                if future.done():  # a member whose output came first stopped waiting (cancelled)
+                    continue
+                if isinstance(outcome, SwarmError):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
         except Exception as error:
             if isinstance(error, ProtocolError) and UNKNOWN_KIND in str(error):
                 # a hop of an earlier release, which refused the message unread: nothing ran there
-                await asyncio.gather(
-                    *(self._alone(group.hop, item, future) for item, future in group.members)
-                )
+                self._unknown.add(group.hop.peer_id)
+                await asyncio.gather(*(self._alone(group.hop, item, future) for item, future in members))
                 return
-            for _, future in group.members:  # the message as a whole failed, so did each of its items
-                if not future.done():  # a member whose output came first stopped waiting (cancelled)
+            for _, future in members:  # the message as a whole failed, so did each of its items
+                if not future.done():
                     future.set_exception(error)
-            return
-        for (_, future), outcome in zip(group.members, outcomes, strict=True):
-            if future.done():
-                continue
-            if isinstance(outcome, SwarmError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
 
     async def _alone(self, hop: Hop, item: I, future: asyncio.Future[O]) -> None:
         try:

@@ -146,7 +146,8 @@ class _Arrivals:
         self._seen.pop(session_id, None)
 
     def pacing(self, now: float, late_s: float) -> int:
-        """Sessions stepping here by their pace now: seen twice, and due again no more than ``late_s`` ago."""
+        """Sessions stepping here by their pace now: seen within the horizon, and not more than ``late_s`` past
+        their next step's due time (one seen once has no pace yet, and counts until it goes quiet)."""
         return sum(1 for last, period in self._seen.values() if last + period >= now - late_s)
 
     def due(self, present: set[str | None], now: float, late_s: float, within_s: float) -> bool:
@@ -528,7 +529,8 @@ class Executor:
             window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
             paced = any(job.paced for job in batch)  # later hops get groups (see forward)
-            waits = paced and sum(job.paced for job in batch) < self._paced_group() and self._due(batch, left)
+            in_batch = sum(job.paced for job in batch)
+            waits = paced and in_batch < self._paced_group(in_batch) and self._due(batch, left)
             if left <= 0 or not (grouped or waits):
                 break
             await self._next_arrival(left)
@@ -552,10 +554,11 @@ class Executor:
         present = {job.session_id for job in batch}
         return self._arrivals.due(present, self.clock(), late_s=self.config.batch_window_s, within_s=within_s)
 
-    def _paced_group(self) -> int:
-        """The most lone sessions batched by their pace in one call: those pacing here in ``paced_groups``
-        groups, so that while one group is on the next hop another computes here (ExecutorConfig)."""
-        pacing = self._arrivals.pacing(self.clock(), late_s=self.config.batch_window_s)
+    def _paced_group(self, present: int) -> int:
+        """The most lone sessions batched by their pace in one call: those pacing here (or, when this peer is
+        behind, the ``present`` ones, queued or in the batch) in ``paced_groups`` groups, so that while one
+        group is on the next hop another computes here (ExecutorConfig)."""
+        pacing = max(present, self._arrivals.pacing(self.clock(), late_s=self.config.batch_window_s))
         return max(1, math.ceil(pacing / self.config.paced_groups))
 
     def _group_incomplete(self, batch: list[_Job]) -> bool:
@@ -590,11 +593,14 @@ class Executor:
         riding = sum(job.tokens for job in batch if job.tokens > 1)
         # in the batch, or skipped: later steps of theirs must not overtake
         sessions = {job.session_id for job in batch}
-        paced, paced_group = sum(job.paced for job in batch), self._paced_group() if first.paced else 0
+        queued = []
         while not lane.queue.empty():
             job = lane.queue.get_nowait()
-            if job.future.cancelled():
-                continue
+            if not job.future.cancelled():
+                queued.append(job)
+        paced = sum(job.paced for job in batch)
+        paced_group = self._paced_group(paced + sum(job.paced for job in queued)) if first.paced else 0
+        for job in queued:
             sid = job.session_id
             rides = job.tokens > 1 and lane is self._decode
             fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget

@@ -197,3 +197,49 @@ def test_a_rounds_steps_and_waits_each_go_as_one_message_unless_told_not_to(
                 for s in ("s2", "s0", "s1")
             ]
         )
+
+
+def test_a_grouped_step_that_fails_releases_its_wait_at_the_last_hop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its wait went in one message with the round's others, answered once every wait in it is: the step
+    failed before the last hop, so a newer wait for the same step is sent there to fail it at once."""
+    released: list[tuple[str, str, float]] = []
+    waits_sent = asyncio.Event()
+
+    async def step_batch(_p2p: object, peer_id: str, requests: list[Any], **_: object) -> list[object]:
+        await waits_sent.wait()
+        return [_failure(peer_id) if r.session_id == "bad" else StepAck() for r in requests]
+
+    async def wait_batch(_p2p: object, peer_id: str, waits: list[Any], **_: object) -> list[StepReply]:
+        waits_sent.set()
+        await asyncio.Event().wait()  # the peer holds the answer while a wait in it has no output
+        return []
+
+    async def wait_alone(_p2p: object, peer_id: str, wait: Any, **_: object) -> StepReply:
+        released.append((peer_id, wait.session_id, wait.timeout_s))
+        raise _failure(peer_id)
+
+    for name, fake in (
+        ("call_step_batch", step_batch),
+        ("call_wait_batch", wait_batch),
+        ("call_wait", wait_alone),
+    ):
+        monkeypatch.setattr(chain_module, name, fake)
+
+    async def main() -> tuple[BaseException | torch.Tensor, list[tuple[str, str, float]]]:
+        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
+        good = asyncio.ensure_future(
+            remote.step(SessionID("good"), STAGES, 4, torch.zeros(1, 8), 64, batch=("r", 2))
+        )
+        try:
+            return await remote.step(SessionID("bad"), STAGES, 4, torch.zeros(1, 8), 64, batch=("r", 2)), []
+        except SwarmError as error:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            return error, list(released)  # before its mate is cancelled (which releases that one's wait too)
+        finally:
+            good.cancel()
+            await asyncio.gather(good, return_exceptions=True)
+
+    result, first_released = asyncio.run(asyncio.wait_for(main(), 10))
+    assert isinstance(result, TransportError) and result.failed_peer_id == "QmFirst"
+    assert first_released == [("QmLast", "bad", chain_module.RELEASE_TIMEOUT_S)]

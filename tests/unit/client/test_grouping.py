@@ -166,6 +166,9 @@ def test_a_hop_that_does_not_know_the_message_gets_each_alone() -> None:
         )
         assert sent.messages == [("peer-a", ["a", "b", "c"])] and sorted(sent.alone) == ["a", "b", "c"]
         assert isinstance(results[0], StepAck) and results[1] is full and isinstance(results[2], StepAck)
+        # remembered: the next round's steps go alone at once, with no message refused first
+        await asyncio.gather(*(send(groups, FIRST, step(s, ("next", 2))) for s in ("d", "e")))
+        assert len(sent.messages) == 1 and sorted(sent.alone) == ["a", "b", "c", "d", "e"]
 
     asyncio.run(asyncio.wait_for(main(), 10))
 
@@ -180,5 +183,25 @@ def test_a_round_bigger_than_a_message_goes_in_several() -> None:
         )
         assert [len(names) for _, names in sent.messages] == [MAX_FORWARDED_STEPS, 3]
         assert len(results) == size
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_members_that_stopped_waiting_before_the_group_went_are_not_sent() -> None:
+    async def main() -> None:
+        sent = Sent()
+        groups = sent.groups(wait_s=0.01)
+        gone = send(groups, FIRST, step("gone", ("round", 3)))
+        kept = send(groups, FIRST, step("kept", ("round", 3)))
+        await asyncio.sleep(0)
+        gone.cancel()  # its step failed: it stopped waiting before the round's third member came
+        assert isinstance(await kept, StepAck)
+        assert sent.messages == [("peer-a", ["kept"])]
+        alone = send(groups, FIRST, step("alone", ("other", 2)))
+        await asyncio.sleep(0)
+        alone.cancel()
+        await asyncio.gather(alone, return_exceptions=True)
+        await asyncio.sleep(0.05)  # past the group's wait: nobody left in it, so nothing is sent
+        assert sent.messages == [("peer-a", ["kept"])]
 
     asyncio.run(asyncio.wait_for(main(), 10))
