@@ -202,7 +202,7 @@ class ExecutorConfig:
     # batch_lanes does the same for its own sessions): 8 client processes on 2 vCPUs of a Zen 4, 3 peers x 10
     # layers of the default model, 109.8 against 93.5 tok/s with one group (medians of 4 paired rounds, B / A
     # 1.09-1.38, median 1.19: scripts/bench_e2e.py --peer-args "--executor-paced-groups 1" --ab "" --sessions 8);
-    # batches held to 4 by --executor-max-batch instead gave 1.11.
+    # batches held to 4 by --executor-max-batch instead gave 1.11, and three groups against two 0.95 (0.90-1.04).
     paced_groups: int = setting(
         2,
         "lone sessions batched by their pace at a route's first hop go in this many groups at most (1: one)",
