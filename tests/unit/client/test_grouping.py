@@ -197,11 +197,11 @@ def test_members_that_stopped_waiting_before_the_group_went_are_not_sent() -> No
         gone.cancel()  # its step failed: it stopped waiting before the round's third member came
         assert isinstance(await kept, StepAck)
         assert sent.messages == [("peer-a", ["kept"])]
-        alone = send(groups, FIRST, step("alone", ("other", 2)))
+        early = send(groups, FIRST, step("early", ("other", 2)))
         await asyncio.sleep(0)
-        alone.cancel()
-        await asyncio.gather(alone, return_exceptions=True)
-        await asyncio.sleep(0.05)  # past the group's wait: nobody left in it, so nothing is sent
-        assert sent.messages == [("peer-a", ["kept"])]
+        early.cancel()
+        await asyncio.gather(early, return_exceptions=True)
+        assert isinstance(await send(groups, FIRST, step("mate", ("other", 2))), StepAck)  # the group is full
+        assert sent.messages == [("peer-a", ["kept"]), ("peer-a", ["mate"])]
 
     asyncio.run(asyncio.wait_for(main(), 10))
