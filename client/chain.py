@@ -42,8 +42,18 @@ Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the l
 # within a pass or two of the event loop once the round settled (client.batching.Round).
 GROUP_WAIT_S = 0.005
 _Wait = tuple[StepWait, int]  # a wait and the bytes of the output it waits for
-# the deadline of a wait sent only to fail an earlier one (RemoteChain._release_wait)
-RELEASE_TIMEOUT_S = 0.001
+RELEASE_TIMEOUT_S = (
+    0.001  # the deadline of a wait sent only to fail an earlier one (RemoteChain._release_wait)
+)
+
+
+def _forget_release(pending: set[asyncio.Future[StepReply]]) -> Callable[[asyncio.Future[StepReply]], None]:
+    def done(call: asyncio.Future[StepReply]) -> None:
+        pending.discard(call)
+        if not call.cancelled():
+            call.exception()  # retrieved: its error (the short deadline) is the expected answer
+
+    return done
 
 
 class RemoteChain:
@@ -66,7 +76,7 @@ class RemoteChain:
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
         self.group_messages = group_messages
-        self._releasing: set[asyncio.Task[None]] = set()  # waits sent to release a grouped one
+        self._releasing: set[asyncio.Future[StepReply]] = set()  # waits sent to release a grouped one
         # a round's steps to one first hop, and its waits at one last hop, each as one message (client.grouping)
         self.steps: Groups[StepRequest, StepAck | StepReply] = Groups(
             self._send_steps, self._send_step, GROUP_WAIT_S
@@ -114,23 +124,16 @@ class RemoteChain:
         whose answer comes once every wait in it has one: the step failed before it got there, so the wait would
         hold its mates until its deadline. A newer wait for the same step fails it there at once (swarm.peer.
         handoff); this one ends at its own short deadline, and nobody reads it."""
-        task = asyncio.ensure_future(
-            self._release(StepWait(request.session_id, request.position, RELEASE_TIMEOUT_S), last)
+        wait = StepWait(request.session_id, request.position, RELEASE_TIMEOUT_S)
+        call = asyncio.ensure_future(
+            call_wait(self.p2p, last.peer_id, wait, maddrs=last.maddrs, timeout_s=self.close_timeout_s)
         )
-        self._releasing.add(task)  # held until done: the loop keeps only weak references to tasks
-        task.add_done_callback(self._releasing.discard)
-
-    async def _release(self, wait: StepWait, last: Hop) -> None:
-        with contextlib.suppress(Exception):  # its error (the short deadline) is the expected answer
-            await call_wait(self.p2p, last.peer_id, wait, maddrs=last.maddrs, timeout_s=self.close_timeout_s)
-
-    def _grouped(self, request: StepRequest) -> bool:
-        """Whether ``request`` and its wait go with the round's others (client.grouping)."""
-        return self.group_messages and groupable(request)
+        self._releasing.add(call)  # held until done: the loop keeps only weak references to tasks
+        call.add_done_callback(_forget_release(self._releasing))
 
     async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
         """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
-        if self._grouped(request):
+        if self.group_messages and groupable(request):
             return await self.steps.send(first, (request.batch_id, request.batch_size), request)
         return await self._send_step(first, request)
 
@@ -141,7 +144,7 @@ class RemoteChain:
             StepWait(request.session_id, request.position, self.step_timeout_s),
             request.hidden.numel() * request.hidden.element_size(),
         )
-        if self._grouped(request):
+        if self.group_messages and groupable(request):
             return await self.waits.send(last, (request.batch_id, request.batch_size), wait)
         return await self._send_wait(last, wait)
 
@@ -205,7 +208,7 @@ class RemoteChain:
                 if not call.done():
                     call.cancel()
             await asyncio.wait([stepping, waiter])
-            if waiter.cancelled() and self._grouped(request):
+            if waiter.cancelled() and self.group_messages and groupable(request):
                 self._release_wait(request, last)
             for call in (stepping, waiter):
                 if not call.cancelled():

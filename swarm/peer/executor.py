@@ -528,8 +528,9 @@ class Executor:
             grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
             window = self.config.group_window_s if grouped else self.config.batch_window_s
             left = started + window - time.monotonic()
-            paced = sum(job.paced for job in batch)  # later hops get groups (see forward)
-            waits = 0 < paced < self._paced_group(paced) and self._due(batch, left)
+            paced = any(job.paced for job in batch)  # later hops get groups (see forward)
+            in_batch = sum(job.paced for job in batch)
+            waits = paced and in_batch < self._paced_group(in_batch) and self._due(batch, left)
             if left <= 0 or not (grouped or waits):
                 break
             await self._next_arrival(left)
@@ -605,8 +606,9 @@ class Executor:
             fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
             fits &= not rides or riding + job.tokens <= chunk
             fits &= not job.long_prefill or tokens + job.tokens <= chunk  # a chunk's call stays one chunk
-            # a paced batch's next group goes in the next call
-            fits &= not (first.paced and job.paced) or paced < paced_group
+            fits &= (
+                not (first.paced and job.paced) or paced < paced_group
+            )  # the next group goes in the next call
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens

@@ -146,8 +146,20 @@ async def call_step_batch(
     reply = await _call(
         p2p, peer_id, StepBatch(tuple(requests)), StepBatchReply, maddrs=maddrs, timeout_s=timeout_s
     )
-    expected: list[type[StepAck | StepReply]] = [StepAck if r.wait_result else StepReply for r in requests]
-    return _outcomes(reply, expected, peer_id, "steps")
+    if len(reply.outcomes) != len(requests):
+        error = ProtocolError(
+            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(requests)} steps"
+        )
+        error.failed_peer_id = peer_id
+        raise error
+    outcomes: list[StepAck | StepReply | SwarmError] = []
+    for request, outcome in zip(requests, reply.outcomes, strict=True):
+        expected: type[StepAck | StepReply] = StepAck if request.wait_result else StepReply
+        try:
+            outcomes.append(_answer(outcome, expected, peer_id))
+        except SwarmError as e:
+            outcomes.append(e)
+    return outcomes
 
 
 async def call_wait_batch(
@@ -173,24 +185,16 @@ async def call_wait_batch(
         timeout_s=timeout_s,
         reply_bytes_hint=reply_bytes_hint,
     )
-    return _outcomes(reply, [StepReply] * len(waits), peer_id, "waits")
-
-
-def _outcomes(
-    reply: StepBatchReply, expected: list[type[_R]], peer_id: str, items: str
-) -> list[_R | SwarmError]:
-    """Each outcome of a batch's reply as the answer its item expects, or the error it carries; a reply with
-    another number of outcomes than items fails as a whole (ProtocolError naming ``peer_id``)."""
-    if len(reply.outcomes) != len(expected):
+    if len(reply.outcomes) != len(waits):
         error = ProtocolError(
-            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(expected)} {items}"
+            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(waits)} waits"
         )
         error.failed_peer_id = peer_id
         raise error
-    outcomes: list[_R | SwarmError] = []
-    for outcome, kind in zip(reply.outcomes, expected, strict=True):
+    outcomes: list[StepReply | SwarmError] = []
+    for outcome in reply.outcomes:
         try:
-            outcomes.append(_answer(outcome, kind, peer_id))
+            outcomes.append(_answer(outcome, StepReply, peer_id))
         except SwarmError as e:
             outcomes.append(e)
     return outcomes
