@@ -1,8 +1,11 @@
 /* y[M][N] = x[M][K] @ W^T for weights stored as 4-bit blocks (swarm/models/int4.py), float32 in and out.
 
    W[n][k] = d * q + m for the block of 32 holding k, rounded as transformers widens a GGUF Q4_1 block: the
-   product d * q, then the sum (compiled with -ffp-contract=off, so never one fused step). Each weight is thus
-   bit for bit the float32 weight it stands for; only the order of the sums over k differs from F.linear.
+   product d * q, then the sum. The kernel widens with one fused multiply-add, which rounds the same: d is a
+   float16 value (11 significant bits) and q < 16 (4 bits), so d * q is exact in float32 and the sum is the only
+   rounding either way (and one step fewer per 8 weights: 10 layers' products of one row 2.45 against 2.8 ms on
+   a Zen 4). Every other step is compiled with -ffp-contract=off. Each weight is thus bit for bit the
+   float32 weight it stands for; only the order of the sums over k differs from F.linear.
 
    A packed row of K weights: K/2 bytes of nibbles (byte j of a block holds q[j] low and q[j + 16] high), then
    K/32 float32 scales d, then K/32 float32 minimums m. */
@@ -14,6 +17,11 @@
 
 #define BLOCK 32
 #define FUSED_ROWS 8
+/* Packed rows ahead of the one in use whose bytes are fetched into the cache meanwhile. Without it, inputs of
+   several rows left the core waiting on memory: 10 layers' products of 3 / 4 / 8 rows 4.3 / 5.3 / 10.1 ms
+   against 3.6 / 4.3 / 8.0 with it (Zen 4; the same weights already in cache: 3.4 / 4.0 / 7.4); one row is
+   unchanged. 1, 2, 4 or 8 rows ahead measured alike. */
+#define PREFETCH_AHEAD 2
 #define MAX_HEAD_DIM 512 /* decode_layer's rotary scratch; int4.py's MAX_HEAD_DIM */
 
 /* the 32 weights of one block, widened to float32 */
@@ -26,7 +34,7 @@ static inline void widen(const uint8_t *nibbles, float d, float m, __m256 w[4]) 
     __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     for (int i = 0; i < 4; i++) {
         __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-        w[i] = _mm256_add_ps(_mm256_mul_ps(q, scale), least);
+        w[i] = _mm256_fmadd_ps(q, scale, least); /* d * q is exact: one rounding, as in d * q + m (see top) */
     }
 }
 
@@ -47,6 +55,9 @@ static inline __attribute__((always_inline)) void fused_rows(const float *x, con
     for (long n = 0; n < N; n++) {
         const uint8_t *row = packed + n * stride;
         const float *d = (const float *)(row + K / 2), *m = d + blocks;
+        if (n + PREFETCH_AHEAD < N)
+            for (long o = 0; o < stride; o += 64)
+                _mm_prefetch((const char *)(row + PREFETCH_AHEAD * stride + o), _MM_HINT_T0);
         __m256 acc[FUSED_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int a = 0; a < accs; a++) acc[r][a] = _mm256_setzero_ps();
