@@ -135,6 +135,7 @@ class BlockRange:
         }
         # each layer as int4.decode_layer takes it, where it can (None: the layer's decode steps go through _layer)
         self._fused = [self._fused_weights(block) for block in self.layers]
+        self._layer_runs: dict[tuple[int, int], int4.LayerRun] = {}  # by [start, end): _layer_run
         attn: Any = getattr(self.layers[0], "self_attn", None) if len(self.layers) else None
         scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self._attention = int4.Attention(self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, scale)
@@ -355,17 +356,36 @@ class BlockRange:
         h = h.contiguous()
         # what each step's cache grows by
         likes = {size: torch.empty(self.spec.num_kv_heads, size, self.head_dim) for size in set(sizes)}
+
+        def slots(layer: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+            reserved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            for cache, size in zip(caches, sizes, strict=True):
+                keys, values, length = cache.reserve(layer, likes[size])
+                reserved.extend((keys, values, length + i) for i in range(size))
+            return reserved
+
+        if between_layers is None:  # the whole range in one call
+            run = self._layer_run(start, end)
+            int4.decode_layers(
+                h, run, self._attention, cos, sin, [slots(layer) for layer in range(start, end)]
+            )
+            return list(h.split(sizes))
         for layer in range(start, end):
-            if between_layers is not None and layer > start:
+            if layer > start:
                 between_layers()
             weights = self._fused[layer - self.range.start]
             assert weights is not None  # _fusable
-            slots: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-            for cache, size in zip(caches, sizes, strict=True):
-                keys, values, length = cache.reserve(layer, likes[size])
-                slots.extend((keys, values, length + i) for i in range(size))
-            int4.decode_layer(h, weights, self._attention, cos, sin, slots)
+            int4.decode_layer(h, weights, self._attention, cos, sin, slots(layer))
         return list(h.split(sizes))
+
+    def _layer_run(self, start: int, end: int) -> int4.LayerRun:
+        """The fused layers [start, end) as one int4.LayerRun, gathered on first use (and again if they
+        changed)."""
+        layers = [w for w in self._fused[start - self.range.start : end - self.range.start] if w is not None]
+        run = self._layer_runs.get((start, end))
+        if run is None or not run.of(layers):
+            run = self._layer_runs[(start, end)] = int4.LayerRun(layers)
+        return run
 
     def _attention_mask(self, first: int, tokens: int) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) for ``tokens`` new queries after ``first`` cached keys."""

@@ -277,3 +277,23 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
     free(scratch);
     return 0;
 }
+
+/* decode_layer for `layers` consecutive layers in one call: a decode call of a peer's whole range pays no
+   interpreter cost between its layers. Per layer its weights, norms and eps (arrays of `layers`); per layer and
+   row its cache (arrays of layers * rows, each layer's rows together). Returns 0, or -1 as decode_layer does
+   (h then holds the layers before the one that failed). */
+int decode_layers(float *h, long rows, long hidden, long layers, const float *const *norm_in,
+                  const float *const *norm_post, const float *eps, const uint8_t *const *qkv,
+                  const uint8_t *const *o, const uint8_t *const *gate_up, const uint8_t *const *down,
+                  long intermediate, long heads, long kv_heads, long head_dim, float scale, const float *cos,
+                  const float *sin, float *const *keys, float *const *values, const long *capacities,
+                  const long *lengths) {
+    for (long l = 0; l < layers; l++) {
+        long at = l * rows;
+        int failed = decode_layer(h, rows, hidden, norm_in[l], norm_post[l], eps[l], qkv[l], o[l], gate_up[l],
+                                  down[l], intermediate, heads, kv_heads, head_dim, scale, cos, sin, keys + at,
+                                  values + at, capacities + at, lengths + at);
+        if (failed) return failed;
+    }
+    return 0;
+}

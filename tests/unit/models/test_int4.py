@@ -4,6 +4,7 @@ through 4-bit blocks equal to transformers' on a model whose weights are 4-bit."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -190,8 +191,10 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     fused = list(block._fused)
     assert all(weights is not None for weights in fused)
     calls = []
-    real = int4.decode_layer
-    monkeypatch.setattr(int4, "decode_layer", lambda *a: calls.append(len(a[0])) or real(*a))
+    real = int4.decode_layers
+    monkeypatch.setattr(
+        int4, "decode_layers", lambda *a: calls.append((len(a[0]), len(a[1].layers))) or real(*a)
+    )
     sessions = [f"f{i}" for i in range(9)]
     lengths = {s: 1 + 5 * i for i, s in enumerate(sessions)}
     results = {}
@@ -224,8 +227,9 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
         for session in sessions:
             block.close_session(session)
     block._fused = fused
-    # (9 prompts + 30 steps) x 2 layers, then none while written out
-    assert len(calls) == 78 and max(calls) == max(lengths.values())
+    # 9 prompts + 30 steps, each one call of both layers, then none while written out
+    assert len(calls) == 39 and {layers for _, layers in calls} == {2}
+    assert max(rows for rows, _ in calls) == max(lengths.values())
     (fused_out, fused_kv, fused_lengths), (plain_out, plain_kv, plain_lengths) = (
         results["fused"],
         results["written out"],
@@ -239,6 +243,54 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
             torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
 
 
+def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(tiny_source, four_bit_model) -> None:  # type: ignore[no-untyped-def]
+    """A decode call runs its whole range in one int4.decode_layers call; a prefill that gives way between
+    layers calls int4.decode_layer per layer. Both give the same outputs and caches, bit for bit; and a range
+    whose layers were replaced is gathered again, not run on the old weights."""
+    _, blocks = four_bit_model
+    block, head = blocks[2], tiny_source.load_head()
+    between: list[int] = []
+    results = []
+    for gives_way in (None, lambda: between.append(1)):
+        rng = torch.Generator().manual_seed(11)
+        outputs = []
+        for i in range(3):
+            block.open_session(f"r{i}", 64)
+            prompt = head.embed(torch.tensor(PROMPT[: 3 + i]))
+            outputs.extend(block.forward([Step(f"r{i}", prompt, 4, 6, 0)], gives_way))
+        for k in range(5):
+            steps = [
+                Step(f"r{i}", torch.randn(1, tiny_source.spec.hidden_size, generator=rng), 4, 6, 3 + i + k)
+                for i in range(3)
+            ]
+            outputs.extend(block.forward(steps, gives_way))
+        caches = [block.cache.get(f"r{i}") for i in range(3)]
+        kv = [
+            (c.keys[j][:, : c.lengths[j]].clone(), c.values[j][:, : c.lengths[j]].clone())
+            for c in caches
+            for j in range(2)
+        ]
+        results.append((outputs, kv))
+        for i in range(3):
+            block.close_session(f"r{i}")
+    assert len(between) == 3 + 5  # once between the two layers of each call
+    (one_call, one_kv), (by_layer, by_layer_kv) = results
+    assert all(torch.equal(a, b) for a, b in zip(one_call, by_layer, strict=True))
+    assert all(
+        torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(one_kv, by_layer_kv, strict=True)
+    )
+    gathered = block._layer_run(4, 6)
+    assert block._layer_run(4, 6) is gathered
+    fused = list(block._fused)
+    block._fused = [dataclasses.replace(w) for w in fused]  # the same tensors in new objects
+    try:
+        assert block._layer_run(4, 6) is not gathered and block._layer_run(4, 6).of(
+            block._fused[4 - block.range.start : 6 - block.range.start]
+        )
+    finally:
+        block._fused = fused
+
+
 def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
     attention = int4.Attention(heads=2, kv_heads=1, head_dim=32, scale=0.2)
     h = torch.zeros(1, 64)
@@ -249,3 +301,8 @@ def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
         int4.decode_layer(h, weights, attention, angles, angles, [(full, full, 4)])
     with pytest.raises(ValueError, match="N caches"):
         int4.decode_layer(h, weights, attention, angles, angles, [])
+    run = int4.LayerRun([weights, weights])
+    with pytest.raises(ValueError, match="N caches"):  # a layer's caches missing
+        int4.decode_layers(h, run, attention, angles, angles, [[(full, full, 0)]])
+    with pytest.raises(ValueError, match="one MLP width"):
+        int4.LayerRun([weights, dataclasses.replace(weights, intermediate=32)])
