@@ -43,10 +43,14 @@ def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(shape: tup
     assert torch.equal(picked, weight.T)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64])
-def test_products_are_f_linears_for_every_row_count(rows: int) -> None:
-    weight = _weight(96, 128, seed=rows)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows + 1))
+@pytest.mark.parametrize(
+    "rows, columns",
+    [(r, 128) for r in (0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64)]
+    + [(r, 1536) for r in (5, 6, 7, 8, 13)],  # wide inputs: passes of fewer rows (int4.c's L1_INPUT_BYTES)
+)
+def test_products_are_f_linears_for_every_row_count(rows: int, columns: int) -> None:
+    weight = _weight(96, columns, seed=rows)
+    x = torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows + 1))
     packed = int4.unpack(weight)
     assert packed is not None
     got = int4.product(x, packed, 96)
