@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -194,11 +195,14 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     block, head = blocks[2], tiny_source.load_head()
     fused = list(block._fused)
     assert all(weights is not None for weights in fused)
-    calls = []
+    calls: list[tuple[int, int]] = []  # (rows, layers) of each call
     real = int4.decode_layers
-    monkeypatch.setattr(
-        int4, "decode_layers", lambda *a: calls.append((len(a[0]), len(a[1].layers))) or real(*a)
-    )
+
+    def counted(*args: Any) -> None:
+        calls.append((len(args[0]), len(args[1].layers)))
+        real(*args)
+
+    monkeypatch.setattr(int4, "decode_layers", counted)
     sessions = [f"f{i}" for i in range(9)]
     lengths = {s: 1 + 5 * i for i, s in enumerate(sessions)}
     results = {}
