@@ -328,12 +328,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+@functools.cache
+def kernel_version() -> str:
+    """What names this build of the kernel: a digest of its source, the compiler and the flags. Measurements
+    that timed the kernel (swarm.models.matmul's kept forms) hold for this version only."""
+    compiler = _compiler() or "cc"
+    source = SOURCE.read_bytes()
+    return hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in FLAGS)])).hexdigest()[
+        :16
+    ]
+
+
 def _compiled() -> Path:
     """The kernel's shared library, compiled now if no earlier run on this machine kept one."""
     compiler = _compiler() or "cc"
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in FLAGS)])).hexdigest()
-    target = cache_dir() / "kernels" / f"int4-{digest[:16]}.so"
+    target = cache_dir() / "kernels" / f"int4-{kernel_version()}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -300,8 +300,8 @@ def calibrate(
     row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
     process and set of shapes (every layer of a model has the same set, so a peer that re-loads other layers of
     its model or a test that makes many ranges pays for it once), and in the cache directory (STORE_NAME) per
-    CPU, torch build and set of shapes: timing the packed forms takes seconds, which a client or peer starting
-    again on the same machine does not pay twice. Delete that file to measure again."""
+    CPU, torch build, set of shapes and build of the 4-bit kernel: timing the packed forms takes seconds, which a
+    client or peer starting again on the same machine does not pay twice. Delete that file to measure again."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     weights = [w.detach() for w in weights]
@@ -314,7 +314,9 @@ def calibrate(
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            stored_key = json.dumps([machine(), *key])
+            # a faster or slower build of the 4-bit kernel may change what is fastest: measure it again
+            kernels = [f"int4 {int4.kernel_version()}"] if "int4" in offered else []
+            stored_key = json.dumps([machine(), *key, *kernels])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
                 with one_at_a_time(_store_path()):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.models import matmul
+from swarm.models import int4, matmul
 from swarm.models.matmul import (
     LONG_ROWS,
     MAX_FEW_ROWS,
@@ -297,6 +297,25 @@ def test_a_calibration_is_kept_on_disk_for_the_next_process(fresh_calibrations: 
     matmul._calibrated.clear()
     assert calibrate(weights, clock=_never_timed) == measured
     assert len(json.loads(fresh_calibrations.read_text())) == 2
+
+
+@pytest.mark.skipif(not int4.available(), reason="no 4-bit kernel here (needs x86-64 AVX2 and a C compiler)")
+def test_a_calibration_that_timed_the_4_bit_kernel_holds_for_that_build_of_it_only(
+    fresh_calibrations: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = [four_bit(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.05)]
+    measured = calibrate(weights, packing=True, repeats=1)
+    assert "int4" in matmul._offered(weights)
+    matmul._calibrated.clear()
+    assert calibrate(weights, packing=True, clock=_never_timed) == measured  # kept for the same build
+    monkeypatch.setattr(int4, "kernel_version", lambda: "another build")
+    matmul._calibrated.clear()
+    with pytest.raises(AssertionError, match="timed the forms again"):
+        calibrate(weights, packing=True, clock=_never_timed)
+    unpacked = calibrate(weights)  # no packed form offered: its key names no kernel build
+    matmul._calibrated.clear()
+    monkeypatch.setattr(int4, "kernel_version", lambda: "a third build")
+    assert calibrate(weights, clock=_never_timed) == unpacked
 
 
 @pytest.mark.parametrize(
