@@ -350,9 +350,11 @@ class BlockRange:
         end: int,
         between_layers: Callable[[], None] | None,
     ) -> list[torch.Tensor]:
-        """_run for steps of few tokens, a layer a call of int4.decode_layer (h is changed in place). A step's
-        tokens are rows at consecutive positions of one cache: each row attends to the rows before it, which the
-        call has cached by then, so a step of several tokens is causal as in _layer."""
+        """_run for steps of few tokens through int4.decode_layers (h is changed in place): the whole range in one
+        call, or a layer a call where ``between_layers`` gives way between them. A failed call leaves the caches
+        as they were before the step. A step's tokens are rows at consecutive positions of one cache: each row
+        attends to the rows before it, which the call has cached by then, so a step of several tokens is causal as
+        in _layer."""
         h = h.contiguous()
         # what each step's cache grows by
         likes = {size: torch.empty(self.spec.num_kv_heads, size, self.head_dim) for size in set(sizes)}
@@ -364,24 +366,32 @@ class BlockRange:
                 reserved.extend((keys, values, length + i) for i in range(size))
             return reserved
 
-        if between_layers is None:  # the whole range in one call
-            run = self._layer_run(start, end)
-            int4.decode_layers(
-                h, run, self._attention, cos, sin, [slots(layer) for layer in range(start, end)]
-            )
-            return list(h.split(sizes))
-        for layer in range(start, end):
-            if layer > start:
-                between_layers()
-            weights = self._fused[layer - self.range.start]
-            assert weights is not None  # _fusable
-            int4.decode_layer(h, weights, self._attention, cos, sin, slots(layer))
+        before = [[cache.length(layer) for layer in range(start, end)] for cache in caches]
+        try:
+            if between_layers is None:  # the whole range in one call
+                run = self._layer_run(start, end)
+                all_slots = [slots(layer) for layer in range(start, end)]
+                int4.decode_layers(h, run, self._attention, cos, sin, all_slots)
+            else:
+                for layer in range(start, end):
+                    if layer > start:
+                        between_layers()
+                    run = self._layer_run(layer, layer + 1)
+                    int4.decode_layers(h, run, self._attention, cos, sin, [slots(layer)])
+        except BaseException:
+            # reserved tokens that were not written (all layers are reserved before the call) must not count as
+            # cached: a later step would pass _in_order and attend to garbage instead of being told to replay
+            for cache, lengths in zip(caches, before, strict=True):
+                for layer, length in zip(range(start, end), lengths, strict=True):
+                    cache.truncate(layer, length)
+            raise
         return list(h.split(sizes))
 
     def _layer_run(self, start: int, end: int) -> int4.LayerRun:
         """The fused layers [start, end) as one int4.LayerRun, gathered on first use (and again if they
         changed)."""
         layers = [w for w in self._fused[start - self.range.start : end - self.range.start] if w is not None]
+        assert len(layers) == end - start, "every layer of a fused run is fused (_fusable)"
         run = self._layer_runs.get((start, end))
         if run is None or not run.of(layers):
             run = self._layer_runs[(start, end)] = int4.LayerRun(layers)

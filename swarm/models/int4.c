@@ -100,7 +100,7 @@ static void fused(const float *x, long rows, long K, const uint8_t *packed, long
    in one pass or two). */
 #define L1_INPUT_BYTES 24576
 void int4_matmul(const float *x, long M, long K, const uint8_t *packed, long N, float *y) {
-    long pass = L1_INPUT_BYTES / (K * (long)sizeof(float));
+    long pass = K > 0 ? L1_INPUT_BYTES / (K * (long)sizeof(float)) : FUSED_ROWS;
     pass = pass < 1 ? 1 : pass > FUSED_ROWS ? FUSED_ROWS : pass;
     if (M <= pass + 2 && M <= FUSED_ROWS) pass = M;
     for (long r = 0; r < M; r += pass)

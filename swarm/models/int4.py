@@ -149,14 +149,25 @@ def takes_head_dim(head_dim: int) -> bool:
     return head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
+def _tensors(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
+    return (weights.norm_in, weights.norm_post, weights.qkv, weights.o, weights.gate_up, weights.down)
+
+
 class LayerRun:
-    """Consecutive layers as ``decode_layers`` takes them: the addresses of their weights, gathered once."""
+    """Consecutive layers as ``decode_layers`` takes them: the addresses of their weights, gathered once, after
+    checking every weight's shape against the first layer's sizes (the kernel reads by those sizes)."""
 
     def __init__(self, layers: Sequence[LayerWeights]) -> None:
-        if not layers or len({w.intermediate for w in layers}) != 1:
-            raise ValueError("a run of layers needs at least one layer, all of one MLP width")
+        if not layers:
+            raise ValueError("a run of layers needs at least one layer")
+        first = layers[0]
+        self.hidden, self.intermediate = first.norm_in.numel(), first.intermediate
+        self.qkv_rows, self.q_width = first.qkv.shape[0], first.o.shape[1] * 4 // 3  # row_bytes(K) = 3K/4
+        for weights in layers:
+            self._check(weights)
         self.layers = tuple(layers)  # kept: the addresses below point into their tensors
-        self.intermediate = layers[0].intermediate
+        # where the tensors' memory was: a tensor given other memory since (``.data =``, ``set_``) is not this run
+        self._addresses = tuple(t.data_ptr() for w in layers for t in _tensors(w))
         count = len(layers)
 
         def addresses(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
@@ -170,10 +181,38 @@ class LayerRun:
         self.gate_up = addresses([w.gate_up for w in layers])
         self.down = addresses([w.down for w in layers])
 
+    def _check(self, weights: LayerWeights) -> None:
+        hidden, intermediate = self.hidden, self.intermediate
+        if weights.intermediate != intermediate:
+            raise ValueError(
+                f"a layer's MLP is {weights.intermediate} wide, not {intermediate} as the run's first layer has it"
+            )
+        expected = {
+            "norm_in": (weights.norm_in, torch.float32, (hidden,)),
+            "norm_post": (weights.norm_post, torch.float32, (hidden,)),
+            "qkv": (weights.qkv, torch.uint8, (self.qkv_rows, row_bytes(hidden))),
+            "o": (weights.o, torch.uint8, (hidden, row_bytes(self.q_width))),
+            "gate_up": (weights.gate_up, torch.uint8, (2 * intermediate, row_bytes(hidden))),
+            "down": (weights.down, torch.uint8, (hidden, row_bytes(intermediate))),
+        }
+        for name, (tensor, dtype, shape) in expected.items():
+            if (
+                tensor.dtype != dtype
+                or tuple(tensor.shape) != shape
+                or not tensor.is_contiguous()
+                or tensor.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"a layer's {name} is {tensor.dtype} {tuple(tensor.shape)}, not a contiguous CPU {dtype} "
+                    f"{shape} as the run's first layer has it"
+                )
+
     def of(self, layers: Sequence[LayerWeights]) -> bool:
-        """Whether this run was gathered from exactly these layer objects."""
-        return len(layers) == len(self.layers) and all(
-            a is b for a, b in zip(layers, self.layers, strict=True)
+        """Whether this run was gathered from exactly these layer objects, their tensors where they were."""
+        return (
+            len(layers) == len(self.layers)
+            and all(a is b for a, b in zip(layers, self.layers, strict=True))
+            and tuple(t.data_ptr() for w in layers for t in _tensors(w)) == self._addresses
         )
 
 
@@ -202,14 +241,15 @@ def decode_layers(
 ) -> None:
     """``decode_layer`` through each layer of ``run`` in turn, in one call of the library: caches[i] are the
     rows' caches in the run's layer i. A 10-layer decode call of the default model paid 0.4 / 0.7 / 1.0 ms of
-    interpreter work for 1 / 4 / 8 rows with a call per layer (Zen 4)."""
+    interpreter work for 1 / 4 / 8 rows with a call per layer (Zen 4). If it fails (MemoryError), h holds the
+    layers before the one that failed: the caller drops the step's cache writes (BlockRange._run_fused)."""
     function = _decode_layers()
     rows = h.shape[0]
     if function is None:
         raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
     if not takes_head_dim(attention.head_dim):
         raise ValueError(
-            f"decode_layer takes an even head_dim up to {MAX_HEAD_DIM}, got {attention.head_dim}"
+            f"decode_layers takes an even head_dim up to {MAX_HEAD_DIM}, got {attention.head_dim}"
         )
     if (
         h.ndim != 2
@@ -217,11 +257,15 @@ def decode_layers(
         or not h.is_contiguous()
         or tuple(cos.shape) != (rows, attention.head_dim)
         or tuple(sin.shape) != (rows, attention.head_dim)
+        or h.shape[1] != run.hidden
+        or run.q_width != attention.heads * attention.head_dim
+        or run.qkv_rows != (attention.heads + 2 * attention.kv_heads) * attention.head_dim
         or len(caches) != len(run.layers)
         or any(len(layer) != rows for layer in caches)
     ):
         raise ValueError(
-            f"decode_layer takes rows [N, hidden] with N caches a layer and angles, got {tuple(h.shape)}"
+            f"decode_layers takes rows [N, hidden] of the run's size with N caches a layer and angles, got "
+            f"{tuple(h.shape)} for {run.hidden} features and {len(run.layers)} layers"
         )
     slots = [slot for layer in caches for slot in layer]
     for keys, values, length in slots:
@@ -262,7 +306,7 @@ def decode_layers(
         counts(*(length for _, _, length in slots)),
     )
     if failed:
-        raise MemoryError("decode_layer could not allocate its scratch memory")
+        raise MemoryError("decode_layers could not allocate its scratch memory")
 
 
 def available() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -251,14 +252,25 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
             torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
 
 
-def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(tiny_source, four_bit_model) -> None:  # type: ignore[no-untyped-def]
+def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(
+    tiny_source, four_bit_model, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """A decode call runs its whole range in one int4.decode_layers call; a prefill that gives way between
-    layers calls int4.decode_layer per layer. Both give the same outputs and caches, bit for bit; and a range
+    layers calls int4.decode_layers per layer. Both give the same outputs and caches, bit for bit; and a range
     whose layers were replaced is gathered again, not run on the old weights."""
     _, blocks = four_bit_model
     block, head = blocks[2], tiny_source.load_head()
     between: list[int] = []
-    results = []
+    results: list[tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    whole_range: list[int] = []  # layers of each decode_layers call of the pass that never gives way
+    real = int4.decode_layers
+
+    def counted(*args: Any) -> None:
+        if not results:
+            whole_range.append(len(args[1].layers))
+        real(*args)
+
+    monkeypatch.setattr(int4, "decode_layers", counted)
     for gives_way in (None, lambda: between.append(1)):
         rng = torch.Generator().manual_seed(11)
         outputs = []
@@ -282,6 +294,7 @@ def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(tiny_so
         for i in range(3):
             block.close_session(f"r{i}")
     assert len(between) == 3 + 5  # once between the two layers of each call
+    assert whole_range == [2] * (3 + 5)  # and before: each call both layers at once
     (one_call, one_kv), (by_layer, by_layer_kv) = results
     assert all(torch.equal(a, b) for a, b in zip(one_call, by_layer, strict=True))
     assert all(
@@ -299,11 +312,30 @@ def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(tiny_so
         block._fused = fused
 
 
+def _zero_layer(hidden: int = 64, heads: int = 2, kv_heads: int = 1, head_dim: int = 32) -> int4.LayerWeights:
+    """A layer of the shapes decode_layers reads (all weights zero)."""
+    q_width, qkv_rows, intermediate = heads * head_dim, (heads + 2 * kv_heads) * head_dim, hidden
+
+    def packed(rows: int, columns: int) -> torch.Tensor:
+        return torch.zeros(rows, int4.row_bytes(columns), dtype=torch.uint8)
+
+    return int4.LayerWeights(
+        torch.zeros(hidden),
+        torch.zeros(hidden),
+        1e-5,
+        packed(qkv_rows, hidden),
+        packed(hidden, q_width),
+        packed(2 * intermediate, hidden),
+        packed(hidden, intermediate),
+        intermediate,
+    )
+
+
 def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
     attention = int4.Attention(heads=2, kv_heads=1, head_dim=32, scale=0.2)
     h = torch.zeros(1, 64)
     full = torch.zeros(1, 4, 32)
-    weights = int4.LayerWeights(*(torch.zeros(1),) * 2, 1e-5, *(torch.zeros(1, dtype=torch.uint8),) * 4, 64)
+    weights = _zero_layer()
     angles = torch.zeros(1, 32)
     with pytest.raises(ValueError, match="cannot take token 4"):
         int4.decode_layer(h, weights, attention, angles, angles, [(full, full, 4)])
@@ -312,5 +344,79 @@ def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
     run = int4.LayerRun([weights, weights])
     with pytest.raises(ValueError, match="N caches"):  # a layer's caches missing
         int4.decode_layers(h, run, attention, angles, angles, [[(full, full, 0)]])
-    with pytest.raises(ValueError, match="one MLP width"):
-        int4.LayerRun([weights, dataclasses.replace(weights, intermediate=32)])
+    with pytest.raises(ValueError, match="of the run's size"):  # rows of another width than the weights'
+        int4.decode_layers(torch.zeros(1, 96), run, attention, angles, angles, [[(full, full, 0)]] * 2)
+    with pytest.raises(ValueError, match="of the run's size"):  # heads the weights do not have
+        other = int4.Attention(heads=4, kv_heads=1, head_dim=32, scale=0.2)
+        int4.decode_layers(h, run, other, angles, angles, [[(full, full, 0)]] * 2)
+    int4.decode_layers(h, run, attention, angles, angles, [[(full, full, 0)]] * 2)  # all of the right sizes
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda w: dataclasses.replace(w, intermediate=32),
+        lambda w: dataclasses.replace(w, down=w.down[:, :-8]),
+        lambda w: dataclasses.replace(w, qkv=w.qkv[:-1]),
+        lambda w: dataclasses.replace(w, norm_post=torch.zeros(63)),
+        lambda w: dataclasses.replace(w, o=w.o.T.contiguous().T),
+        lambda w: dataclasses.replace(w, gate_up=w.gate_up.float()),
+    ],
+    ids=["MLP width", "down columns", "qkv rows", "norm size", "not contiguous", "dtype"],
+)
+def test_a_run_refuses_layers_whose_weights_the_kernel_would_read_past(
+    change: Callable[[int4.LayerWeights], int4.LayerWeights],
+) -> None:
+    weights = _zero_layer()
+    with pytest.raises(ValueError, match="as the run's first layer has it"):
+        int4.LayerRun([weights, change(weights)])
+
+
+def test_a_run_is_not_taken_for_layers_whose_tensors_moved() -> None:
+    """The run holds addresses: a weight given other memory (``.data =``) makes it another run."""
+    weights = _zero_layer()
+    run = int4.LayerRun([weights])
+    assert run.of([weights]) and not run.of([_zero_layer()])
+    weights.norm_in.data = weights.norm_in.data.clone()
+    assert not run.of([weights])
+
+
+def test_a_failed_fused_call_leaves_the_caches_as_before_the_step(
+    tiny_source, four_bit_model, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Every layer of the range is reserved before the call: if the call fails (the kernel's scratch memory, say)
+    the tokens not written must not count as cached, in one call or a layer at a time; the step then runs again
+    from the same position and gives what it would have."""
+    _, blocks = four_bit_model
+    block, head = blocks[2], tiny_source.load_head()
+    block.open_session("fails", 32)
+    try:
+        block.forward([Step("fails", head.embed(torch.tensor(PROMPT[:4])), 4, 6, 0)])
+        step = Step("fails", head.embed(torch.tensor([PROMPT[4]])), 4, 6, 4)
+        real = int4.decode_layers
+        for gives_way, fail_at in ((None, 1), (lambda: None, 2)):  # one call; the second layer's call
+            calls = [0]
+
+            def failing(*args: Any, fail_at: int = fail_at, calls: list[int] = calls) -> None:
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise MemoryError("decode_layers could not allocate its scratch memory")
+                real(*args)
+
+            monkeypatch.setattr(int4, "decode_layers", failing)
+            with pytest.raises(MemoryError):
+                block.forward([step], gives_way)
+            assert [block.session_length("fails", layer) for layer in (4, 5)] == [4, 4]
+        monkeypatch.setattr(int4, "decode_layers", real)
+        again = block.forward([step])[0]
+        assert [block.session_length("fails", layer) for layer in (4, 5)] == [5, 5]
+        assert torch.equal(block.forward([step])[0], again)  # the same step replayed from position 4
+    finally:
+        block.close_session("fails")
+
+
+def test_a_product_of_no_columns_is_zeros() -> None:
+    """Rows of no features (K = 0) give zeros, as F.linear does, rather than a division by zero in the kernel."""
+    assert torch.equal(
+        int4.product(torch.zeros(2, 0), torch.empty(3, 0, dtype=torch.uint8), 3), torch.zeros(2, 3)
+    )
