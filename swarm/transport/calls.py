@@ -12,6 +12,7 @@ caller knows whom to ban. Unreachable or silent peers raise ``TransportError``; 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
@@ -129,6 +130,26 @@ async def call_step_acked(
     return await _call(p2p, peer_id, request, StepAck, maddrs=maddrs, timeout_s=timeout_s)
 
 
+def _outcomes(
+    reply: StepBatchReply, expected: Sequence[type[_R]], peer_id: str, what: str
+) -> list[_R | SwarmError]:
+    """Each outcome of a batch reply as the answer expected of it, or the error it carries (``failed_peer_id``
+    set); ProtocolError (raised) if the peer answered another number of outcomes than it was sent ``what``."""
+    if len(reply.outcomes) != len(expected):
+        error = ProtocolError(
+            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(expected)} {what}"
+        )
+        error.failed_peer_id = peer_id
+        raise error
+    outcomes: list[_R | SwarmError] = []
+    for outcome, kind in zip(reply.outcomes, expected, strict=True):
+        try:
+            outcomes.append(_answer(outcome, kind, peer_id))
+        except SwarmError as e:
+            outcomes.append(e)
+    return outcomes
+
+
 async def call_step_batch(
     p2p: P2P,
     peer_id: str,
@@ -146,20 +167,8 @@ async def call_step_batch(
     reply = await _call(
         p2p, peer_id, StepBatch(tuple(requests)), StepBatchReply, maddrs=maddrs, timeout_s=timeout_s
     )
-    if len(reply.outcomes) != len(requests):
-        error = ProtocolError(
-            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(requests)} steps"
-        )
-        error.failed_peer_id = peer_id
-        raise error
-    outcomes: list[StepAck | StepReply | SwarmError] = []
-    for request, outcome in zip(requests, reply.outcomes, strict=True):
-        expected: type[StepAck | StepReply] = StepAck if request.wait_result else StepReply
-        try:
-            outcomes.append(_answer(outcome, expected, peer_id))
-        except SwarmError as e:
-            outcomes.append(e)
-    return outcomes
+    expected: list[type[StepAck | StepReply]] = [StepAck if r.wait_result else StepReply for r in requests]
+    return _outcomes(reply, expected, peer_id, "steps")
 
 
 async def call_wait_batch(
@@ -185,19 +194,7 @@ async def call_wait_batch(
         timeout_s=timeout_s,
         reply_bytes_hint=reply_bytes_hint,
     )
-    if len(reply.outcomes) != len(waits):
-        error = ProtocolError(
-            f"peer {peer_id} answered {len(reply.outcomes)} outcomes for {len(waits)} waits"
-        )
-        error.failed_peer_id = peer_id
-        raise error
-    outcomes: list[StepReply | SwarmError] = []
-    for outcome in reply.outcomes:
-        try:
-            outcomes.append(_answer(outcome, StepReply, peer_id))
-        except SwarmError as e:
-            outcomes.append(e)
-    return outcomes
+    return _outcomes(reply, [StepReply] * len(waits), peer_id, "waits")
 
 
 async def call_wait(
