@@ -131,9 +131,13 @@ class RemoteChain:
         self._releasing.add(call)  # held until done: the loop keeps only weak references to tasks
         call.add_done_callback(_forget_release(self._releasing))
 
+    def _grouped(self, request: StepRequest) -> bool:
+        """Whether ``request`` goes with its round's other steps to the first hop, and its wait with theirs."""
+        return self.group_messages and groupable(request)
+
     async def _send_first(self, request: StepRequest, first: Hop) -> StepAck | StepReply:
         """``request`` to the route's first hop: with the round's other steps to it as one message, or alone."""
-        if self.group_messages and groupable(request):
+        if self._grouped(request):
             return await self.steps.send(first, (request.batch_id, request.batch_size), request)
         return await self._send_step(first, request)
 
@@ -144,7 +148,7 @@ class RemoteChain:
             StepWait(request.session_id, request.position, self.step_timeout_s),
             request.hidden.numel() * request.hidden.element_size(),
         )
-        if self.group_messages and groupable(request):
+        if self._grouped(request):
             return await self.waits.send(last, (request.batch_id, request.batch_size), wait)
         return await self._send_wait(last, wait)
 
@@ -208,7 +212,7 @@ class RemoteChain:
                 if not call.done():
                     call.cancel()
             await asyncio.wait([stepping, waiter])
-            if waiter.cancelled() and self.group_messages and groupable(request):
+            if waiter.cancelled() and self._grouped(request):
                 self._release_wait(request, last)
             for call in (stepping, waiter):
                 if not call.cancelled():
