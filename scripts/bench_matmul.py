@@ -9,7 +9,7 @@ For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the m
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
 row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
 takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
-each) with each layer in one call of ``int4.decode_layer`` and written out in torch operations, alternated.
+each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ step over its own session's cache (no padding copies; 2x faster than padding+mas
 on CPU). Stateless steps (no session) run one by one. A BlockRange is not thread-safe: one executor thread owns it.
 
 Steps of few tokens in all (decode steps, short prefills such as spot-check windows) whose layers are all
-packed 4-bit go through swarm.models.int4's decode_layer instead, one C call per layer: the same operations
-without an interpreter and dispatch cost for each of them, which on a CPU cost more than a one-row step's
-products.
+packed 4-bit go through swarm.models.int4's decode_layers instead, one C call per forward call (a layer a call
+for a prefill that gives way between layers): the same operations without an interpreter and dispatch cost for
+each of them, which on a CPU cost more than a one-row step's products.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class BlockRange:
         # so sessions longer than the window are refused rather than silently computed differently.
         window = getattr(config, "sliding_window", None)
         self.max_context_tokens: int | None = int(window) if window else None
-        # the MLP's activation, which int4.decode_layer computes only for SiLU
+        # the MLP's activation, which int4.decode_layers computes only for SiLU
         self._silu = getattr(config, "hidden_act", None) in ("silu", "swish")
         # the forms of the projections worth taking on this CPU, as measured (swarm.models.matmul)
         weights = self._weights()
@@ -133,7 +133,7 @@ class BlockRange:
             for group in _same_input(block)
             if (together := packed_together(self.forms, self._packed, group)) is not None
         }
-        # each layer as int4.decode_layer takes it, where it can (None: the layer's decode steps go through _layer)
+        # each layer as int4.decode_layers takes it, where it can (None: the layer's decode steps go through _layer)
         self._fused = [self._fused_weights(block) for block in self.layers]
         self._layer_runs: dict[tuple[int, int], int4.LayerRun] = {}  # by [start, end): _layer_run
         attn: Any = getattr(self.layers[0], "self_attn", None) if len(self.layers) else None
@@ -141,7 +141,7 @@ class BlockRange:
         self._attention = int4.Attention(self.spec.num_heads, self.spec.num_kv_heads, self.head_dim, scale)
 
     def _fused_weights(self, block: Any) -> int4.LayerWeights | None:
-        """The layer's weights for int4.decode_layer: a Llama-family layer (RMSNorms, SiLU-gated MLP, no biases,
+        """The layer's weights for int4.decode_layers: a Llama-family layer (RMSNorms, SiLU-gated MLP, no biases,
         no norms of q and k) whose projections are all packed 4-bit, q, k, v and gate, up together."""
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         norms: list[Any] = [getattr(block, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
@@ -329,7 +329,7 @@ class BlockRange:
         return list(h[0].split(sizes))
 
     def _fusable(self, start: int, end: int, sizes: list[int], h: torch.Tensor) -> bool:
-        """Whether these steps go through int4.decode_layer: as many tokens in all as the 4-bit form takes
+        """Whether these steps go through int4.decode_layers: as many tokens in all as the 4-bit form takes
         (decode steps, short prefills such as spot-check windows, and both in one call), float32 on the CPU, and
         every layer fused."""
         return (

@@ -15,8 +15,8 @@ and kept in the cache directory. torch's own 4-bit kernel does not serve: ``_wei
 took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear`` took 21.5 ms and this kernel
 7.1 ms. The kernel needs AVX2 and FMA; without them, or without a compiler, the form is not offered.
 
-`decode_layer` runs a whole Llama-family layer for rows of a token each (decode steps, short prefills) in one
-call of the same library: norms, the packed products, rotary angles, the cache writes, attention and the gated
+`decode_layers` runs whole Llama-family layers for rows of a token each (decode steps, short prefills) in one
+call of the same library (int4.c's ``decode_layer`` a layer): norms, the packed products, rotary angles, the cache writes, attention and the gated
 MLP. Written out in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer
 call of the default model took 10.6 ms for one row written out and takes 6.2 ms in this form (4 rows: 18.0 ->
 11.3 ms, 8 rows: 24.5 -> 16.6; ``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
@@ -123,7 +123,7 @@ def product(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as ``decode_layer`` takes it: norm weights [hidden] and the packed projections (q, k, v
+    """One decoder layer as ``decode_layers`` takes it: norm weights [hidden] and the packed projections (q, k, v
     packed together; gate and up packed together)."""
 
     norm_in: torch.Tensor
@@ -145,7 +145,7 @@ class Attention:
 
 
 def takes_head_dim(head_dim: int) -> bool:
-    """Whether decode_layer computes heads of this size (even, for rotary halves; within its scratch)."""
+    """Whether decode_layers computes heads of this size (even, for rotary halves; within its scratch)."""
     return head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
@@ -216,21 +216,6 @@ class LayerRun:
         )
 
 
-def decode_layer(
-    h: torch.Tensor,
-    weights: LayerWeights,
-    attention: Attention,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    caches: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
-) -> None:
-    """h [rows, hidden] (contiguous float32) += one Llama-family layer, each row one new token of a session
-    (int4.c's decode_layer). cos, sin [rows, head_dim]; caches: per row (keys, values, length), keys and values
-    [kv_heads, capacity, head_dim] with room for this token at position length, where its key and value go.
-    Rows are taken in order: consecutive rows of one cache at lengths counting up attend causally."""
-    decode_layers(h, LayerRun([weights]), attention, cos, sin, [caches])
-
-
 def decode_layers(
     h: torch.Tensor,
     run: LayerRun,
@@ -239,7 +224,7 @@ def decode_layers(
     sin: torch.Tensor,
     caches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, int]]],
 ) -> None:
-    """``decode_layer`` through each layer of ``run`` in turn, in one call of the library: caches[i] are the
+    """int4.c's ``decode_layer`` through each layer of ``run`` in turn, in one call of the library: caches[i] are the
     rows' caches in the run's layer i. A 10-layer decode call of the default model paid 0.4 / 0.7 / 1.0 ms of
     interpreter work for 1 / 4 / 8 rows with a call per layer (Zen 4). If it fails (MemoryError), h holds the
     layers before the one that failed: the caller drops the step's cache writes (BlockRange._run_fused)."""

@@ -188,7 +188,7 @@ def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_
 def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     tiny_source, four_bit_model, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """int4.decode_layer runs a whole layer for steps of few tokens: the same as _layer's torch operations to
+    """int4.decode_layers runs whole layers for steps of few tokens: the same as _layer's torch operations to
     float rounding, outputs and caches alike, for prompts (a step's tokens attend causally to each other),
     decode steps and steps of 2 or 3 tokens batched together, sessions of different lengths growing past
     their first cache capacity, in any order."""
@@ -338,9 +338,9 @@ def test_the_fused_layer_refuses_a_cache_without_room_for_the_token() -> None:
     weights = _zero_layer()
     angles = torch.zeros(1, 32)
     with pytest.raises(ValueError, match="cannot take token 4"):
-        int4.decode_layer(h, weights, attention, angles, angles, [(full, full, 4)])
+        int4.decode_layers(h, int4.LayerRun([weights]), attention, angles, angles, [[(full, full, 4)]])
     with pytest.raises(ValueError, match="N caches"):
-        int4.decode_layer(h, weights, attention, angles, angles, [])
+        int4.decode_layers(h, int4.LayerRun([weights]), attention, angles, angles, [[]])
     run = int4.LayerRun([weights, weights])
     with pytest.raises(ValueError, match="N caches"):  # a layer's caches missing
         int4.decode_layers(h, run, attention, angles, angles, [[(full, full, 0)]])
