@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a decode step's projections cost on this CPU, by the form of the product. Prints JSON.
 
-    .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9] [--max-rows 8]
+    .venv/bin/python scripts/bench_matmul.py [--model default] [--layers 10] [--repeats 9] [--max-rows 8] [--context 37]
     .venv/bin/python scripts/bench_matmul.py --model tiny --layers 2 --repeats 1 --max-rows 2   # CI smoke size
 
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
@@ -9,7 +9,8 @@ For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the m
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
 row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
 takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
-each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated.
+each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated;
+``--context 1024`` times them with that many cached tokens instead (attention then weighs as much as products).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--max-rows", type=int, default=8)
+    parser.add_argument("--context", type=int, default=37, help="tokens cached before a timed decode step")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same inputs every run
@@ -93,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in for_head
         },
     }
-    decode_calls = _decode_calls(source, layers, args.max_rows, args.repeats)
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
+    decode_calls = _decode_calls(source, layers, args.max_rows, args.repeats, args.context)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
         json.dumps(
@@ -108,17 +112,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
                 "decode_call_ms_by_rows": decode_calls,
+                "decode_context_tokens": args.context,
             }
         )
     )
 
 
 def _decode_calls(
-    source: ModelSource, layers: int, max_rows: int, repeats: int
+    source: ModelSource, layers: int, max_rows: int, repeats: int, context: int
 ) -> dict[str, dict[str, float]] | None:
-    """{rows: {"decode_layer": ms, "written_out": ms}} for a decode call of ``layers`` layers (None where the
-    calibrated forms leave the layers unfused: weights not 4-bit, no kernel)."""
-    blocks = source.load_blocks(0, layers, cache_tokens=64 * max_rows * 4, pack_bytes=2**40)
+    """{rows: {"decode_layer": ms, "written_out": ms}} for a decode call of ``layers`` layers, each row a
+    session with ``context`` cached tokens (None where the calibrated forms leave the layers unfused: weights not
+    4-bit, no kernel)."""
+    blocks = source.load_blocks(0, layers, cache_tokens=(context + 1) * max_rows, pack_bytes=2**40)
     fused = list(blocks._fused)
     if not all(fused):
         return None
@@ -130,14 +136,15 @@ def _decode_calls(
                 continue
             sessions = [f"bench-{rows}-{i}" for i in range(rows)]
             for session in sessions:
-                blocks.open_session(session, 64 * 4)
-                blocks.forward([Step(session, torch.randn(37, hidden), 0, layers, 0)])
+                blocks.open_session(session, context + 1)
+                blocks.forward([Step(session, torch.randn(context, hidden), 0, layers, 0)])
             times: dict[str, list[float]] = {"decode_layer": [], "written_out": []}
             for _ in range(max(1, repeats)):  # alternated: a slow spell of the machine hits both
                 unfused: list[LayerWeights | None] = [None] * len(fused)
                 for name, form in (("decode_layer", fused), ("written_out", unfused)):
                     blocks._fused = form
-                    steps = [Step(s, torch.randn(1, hidden), 0, layers, 37) for s in sessions]  # replayed
+                    # replayed: the same position each time
+                    steps = [Step(s, torch.randn(1, hidden), 0, layers, context) for s in sessions]
                     times[name].append(_median_ms(5, functools.partial(blocks.forward, steps)))
             blocks._fused = fused
             calls[str(rows)] = {name: statistics.median(ms) for name, ms in times.items()}

@@ -181,8 +181,38 @@ static inline __m256 dots8(const float *q, const float *keys, long dim) {
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+/* out[8 * lanes] = sum over j of p[j] * values[j] (row stride dim), the sums over j in order for each element (as
+   a plain loop adds them) in registers. Written to memory and read back for every key instead, they held decode
+   attention to the store and load ports: a 10-layer decode call of the default model, 4 / 8 sessions of 1024
+   cached tokens, 10.1 / 19.3 ms against 10.9 / 21.2 (Zen 4, alternated in one process; 1% less at 37 tokens).
+   The results are bit for bit the same. `lanes` is a constant once inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_lanes(const float *p, const float *values, long length,
+                                                              long dim, const int lanes, float *out) {
+    __m256 acc[8];
+    for (int c = 0; c < lanes; c++) acc[c] = _mm256_setzero_ps();
+    for (long j = 0; j < length; j++) {
+        __m256 pj = _mm256_set1_ps(p[j]);
+        const float *v = values + j * dim;
+        for (int c = 0; c < lanes; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(pj, _mm256_loadu_ps(v + 8 * c)));
+    }
+    for (int c = 0; c < lanes; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+/* out[dim] = sum over j of p[j] * values[j]: 64 elements at a time, then 8, then one */
+static void weigh_values(const float *p, const float *values, long length, long dim, float *out) {
+    long i = 0;
+    for (; i + 64 <= dim; i += 64) weigh_lanes(p, values + i, length, dim, 8, out + i);
+    for (; i + 8 <= dim; i += 8) weigh_lanes(p, values + i, length, dim, 1, out + i);
+    for (; i < dim; i++) {
+        float o = 0.0f;
+        for (long j = 0; j < length; j++) o += p[j] * values[j * dim + i];
+        out[i] = o;
+    }
+}
+
 /* softmax(q . K^T * scale) V over `length` keys of one kv head, for the `group` query heads that share it
-   (q and out [group][dim]; scores [group][length]): each key and value is read once for the whole group. */
+   (q and out [group][dim]; scores [group][length]): each key is read once for the whole group, the values once
+   per head of it (from the core's caches after the first: a kv head's values at 1024 tokens are 256 KB). */
 static void attend(const float *q, long group, const float *keys, const float *values, long length, long dim,
                    float scale, float *scores, float *out) {
     long j = 0;
@@ -209,13 +239,12 @@ static void attend(const float *q, long group, const float *keys, const float *v
             sums[h] += row[j];
         }
     }
-    for (long i = 0; i < group * dim; i++) out[i] = 0.0f;
-    for (j = 0; j < length; j++) {
-        const float *v = values + j * dim;
-        for (long h = 0; h < group; h++) {
-            float p = scores[h * length + j] / sums[h], *o = out + h * dim;
-            for (long i = 0; i < dim; i++) o[i] += p * v[i];
-        }
+    for (long h = 0; h < group; h++) {  /* the weights, each rounded once as score / sum */
+        float *row = scores + h * length;
+        __m256 sum = _mm256_set1_ps(sums[h]);
+        for (j = 0; j + 8 <= length; j += 8) _mm256_storeu_ps(row + j, _mm256_div_ps(_mm256_loadu_ps(row + j), sum));
+        for (; j < length; j++) row[j] = row[j] / sums[h];
+        weigh_values(row, values, length, dim, out + h * dim);
     }
 }
 

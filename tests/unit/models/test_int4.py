@@ -420,3 +420,45 @@ def test_a_product_of_no_columns_is_zeros() -> None:
     assert torch.equal(
         int4.product(torch.zeros(2, 0), torch.empty(3, 0, dtype=torch.uint8), 3), torch.zeros(2, 3)
     )
+
+
+@pytest.mark.parametrize("head_dim", [12, 16, 72, 100])
+@pytest.mark.parametrize("cached", [0, 7, 8, 33])
+def test_the_fused_layers_attention_is_the_attention_written_out(head_dim: int, cached: int) -> None:
+    """Attention of one decode token over its cache, for head sizes the kernel takes in its several ways (64
+    elements of a head at a time, then 8, then one): with the MLP's weights zero the layer adds just o(attention),
+    which torch computes here from the same widened weights."""
+    heads, kv_heads, hidden = 8, 2, 64
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    generator = torch.Generator().manual_seed(head_dim * 100 + cached)
+    qkv, o = _weight(q_width + 2 * kv_width, hidden, seed=head_dim), _weight(hidden, q_width, seed=cached)
+    zero = _zero_layer(hidden, heads, kv_heads, head_dim)
+    norm_in = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    packed_qkv, packed_o = int4.unpack(qkv), int4.unpack(o)
+    assert packed_qkv is not None and packed_o is not None
+    weights = dataclasses.replace(zero, norm_in=norm_in, qkv=packed_qkv, o=packed_o)
+    attention = int4.Attention(heads, kv_heads, head_dim, scale=head_dim**-0.5)
+    h = torch.randn(1, hidden, generator=generator)
+    keys = torch.randn(kv_heads, cached + 3, head_dim, generator=generator)
+    values = torch.randn(kv_heads, cached + 3, head_dim, generator=generator)
+    angles = torch.rand(1, head_dim // 2, generator=generator).repeat(1, 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:  # [n, head_dim]
+        return x * cos + torch.cat((-x[:, head_dim // 2 :], x[:, : head_dim // 2]), dim=1) * sin
+
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + zero.eps) * norm_in
+    q, k, v = F.linear(x, qkv).split([q_width, kv_width, kv_width], dim=1)
+    k_all = torch.cat((keys[:, :cached], rotated(k.view(kv_heads, head_dim)).unsqueeze(1)), dim=1)
+    v_all = torch.cat((values[:, :cached], v.view(kv_heads, 1, head_dim)), dim=1)
+    group = heads // kv_heads
+    q_heads = rotated(q.view(heads, head_dim)).view(kv_heads, group, head_dim)
+    # [kv_heads, group, cached + 1]
+    scores = torch.softmax(q_heads @ k_all.transpose(1, 2) * attention.scale, dim=-1)
+    expected = h + F.linear((scores @ v_all).reshape(1, q_width), o)
+
+    out = h.clone()
+    int4.decode_layers(out, int4.LayerRun([weights]), attention, cos, sin, [[(keys, values, cached)]])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys[:, : cached + 1], k_all)  # the token's key and value went into the cache
+    torch.testing.assert_close(values[:, : cached + 1], v_all)
