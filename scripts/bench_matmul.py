@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-rows", type=int, default=8)
     parser.add_argument("--context", type=int, default=37, help="tokens cached before a timed decode step")
     args = parser.parse_args(argv)
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same inputs every run
     source = resolve_model(args.model)
@@ -95,8 +97,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in for_head
         },
     }
-    if args.context < 1:
-        parser.error(f"--context must be at least 1, got {args.context}")
     decode_calls = _decode_calls(source, layers, args.max_rows, args.repeats, args.context)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
