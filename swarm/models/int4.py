@@ -16,11 +16,13 @@ took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear``
 7.1 ms. The kernel needs AVX2 and FMA; without them, or without a compiler, the form is not offered.
 
 `decode_layers` runs whole Llama-family layers for rows of a token each (decode steps, short prefills) in one
-call of the same library (int4.c's ``decode_layer`` a layer): norms, the packed products, rotary angles, the cache writes, attention and the gated
-MLP. Written out in torch, a decode step's small operations cost more than its products: on the Zen 3 a 10-layer
-call of the default model took 10.6 ms for one row written out and takes 6.2 ms in this form (4 rows: 18.0 ->
-11.3 ms, 8 rows: 24.5 -> 16.6; ``scripts/bench_matmul.py``, "decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums
-of the norms and of attention, and exp (libm's): outputs agree to float rounding (relative 1e-6).
+call of the same library (int4.c's ``decode_layer`` a layer): norms, the packed products, rotary angles, the
+cache writes, attention and the gated MLP. Written out in torch, a decode step's small operations cost more
+than its products: on the Zen 3 a 10-layer call of the default model took 10.6 ms for one row written out and
+takes 6.2 ms in this form (4 rows: 18.0 -> 11.3 ms, 8 rows: 24.5 -> 16.6; ``scripts/bench_matmul.py``,
+"decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums of the norms and of
+attention, and exp (int4.c's exp8, or libm's for the last few of a row): outputs agree to float rounding
+(relative 1e-6).
 """
 
 from __future__ import annotations
