@@ -7,7 +7,8 @@
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
 ``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel this
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
-row, on one torch thread; and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
+row, on one torch thread; a greedy step's LM head for 1 to 8 rows, dense and through each argmax screen
+(``swarm.models.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
 takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
 each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated;
 ``--context 1024`` times them with that many cached tokens instead (attention then weighs as much as products).
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from swarm.models import Step
+from swarm.models.argmax import SCREENS, ArgmaxScreen, Int8InputScreen
+from swarm.models.head import ClientHead
 from swarm.models.int4 import LayerWeights
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.models.matmul import PACKED_ROWS, Forms, NotFourBit, calibrate, linear, pack, packers
@@ -97,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in for_head
         },
     }
+    greedy_head = _greedy_head(head, args.max_rows, args.repeats)
     decode_calls = _decode_calls(source, layers, args.max_rows, args.repeats, args.context)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     print(
@@ -111,11 +115,37 @@ def main(argv: Sequence[str] | None = None) -> None:
                 },
                 "projections_ms_by_rows": by_rows,
                 "lm_head_ms_one_row": lm_head,
+                "greedy_lm_head_ms_by_rows": greedy_head,
                 "decode_call_ms_by_rows": decode_calls,
                 "decode_context_tokens": args.context,
             }
         )
     )
+
+
+def _greedy_head(head: ClientHead, max_rows: int, repeats: int) -> dict[str, dict[str, float]]:
+    """{rows: {"dense": ms, screen: ms, ...}}: a greedy step's LM head for rows of 1, 2, 4 and 8 (up to
+    ``max_rows``), on normed embedding rows spread over the vocabulary, as ClientHead calibrates its screen (the
+    logits of real last hidden states have a clear top; those of random rows are flat)."""
+    ids = torch.linspace(0, head.spec.vocab_size - 1, max_rows).long()
+    with torch.no_grad():
+        sample = head.norm(head.embed_weight[ids])
+    screens: dict[str, ArgmaxScreen] = {}
+    for kind in SCREENS:
+        if kind.available(head.hidden_size):
+            screens[kind.__name__] = kind(head.lm_head_weight)
+    if "Int8InputScreen" in screens and getattr(screens["Int8InputScreen"], "finish", None) is not None:
+        in_torch = Int8InputScreen(head.lm_head_weight)
+        in_torch.finish = None
+        screens["Int8InputScreen_finished_in_torch"] = in_torch
+    timed = {}
+    for rows in (r for r in (1, 2, 4, 8) if r <= max_rows):
+        x = sample[:rows]
+        times = {"dense": _median_ms(repeats, functools.partial(head._dense, x))}
+        for name, screen in screens.items():
+            times[name] = _median_ms(repeats, functools.partial(screen.logits, x, head._dense))
+        timed[str(rows)] = times
+    return timed
 
 
 def _decode_calls(

@@ -46,9 +46,11 @@ is meaningful, which is all a greedy pick reads).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
+import subprocess
 import threading
 import time
 import warnings
@@ -59,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import cache_dir
+from swarm.models import int4
 from swarm.models.kept import keep, machine, one_at_a_time, read_kept
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ LOUD = 32  # Int8InputScreen: each row's loudest dimensions, taken apart from it
 _INPUT_STEPS = 125  # Int8InputScreen: the input's range spans this many steps (values 0..127 around the zero)
 _engine_lock = threading.Lock()
 PICKS_NAME = "argmax-screens.json"  # the screen picked per machine and head shape, in the cache directory
+FINISH_SOURCE = Path(__file__).with_name("screen.c")  # Int8InputScreen's steps after its int8 product
 
 
 class ArgmaxScreen:
@@ -98,7 +102,27 @@ class ArgmaxScreen:
         """normed [N, H] float32 -> [N, V]: float32 logits at the rows that can be the argmax, -inf elsewhere.
 
         A row whose screen keeps too many candidates (a flat distribution), or none (a bound that overflowed),
-        gets all its logits from ``dense`` instead, so screening never costs much more than the dense head."""
+        gets all its logits from ``dense`` instead, so screening never costs much more than the dense head, as
+        does a row that is not finite (the input's scale would be NaN)."""
+        finite = torch.isfinite(normed).all(dim=1)
+        if not bool(finite.all()):
+            out = torch.empty(normed.shape[0], self.weight.shape[0])
+            out[~finite] = dense(normed[~finite])
+            if bool(finite.any()):
+                out[finite] = self.logits(normed[finite], dense)
+            return out
+        screened, kept = self.candidates(normed)
+        out = torch.full_like(screened, float("-inf"))
+        for r, rows in enumerate(kept):
+            if rows is None:
+                out[r] = dense(normed[r : r + 1])[0]
+            else:  # one input row at a time, as transformers computes a decode step: the same float32 products
+                out[r, rows] = F.linear(normed[r : r + 1], self.weight.index_select(0, rows))[0]
+        return out
+
+    def candidates(self, normed: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """normed [N, H] -> (screened logits [N, V], per input row the vocabulary rows that can be its argmax,
+        or None where they are too many or none)."""
         screened, bound = self.bounds(normed)
         floor = (screened - bound).amax(dim=1, keepdim=True)  # some row's exact logit is at least this
         keep = screened + bound >= floor  # [N, V]
@@ -106,15 +130,11 @@ class ArgmaxScreen:
         flat = (counts > self.weight.shape[0] * MOST_KEPT) | (counts == 0)  # [N]
         keep[flat] = False
         counts[flat] = 0
-        out = torch.full_like(screened, float("-inf"))
         _, tokens = keep.nonzero(as_tuple=True)  # the kept vocabulary rows of every input row, in row order
         kept = tokens.split(counts.tolist())
-        for r in range(normed.shape[0]):
-            if flat[r]:
-                out[r] = dense(normed[r : r + 1])[0]
-            else:  # one input row at a time, as transformers computes a decode step: the same float32 products
-                out[r, kept[r]] = F.linear(normed[r : r + 1], self.weight.index_select(0, kept[r]))[0]
-        return out
+        return screened, [
+            None if is_flat else rows for rows, is_flat in zip(kept, flat.tolist(), strict=True)
+        ]
 
 
 class Int8WeightScreen(ArgmaxScreen):
@@ -185,12 +205,40 @@ class Int8InputScreen(ArgmaxScreen):
             dimension_error.double() + (self.loud + 8) * 2.0**-23 * largest_term.double()
         )
         self.loud_term = _rounded_up(largest_term.double() * (1 + 2.0**-20))  # [H]
+        self.dimension_scale = scale_offset[:, 0].contiguous()  # [H]
+        self.dimension_offset = scale_offset[:, 1].contiguous()  # [H]
+        self.finish = _finish()  # screen.c's, or None: the same steps in torch
 
     @staticmethod
     def available(hidden_size: int) -> bool:
         return "fbgemm" in torch.backends.quantized.supported_engines and hidden_size > 0
 
     def bounds(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.finish is not None:
+            screened, bound, _, _ = self._finished(normed, 0)
+            return screened, bound
+        loud, loud_values, screened, coefficients, constant = self._screen(normed)
+        offsets = torch.arange(0, normed.shape[0] * self.loud, self.loud)
+        screened += torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+            self.by_dimension, loud.flatten(), offsets, False, 0, False, loud_values.flatten(), None, False
+        )
+        bound = torch.addmm(constant, coefficients, self.per_row)
+        bound.add_(screened.abs(), alpha=2.0**-20)
+        return screened, bound
+
+    def candidates(self, normed: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        if self.finish is None:
+            return super().candidates(normed)
+        cap = int(self.weight.shape[0] * MOST_KEPT)
+        screened, _, kept, counts = self._finished(normed, cap)
+        return screened, [kept[r, :n] if 0 < n <= cap else None for r, n in enumerate(counts.tolist())]
+
+    def _screen(
+        self, normed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int8 product of the rows without their loud dimensions, and what the bound needs: (loud [N, LOUD],
+        their values [N, LOUD], screened [N, V] without them, coefficients [N, 3] of self.per_row and the
+        constant term [N, 1], both widened)."""
         count, hidden = normed.shape
         loud = normed.abs().topk(self.loud, dim=1).indices  # [N, LOUD]
         loud_values = normed.gather(1, loud)  # [N, LOUD]
@@ -201,10 +249,6 @@ class Int8InputScreen(ArgmaxScreen):
         screened = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             rest, step, zero, self.packed
         )  # [N, V]
-        offsets = torch.arange(0, count * self.loud, self.loud)
-        screened += torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-            self.by_dimension, loud.flatten(), offsets, False, 0, False, loud_values.flatten(), None, False
-        )
         loud_abs = loud_values.abs()
         coefficients = torch.cat(  # [N, 3]: times self.per_row
             (
@@ -219,9 +263,54 @@ class Int8InputScreen(ArgmaxScreen):
         ).sum(dim=1, keepdim=True)  # [N, 1]
         # every term is >= 0, so terms widened by 2^-10 outweigh the float32 rounding of their sums here
         widen = 1 + 2.0**-10
-        bound = torch.addmm(constant * widen, coefficients * widen, self.per_row)
-        bound.add_(screened.abs(), alpha=2.0**-20)
-        return screened, bound
+        return loud, loud_values, screened, coefficients * widen, constant * widen
+
+    def _finished(
+        self, normed: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """screen.c's finish: (screened [N, V], bound [N, V], kept [N, cap], counts [N]), as ``bounds`` and
+        ``candidates`` in torch compute them (see screen.c)."""
+        assert self.finish is not None
+        loud, loud_values, screened, coefficients, constant = self._screen(normed)
+        screened = screened.contiguous()
+        count, vocab = screened.shape
+        bound = torch.empty_like(screened)
+        kept = torch.empty((count, cap), dtype=torch.int64)
+        counts = torch.empty(count, dtype=torch.int64)
+        self.finish(
+            *(screened.data_ptr(), count, vocab, self.by_dimension.data_ptr(), self.by_dimension.shape[1]),
+            *(self.dimension_scale.data_ptr(), self.dimension_offset.data_ptr()),
+            *(loud.contiguous().data_ptr(), loud_values.contiguous().data_ptr(), self.loud),
+            *(
+                self.per_row.data_ptr(),
+                coefficients.contiguous().data_ptr(),
+                constant.contiguous().data_ptr(),
+            ),
+            *(bound.data_ptr(), cap, kept.data_ptr(), counts.data_ptr()),
+        )
+        return screened, bound, kept, counts
+
+
+@functools.cache
+def _finish() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """screen.c's ``screen_finish``, or None where this machine cannot build it (AVX2 and FMA, a C compiler)."""
+    if int4.unsupported():
+        return None
+    try:
+        library = int4.load(FINISH_SOURCE)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        logger.info("the int8 screen finishes in torch here: %s", e)
+        return None
+    address, count = ctypes.c_void_p, ctypes.c_long
+    function = library.screen_finish
+    function.argtypes = [
+        *(address, count, count, address, count),  # screened, rows, vocabulary, by dimension, its row stride
+        *(address, address, address, address, count),  # scales, offsets, loud dimensions and values, LOUD
+        *(address, address, address),  # per_row, coefficients, constant
+        *(address, count, address, address),  # bound, cap, kept, counts
+    ]
+    function.restype = None
+    return function
 
 
 SCREENS: tuple[type[ArgmaxScreen], ...] = (Int8WeightScreen, Int8InputScreen)

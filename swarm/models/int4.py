@@ -303,12 +303,12 @@ def available() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    reason = _unsupported()
+    reason = unsupported()
     if reason:
         logger.info("4-bit weights are multiplied as float32 here: %s", reason)
         return None
     try:
-        return ctypes.CDLL(str(_compiled()))
+        return load(SOURCE)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         logger.info("4-bit weights are multiplied as float32 here: no kernel (%s)", e)
         return None
@@ -344,8 +344,8 @@ def _decode_layers() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return _function("decode_layers", arguments, ctypes.c_int)
 
 
-def _unsupported() -> str:
-    """Why this machine cannot run the kernel ("" if it can)."""
+def unsupported() -> str:
+    """Why this machine cannot run kernels of this form: x86-64 C, AVX2 and FMA ("" if it can)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernel is written for x86-64, not {platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # torch's AVX2 level includes FMA
@@ -359,21 +359,31 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-@functools.cache
 def kernel_version() -> str:
     """What names this build of the kernel: a digest of its source, the compiler and the flags. Measurements
     that timed the kernel (swarm.models.matmul's kept forms) hold for this version only."""
+    return _version(SOURCE)
+
+
+@functools.cache
+def _version(source: Path) -> str:
     compiler = _compiler() or "cc"
-    source = SOURCE.read_bytes()
-    return hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in FLAGS)])).hexdigest()[
+    text = source.read_bytes()
+    return hashlib.sha256(b"\0".join([text, compiler.encode(), *(f.encode() for f in FLAGS)])).hexdigest()[
         :16
     ]
 
 
-def _compiled() -> Path:
-    """The kernel's shared library, compiled now if no earlier run on this machine kept one."""
+def load(source: Path) -> ctypes.CDLL:
+    """The shared library of the C ``source`` (next to this module), compiled with FLAGS on the first call on
+    this machine and kept in the cache directory. Raises where it cannot be compiled or loaded."""
+    return ctypes.CDLL(str(_compiled(source)))
+
+
+def _compiled(source: Path) -> Path:
+    """``source``'s shared library, compiled now if no earlier run on this machine kept one."""
     compiler = _compiler() or "cc"
-    target = cache_dir() / "kernels" / f"int4-{kernel_version()}.so"
+    target = cache_dir() / "kernels" / f"{source.stem}-{_version(source)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -382,7 +392,7 @@ def _compiled() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+            [compiler, *FLAGS, "-o", str(built), str(source)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -390,5 +400,5 @@ def _compiled() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(built, target)
-    logger.info("compiled the 4-bit weight kernel in %.1f s", time.perf_counter() - began)
+    logger.info("compiled %s in %.1f s", source.name, time.perf_counter() - began)
     return target

@@ -30,8 +30,20 @@ from swarm.models.loading import ModelSource
 
 pytestmark = pytest.mark.timeout(120)
 
+
+class InputScreenFinishedInTorch(Int8InputScreen):
+    """Int8InputScreen as it runs where screen.c cannot be built: every step after the int8 product in torch."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.finish = None
+
+
+FINISHED_IN_C = Int8InputScreen.available(96) and argmax._finish() is not None
 # every kind of screen this torch can run (each test also runs with a tiny weight of 96 dimensions)
 KINDS = [pytest.param(kind, id=kind.__name__) for kind in SCREENS if kind.available(96)]
+if FINISHED_IN_C:
+    KINDS.append(pytest.param(InputScreenFinishedInTorch, id="Int8InputScreen-in-torch"))
 
 
 def _head_weight(seed: int, vocab: int = 2048, hidden: int = 96) -> torch.Tensor:
@@ -137,6 +149,46 @@ def test_near_ties_are_both_kept_and_settled_exactly(kind: type[ArgmaxScreen]) -
     got = screen.logits(x, _dense(weight))
     assert bool(torch.isfinite(got[0, [twin_a, twin_b]]).all())
     assert int(got.argmax()) == int(F.linear(x, weight).argmax())
+
+
+@pytest.mark.skipif(not FINISHED_IN_C, reason="no fbgemm, or screen.c cannot be built here")
+@pytest.mark.parametrize("vocab", [2048, 2051, 517, 70])
+def test_the_input_screens_finish_in_c_is_its_finish_in_torch(vocab: int) -> None:
+    """screen.c's finish against the same steps in torch, on vocabularies that end inside a block of 8 and of
+    512; a row whose logits overflow keeps nothing in both (the dense head computes it)."""
+    weight = _head_weight(vocab, vocab=vocab)
+    x = _inputs(weight, vocab)
+    in_c, in_torch = Int8InputScreen(weight), InputScreenFinishedInTorch(weight)
+    (c_screened, c_bound), (t_screened, t_bound) = in_c.bounds(x), in_torch.bounds(x)
+    # the loud dimensions' sums go in another order: float32 roundings, far inside the bound
+    assert bool(((c_screened - t_screened).abs() <= 2.0**-10 * t_bound).all())
+    torch.testing.assert_close(c_bound, t_bound, rtol=1e-5, atol=0.0)
+    c_kept, t_kept = in_c.candidates(x)[1], in_torch.candidates(x)[1]
+    assert [r is None for r in c_kept] == [r is None for r in t_kept]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(c_kept, t_kept, strict=True))
+    overflowing = torch.full((1, weight.shape[1]), 1e37)  # its L1 norm, in the bound, is inf
+    assert in_c.candidates(overflowing)[1] == [None] == in_torch.candidates(overflowing)[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_that_are_not_finite_get_the_dense_heads_logits_and_the_rest_are_screened(
+    kind: type[ArgmaxScreen],
+) -> None:
+    weight = _head_weight(5)
+    x = _inputs(weight, 5)[:4]
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    calls: list[int] = []
+
+    def dense(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return F.linear(rows, weight)
+
+    got = kind(weight).logits(x, dense)
+    assert calls[0] == 2  # the two rows that are not finite, together
+    exact = F.linear(x, weight)
+    torch.testing.assert_close(got[1:3], exact[1:3], equal_nan=True)
+    assert torch.equal(got[[0, 3]].argmax(dim=1), exact[[0, 3]].argmax(dim=1))
 
 
 def test_no_weight_only_screen_for_rows_its_kernel_cannot_read_safely() -> None:
