@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from hivemind.p2p import P2P
 
+from swarm.dht.node import ReachabilityConfig
 from swarm.transport.streams import read_frame, send_frame
 from swarm.wire import Hop, StepReply, StepRequest, decode_reply, decode_request, encode_reply, encode_request
 
@@ -38,8 +39,11 @@ async def _timed(calls: int, once: Callable[[], Awaitable[object]]) -> float:
 
 
 async def _round_trips(calls: int, payload: bytes) -> dict[str, float]:
-    server = await P2P.create()
-    client = await P2P.create(initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+    # loopback only, and none of hivemind's reachability defaults (UPnP, AutoNAT, relays: traffic toward the
+    # gateway): ReachabilityConfig's defaults, as every FlowSwarm process has them
+    options = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], **ReachabilityConfig().p2p_kwargs()}
+    server = await P2P.create(**options)
+    client = await P2P.create(initial_peers=[str(m) for m in await server.get_visible_maddrs()], **options)
     try:
 
         async def echo_unary(request: bytes, _remote: object) -> bytes:
