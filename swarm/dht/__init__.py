@@ -18,7 +18,7 @@ finally:
 
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage
 from swarm.dht.election import Election, ElectionConfig, decide, lease_holder
-from swarm.dht.node import DHTConfig, ReachabilityConfig, SwarmDHT
+from swarm.dht.node import P2PD_THREADS, DHTConfig, ReachabilityConfig, SwarmDHT
 from swarm.dht.schemas import (
     MAX_OLDER_RANGES,
     LeaseRecord,
@@ -41,6 +41,7 @@ __all__ = [
     "LinkMeasure",
     "MAX_OLDER_RANGES",
     "OlderRange",
+    "P2PD_THREADS",
     "ModelShape",
     "PeerRecord",
     "PlanRecord",

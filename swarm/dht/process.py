@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import hivemind
 import psutil
@@ -20,10 +21,17 @@ WATCH_INTERVAL_S = 0.5
 
 
 class ParentBoundDHT(hivemind.DHT):
-    """A hivemind.DHT whose child process, and everything it started, ends when the process that forked it ends."""
+    """A hivemind.DHT whose child process, and everything it started, ends when the process that forked it ends.
+    ``p2pd_threads`` > 0 runs its p2pd daemon with that many Go threads (GOMAXPROCS; swarm.dht.node)."""
+
+    def __init__(self, *args: Any, p2pd_threads: int = 0, **kwargs: Any) -> None:
+        self._p2pd_threads = p2pd_threads  # before hivemind's __init__, which may fork the child already
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:  # runs in the child
         start_parent_watch(os.getppid(), before_exit=lambda: reap_descendants(os.getpid()))
+        if self._p2pd_threads > 0:  # hivemind starts p2pd with this process's environment
+            os.environ["GOMAXPROCS"] = str(self._p2pd_threads)
         super().run()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.dht import ElectionConfig, ReachabilityConfig
+from swarm.dht import P2PD_THREADS, ElectionConfig, ReachabilityConfig
 from swarm.settings import component, positive, setting
 from swarm.types import DTYPE_BYTES, LayerRange
 
@@ -335,6 +335,9 @@ class PeerConfig:
     )
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "port to listen on (0: any free)")
+    p2pd_threads: int = setting(
+        P2PD_THREADS, "Go threads of our p2pd daemon (GOMAXPROCS; 0: Go's default, a thread per core)"
+    )
     layers: str = setting("auto", "auto (least-covered window that fits in memory) | A:B for layers [A, B)")
     max_memory_gb: float | None = setting(None, "memory budget (default: measured from the device)")
     cache_tokens: int = setting(8192, "KV-cache budget in tokens, shared by all sessions")
@@ -371,6 +374,8 @@ class PeerConfig:
         positive(self, "cache_tokens", "max_memory_gb", "record_ttl_s")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range 0..65535")
+        if self.p2pd_threads < 0:
+            raise ValueError(f"p2pd_threads must be >= 0, got {self.p2pd_threads}")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
         for name in ("faulty_output_rate", "faulty_skip_rate"):

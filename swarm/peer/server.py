@@ -88,6 +88,7 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
         port=config.port,
         identity_path=config.identity_path,
         reachability=config.reachability,
+        p2pd_threads=config.p2pd_threads,
     )
     logger.info("joining the DHT (%s)", "new swarm" if not config.initial_peers else "via initial peers")
     dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)

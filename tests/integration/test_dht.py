@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import hivemind
+import psutil
 import pytest
 
 from swarm.dht import (
+    P2PD_THREADS,
     Announcer,
     DHTConfig,
     Directory,
@@ -409,5 +411,27 @@ def test_a_temporary_identity_key_is_gone_once_joined(
             assert dht._identity_path.parent == tmp_path, "the key was not made in the temporary directory"
             left = list(tmp_path.glob("flowswarm-identity-*.key"))
             assert not left, f"temporary keys still on disk while serving: {left}"
+
+    asyncio.run(body())
+
+
+def _p2pd_environment(dht: SwarmDHT) -> dict[str, str]:
+    """The environment the p2pd daemon of ``dht`` runs with (the daemon is its DHT child's child)."""
+    (daemon,) = psutil.Process(dht.hivemind_dht.pid).children()
+    return daemon.environ()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_the_p2pd_daemon_runs_with_the_go_threads_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One Go thread by default (swarm.dht.node.P2PD_THREADS); 0 leaves the daemon Go's own choice."""
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+
+    async def body() -> None:
+        async with observer() as default, observer(p2pd_threads=3) as three, observer(p2pd_threads=0) as left:
+            assert _p2pd_environment(default).get("GOMAXPROCS") == str(P2PD_THREADS) == "1"
+            assert _p2pd_environment(three).get("GOMAXPROCS") == "3"
+            assert "GOMAXPROCS" not in _p2pd_environment(left)
+        assert "GOMAXPROCS" not in os.environ  # set in the DHT child only
 
     asyncio.run(body())
