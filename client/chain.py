@@ -16,6 +16,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P
@@ -42,16 +43,20 @@ Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the l
 # within a pass or two of the event loop once the round settled (client.batching.Round).
 GROUP_WAIT_S = 0.005
 _Wait = tuple[StepWait, int]  # a wait and the bytes of the output it waits for
+_R = TypeVar("_R")
 RELEASE_TIMEOUT_S = (
     0.001  # the deadline of a wait sent only to fail an earlier one (RemoteChain._release_wait)
 )
 
 
-def _forget_release(pending: set[asyncio.Future[StepReply]]) -> Callable[[asyncio.Future[StepReply]], None]:
-    def done(call: asyncio.Future[StepReply]) -> None:
+def _forget_release(pending: set[asyncio.Future[_R]]) -> Callable[[asyncio.Future[_R]], None]:
+    """A done-callback for a call nobody awaits: drop it from ``pending`` and retrieve its error, if any (the
+    short deadline of a release; a late acknowledgement's failure, after the output came)."""
+
+    def done(call: asyncio.Future[_R]) -> None:
         pending.discard(call)
         if not call.cancelled():
-            call.exception()  # retrieved: its error (the short deadline) is the expected answer
+            call.exception()
 
     return done
 
@@ -77,6 +82,8 @@ class RemoteChain:
         self.close_timeout_s = close_timeout_s
         self.group_messages = group_messages
         self._releasing: set[asyncio.Future[StepReply]] = set()  # waits sent to release a grouped one
+        # acknowledgements of steps whose output came first, left to arrive (_step_and_wait)
+        self._acknowledging: set[asyncio.Future[StepAck | StepReply]] = set()
         # a round's steps to one first hop, and its waits at one last hop, each as one message (client.grouping)
         self.steps: Groups[StepRequest, StepAck | StepReply] = Groups(
             self._send_steps, self._send_step, GROUP_WAIT_S
@@ -201,20 +208,28 @@ class RemoteChain:
         then come only when the slowest step sent on with it is taken, at worst at its deadline)."""
         waiter = asyncio.ensure_future(self._wait_last(request, last))
         stepping = asyncio.ensure_future(self._send_first(request, first))
+        calls = [stepping, waiter]
         try:
-            await asyncio.wait([stepping, waiter], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                if not stepping.done():
+                    # The acknowledgement is on its way: let it come on its stream in the background. Cancelled,
+                    # the call would close its stream (half-way, out of step), and the next step would open a
+                    # fresh one through p2pd (~1 ms against 0.3 on an open stream, scripts/bench_wire.py).
+                    calls.remove(stepping)
+                    self._acknowledging.add(stepping)
+                    stepping.add_done_callback(_forget_release(self._acknowledging))
                 return waiter.result()
             await stepping  # a failed step names the hop that failed: its error goes first
             return await waiter
         finally:
-            for call in (stepping, waiter):
+            for call in calls:
                 if not call.done():
                     call.cancel()
-            await asyncio.wait([stepping, waiter])
+            await asyncio.wait(calls)
             if waiter.cancelled() and self._grouped(request):
                 self._release_wait(request, last)
-            for call in (stepping, waiter):
+            for call in calls:
                 if not call.cancelled():
                     call.exception()  # retrieved, so asyncio does not log it as lost
 
@@ -270,6 +285,13 @@ class RemoteChain:
             with contextlib.suppress(SwarmError, TimeoutError, ConnectionError, OSError):
                 await self.close(session_id, [stage])  # best effort: it expires when idle anyway
         return reply.hidden
+
+    async def aclose(self) -> None:
+        """Stop the calls nobody awaits (late acknowledgements, releases) before the P2P instance goes."""
+        pending: list[asyncio.Future[Any]] = [*self._acknowledging, *self._releasing]
+        for call in pending:
+            call.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def close(self, session_id: SessionID, stages: Sequence[Stage]) -> None:
         if not stages:

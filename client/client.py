@@ -269,6 +269,7 @@ class AsyncSwarmClient:
         self.batcher.close()
         await self.checker.aclose()
         if isinstance(self.chain, RemoteChain):
+            await self.chain.aclose()
             await self.chain.p2p.shutdown()
         if self.dht is not None:
             dht, self.dht = self.dht, None

@@ -92,13 +92,39 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_the_output_is_the_answer_without_waiting_for_the_acknowledgement(
+def test_the_output_is_the_answer_and_the_acknowledgement_is_left_to_come(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the first hop still holds the acknowledgement back
-    calls, result = _run(monkeypatch, lambda c: c.output.set_result(StepReply(OUTPUT)))
-    assert isinstance(result, torch.Tensor) and torch.equal(result, OUTPUT)
-    assert calls.step_cancelled
+    """The first hop still holds the acknowledgement back when the output comes: the step answers with the
+    output, and its call is left to end on its stream (cancelled, it would close the stream, and the next step
+    would open another); a call still waiting when the chain closes is cancelled then."""
+
+    async def main() -> None:
+        calls = Calls()
+        monkeypatch.setattr(chain_module, "call_step_acked", calls.step)
+        monkeypatch.setattr(chain_module, "call_wait", calls.wait)
+        remote = RemoteChain(None, lambda _: (), "hash", torch.float32, 10.0, 10.0)  # type: ignore[arg-type]
+        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64))
+        await _settle()
+        calls.output.set_result(StepReply(OUTPUT))
+        assert torch.equal(await stepping, OUTPUT)
+        await _settle()
+        assert not calls.step_cancelled and len(remote._acknowledging) == 1
+        calls.ack.set_result(StepAck())
+        await _settle()
+        assert not remote._acknowledging  # ended, and forgotten
+
+        later = Calls()  # another step, whose acknowledgement never comes
+        monkeypatch.setattr(chain_module, "call_step_acked", later.step)
+        monkeypatch.setattr(chain_module, "call_wait", later.wait)
+        stepping = asyncio.ensure_future(remote.step(SessionID("s"), STAGES, 5, torch.zeros(1, 8), 64))
+        await _settle()
+        later.output.set_result(StepReply(OUTPUT))
+        await stepping
+        await remote.aclose()
+        assert later.step_cancelled and not remote._acknowledging
+
+    asyncio.run(main())
 
 
 def test_the_acknowledgement_first_then_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
