@@ -140,8 +140,10 @@ def test_one_client_generating_many_at_once_sends_their_steps_together_and_stays
     for prompt, tokens in zip(rows, got, strict=True):
         want = greedy_tokens(model, prompt, new_tokens)
         assert tokens == want[: len(tokens)] and (len(tokens) == new_tokens or want[len(tokens)] in eos)
-    # sessions end at different times (EOS): not every round has all of its lane's sessions
-    assert head.rows / head.calls > 2 / lanes, "rounds should batch the sessions"
+    # Sessions start decoding as their prompts finish and end at different times (EOS): not every round has all
+    # of its lane's sessions. Here 60 rows take 15-16 calls with one lane, 26-30 with two; on a loaded CI
+    # machine one lane once took 34, its prompts' prefills ending far apart. Unbatched, every call has one row.
+    assert head.rows / head.calls > 1 + 0.5 / lanes, "rounds should batch the sessions"
 
 
 @pytest.mark.timeout(300)
