@@ -101,8 +101,12 @@ def test_clients_ride_out_a_graceful_leave_and_a_crash(tmp_path: Any, tiny_sourc
     assert all(n >= CONFIG.requests_after + 1 for n in _requests_per_client(run))
     [killed] = [e for e in figures["events"] if e["kind"] == "sigkill"]
     assert killed["left_behind"] == [], f"still running after {killed['peer']} was SIGKILLed"
-    # killed mid-answer on the route of a live session: that session must have failed over (and still be exact)
-    assert not killed["on_route"] or killed["failovers"] >= 1, killed
+    # killed mid-answer on the route of a live session: that session must have failed over (and still be exact).
+    # Figures count a failover in the window of the event before it; another event may start milliseconds after
+    # the kill (CI: a restart 3 ms after it took all 4 of the kill's failovers, 90 ms later), so the events that
+    # start within a second of the kill share its count.
+    caused = sum(e["failovers"] for e in figures["events"] if 0 <= e["at_s"] - killed["at_s"] < 1.0)
+    assert not killed["on_route"] or caused >= 1, figures["events"]
     survivors = figures["rss_mib"]
     assert len(survivors) >= len(LAYOUTS) - 2, (
         survivors
