@@ -168,7 +168,9 @@ class Int8WeightScreen(ArgmaxScreen):
 
 
 class Int8InputScreen(ArgmaxScreen):
-    """int8 weights times int8 inputs (fbgemm), each row's LOUD loudest dimensions apart (module docstring)."""
+    """int8 weights times int8 inputs (fbgemm), each row's LOUD loudest dimensions apart (module docstring). The
+    steps after fbgemm's product (the loud dimensions' rows, the bounds, their lowest top, the rows kept) run in
+    one C pass per input row (screen.c) where this machine builds it, else in torch."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
