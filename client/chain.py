@@ -49,7 +49,7 @@ RELEASE_TIMEOUT_S = (
 )
 
 
-def _forget_release(pending: set[asyncio.Future[_R]]) -> Callable[[asyncio.Future[_R]], None]:
+def _forget_when_done(pending: set[asyncio.Future[_R]]) -> Callable[[asyncio.Future[_R]], None]:
     """A done-callback for a call nobody awaits: drop it from ``pending`` and retrieve its error, if any (the
     short deadline of a release; a late acknowledgement's failure, after the output came)."""
 
@@ -136,7 +136,7 @@ class RemoteChain:
             call_wait(self.p2p, last.peer_id, wait, maddrs=last.maddrs, timeout_s=self.close_timeout_s)
         )
         self._releasing.add(call)  # held until done: the loop keeps only weak references to tasks
-        call.add_done_callback(_forget_release(self._releasing))
+        call.add_done_callback(_forget_when_done(self._releasing))
 
     def _grouped(self, request: StepRequest) -> bool:
         """Whether ``request`` goes with its round's other steps to the first hop, and its wait with theirs."""
@@ -218,7 +218,7 @@ class RemoteChain:
                     # fresh one through p2pd (~1 ms against 0.3 on an open stream, scripts/bench_wire.py).
                     calls.remove(stepping)
                     self._acknowledging.add(stepping)
-                    stepping.add_done_callback(_forget_release(self._acknowledging))
+                    stepping.add_done_callback(_forget_when_done(self._acknowledging))
                 return waiter.result()
             await stepping  # a failed step names the hop that failed: its error goes first
             return await waiter

@@ -8,7 +8,8 @@ For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the m
 ``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel this
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
 row, on one torch thread; a greedy step's LM head for 1 to 8 rows, dense and through each argmax screen
-(``swarm.models.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose for them on this machine. Where the range
+(``swarm.models.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose
+for them on this machine. Where the range
 takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
 each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated;
 ``--context 1024`` times them with that many cached tokens instead (attention then weighs as much as products).
@@ -134,7 +135,8 @@ def _greedy_head(head: ClientHead, max_rows: int, repeats: int) -> dict[str, dic
     for kind in SCREENS:
         if kind.available(head.hidden_size):
             screens[kind.__name__] = kind(head.lm_head_weight)
-    if "Int8InputScreen" in screens and getattr(screens["Int8InputScreen"], "finish", None) is not None:
+    in_c = screens.get("Int8InputScreen")
+    if isinstance(in_c, Int8InputScreen) and in_c.finish is not None:
         in_torch = Int8InputScreen(head.lm_head_weight)
         in_torch.finish = None
         screens["Int8InputScreen_finished_in_torch"] = in_torch
