@@ -86,19 +86,21 @@ class ClientConfig:
     dropped from the step after the check ends. True: a liar is caught before the checked step's output is
     used (tests of exact outputs with a lying peer, at rate 1.0); each check then stalls the stream."""
 
-    spot_check_tokens: int = 4
+    spot_check_tokens: int = 2
     """How many of the session's newest tokens one spot-check re-runs (its cost does not grow with the session).
 
     A check is 2 prefills of this many tokens per hop and one more (each stage alone, the route forwarded, one
     stage by another holder), so on a CPU it costs what the peers' products cost at that many rows. A longer
     window catches no more liars: a corrupted output is off at every token of it, and to a peer a check is a
-    new session's first prefill whatever its length. While others decode on a peer, such a prefill rides in
-    their next forward call (ExecutorConfig.ride_along_tokens), which it makes longer, so the window is what
-    every check costs the decoding sessions: 4 sessions of one client decoding 512 tokens (3 peers on 2 cores,
-    checks at 0.02) had decode gaps of p50 / p99 68-69 / 106-107 ms with 4 tokens against 72-74 / 192-193 with
-    8, in two alternated pairs (88.7 ms p99 with no checks); a 10-layer decode call of 4 sessions took 15.5 ms
-    alone, 24 with a 4-token window riding and 34 with an 8-token one. Before, 8 replaced 16: a 10-layer
-    prefill of 16 rows left the 4-bit kernel for F.linear (53 against 18 ms)."""
+    new session's first prefill whatever its length. Two tokens still run every weight of a layer: the second
+    token's attention weighs two keys, so q and k count (with one token, attention would hand back v alone).
+    While others decode on a peer, such a prefill rides in their next forward call (ExecutorConfig.
+    ride_along_tokens), which it makes longer, so the window is what every check costs the decoding sessions.
+    One client running 8 sessions (3 peers x 10 layers of the default model on 2 shared cores, checks at 0.02,
+    8 alternated rounds): 145.7 tok/s with 2 tokens against 139.2 with 4 and 156.6 with no checks (medians);
+    a 4-session decode call of 10 layers took 8.2 ms of CPU alone, 14-15 with 4 tokens riding. Before, 4
+    replaced 8 (decode gaps p50 / p99 68-69 / 106-107 ms against 72-74 / 192-193), and 8 replaced 16 (a 16-row
+    prefill left the 4-bit kernel for F.linear)."""
 
     spot_check_seed: int | None = None
     """Seed of the draw of which steps are checked (None: unpredictable, as it should be against real liars)."""
