@@ -9,9 +9,9 @@ For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the m
 machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
 row, on one torch thread; a greedy step's LM head for 1 to 8 rows, dense and through each argmax screen
 (``swarm.models.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose
-for them on this machine. Where the range
-takes the 4-bit form, also whole decode calls of those layers (sessions with 37 cached tokens, one new token
-each) with the layers in one call of ``int4.decode_layers`` and written out in torch operations, alternated;
+for them on this machine. Where the range takes the 4-bit form, also whole decode calls of those layers
+(sessions with 37 cached tokens, one new token each) with the layers in one call of ``int4.decode_layers`` and
+written out in torch operations, alternated;
 ``--context 1024`` times them with that many cached tokens instead (attention then weighs as much as products).
 """
 
