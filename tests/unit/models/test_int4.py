@@ -24,6 +24,26 @@ pytestmark = [
     ),
 ]
 
+BUILDS = {"avx2": int4.FLAGS, "avx512": int4.FLAGS + int4.AVX512_FLAGS}  # int4.c with and without table_rows
+
+
+def _rebuilt() -> None:
+    for cached in (int4._library, int4._kernel, int4._decode_layers, int4._version):
+        cached.cache_clear()
+
+
+@pytest.fixture(params=sorted(BUILDS))
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The kernel compiled as on a machine with AVX2 only, and as on one with AVX-512 (where this one has it)."""
+    if request.param == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("no AVX-512 here")
+    monkeypatch.setattr(int4, "flags", lambda: BUILDS[request.param])
+    _rebuilt()
+    yield request.param
+    monkeypatch.undo()
+    _rebuilt()
+
+
 EVERY_ROW_COUNT = Forms(packer="int4", packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=True)
 PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300]
 
@@ -33,14 +53,17 @@ def _weight(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (7, 32), (1, 1536), (200, 96)])
-def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(shape: tuple[int, int]) -> None:
-    """One-hot rows pick out single weights: the product is each widened weight itself, bit for bit."""
+def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(
+    shape: tuple[int, int], build: str
+) -> None:
+    """One-hot rows pick out single weights: the product is each widened weight itself, bit for bit (13 rows
+    a call: a pass of 8 rows and one of 5, which the AVX-512 build widens by its table)."""
     weight = _weight(*shape)
     packed = int4.unpack(weight)
     assert packed is not None and packed.shape == (shape[0], int4.row_bytes(shape[1]))
     columns = shape[1]
     picked = torch.cat(
-        [int4.product(torch.eye(columns)[i : i + 64], packed, shape[0]) for i in range(0, columns, 64)]
+        [int4.product(torch.eye(columns)[i : i + 13], packed, shape[0]) for i in range(0, columns, 13)]
     )
     assert torch.equal(picked, weight.T)
 
@@ -50,7 +73,7 @@ def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(shape: tup
     [(r, 128) for r in (0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64)]
     + [(r, 1536) for r in (5, 6, 7, 8, 13)],  # wide inputs: passes of fewer rows (int4.c's L1_INPUT_BYTES)
 )
-def test_products_are_f_linears_for_every_row_count(rows: int, columns: int) -> None:
+def test_products_are_f_linears_for_every_row_count(rows: int, columns: int, build: str) -> None:
     weight = _weight(96, columns, seed=rows)
     x = torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows + 1))
     packed = int4.unpack(weight)
@@ -129,7 +152,9 @@ def test_greedy_generation_through_4_bit_blocks_matches_transformers(tiny_source
     )
 
 
-def test_batched_4_bit_decode_steps_equal_the_same_steps_alone(tiny_source, four_bit_model) -> None:  # type: ignore[no-untyped-def]
+def test_batched_4_bit_decode_steps_equal_the_same_steps_alone(  # type: ignore[no-untyped-def]
+    tiny_source, four_bit_model, build
+) -> None:
     """Sessions decoding together go through the kernel's multi-row passes (up to 8 rows, then 8 more)."""
     _, blocks = four_bit_model
     block, head = blocks[0], tiny_source.load_head()
@@ -186,7 +211,7 @@ def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_
 
 
 def test_steps_through_the_fused_layer_equal_the_layer_written_out(
-    tiny_source, four_bit_model, monkeypatch
+    tiny_source, four_bit_model, monkeypatch, build
 ) -> None:  # type: ignore[no-untyped-def]
     """int4.decode_layers runs whole layers for steps of few tokens: the same as _layer's torch operations to
     float rounding, outputs and caches alike, for prompts (a step's tokens attend causally to each other),
