@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from swarm.models import Step
+from swarm.models import Step, int4
 from swarm.models.argmax import SCREENS, ArgmaxScreen, Int8InputScreen
 from swarm.models.head import ClientHead
 from swarm.models.int4 import LayerWeights
@@ -155,7 +155,7 @@ def _decode_calls(
 ) -> dict[str, dict[str, float]] | None:
     """{rows: {"decode_layer": ms, "written_out": ms}} for a decode call of ``layers`` layers, each row a
     session with ``context`` cached tokens (None where the calibrated forms leave the layers unfused: weights not
-    4-bit, no kernel)."""
+    4-bit, no kernel); where the kernel is built for AVX-512 here, "decode_layer_avx2_build" too."""
     blocks = source.load_blocks(0, layers, cache_tokens=(context + 1) * max_rows, pack_bytes=2**40)
     fused = list(blocks._fused)
     if not all(fused):
@@ -170,14 +170,18 @@ def _decode_calls(
             for session in sessions:
                 blocks.open_session(session, context + 1)
                 blocks.forward([Step(session, torch.randn(context, hidden), 0, layers, 0)])
-            times: dict[str, list[float]] = {"decode_layer": [], "written_out": []}
-            for _ in range(max(1, repeats)):  # alternated: a slow spell of the machine hits both
-                unfused: list[LayerWeights | None] = [None] * len(fused)
-                for name, form in (("decode_layer", fused), ("written_out", unfused)):
+            unfused: list[LayerWeights | None] = [None] * len(fused)
+            forms = [("decode_layer", fused, None), ("written_out", unfused, None)]
+            if int4.flags() != int4.FLAGS:  # this machine's build against the AVX2 one
+                forms.append(("decode_layer_avx2_build", fused, int4.FLAGS))
+            times: dict[str, list[float]] = {name: [] for name, _, _ in forms}
+            for _ in range(max(1, repeats)):  # alternated: a slow spell of the machine hits each
+                for name, form, build in forms:
                     blocks._fused = form
                     # replayed: the same position each time
                     steps = [Step(s, torch.randn(1, hidden), 0, layers, context) for s in sessions]
-                    times[name].append(_median_ms(5, functools.partial(blocks.forward, steps)))
+                    with int4.built_with(build) if build else contextlib.nullcontext():
+                        times[name].append(_median_ms(5, functools.partial(blocks.forward, steps)))
             blocks._fused = fused
             calls[str(rows)] = {name: statistics.median(ms) for name, ms in times.items()}
             for session in sessions:

@@ -31,6 +31,7 @@ attention, and exp (int4.c's exp8, or libm's for the last few of a row): outputs
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -41,7 +42,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,9 +372,33 @@ def kernel_version() -> str:
     return _version(SOURCE)
 
 
+_chosen_flags: list[tuple[str, ...]] = []  # built_with's, innermost last
+
+
 def flags() -> tuple[str, ...]:
-    """The compiler's flags here: FLAGS, and AVX512_FLAGS where torch runs its AVX-512 kernels."""
+    """The compiler's flags here: FLAGS, and AVX512_FLAGS where torch runs its AVX-512 kernels (or, within
+    built_with, the flags it was given)."""
+    if _chosen_flags:
+        return _chosen_flags[-1]
     return FLAGS + AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+
+
+@contextlib.contextmanager
+def built_with(chosen: tuple[str, ...]) -> Iterator[None]:
+    """Within it, this module's kernels are the build of ``chosen`` flags instead of this machine's (compiled
+    and kept as any build is): benchmarks and tests compare builds in one process."""
+    _chosen_flags.append(chosen)
+    _forget_builds()
+    try:
+        yield
+    finally:
+        _chosen_flags.pop()
+        _forget_builds()
+
+
+def _forget_builds() -> None:
+    for cached in (_library, _kernel, _decode_layers, _version):
+        cached.cache_clear()
 
 
 @functools.cache

@@ -27,21 +27,13 @@ pytestmark = [
 BUILDS = {"avx2": int4.FLAGS, "avx512": int4.FLAGS + int4.AVX512_FLAGS}  # int4.c with and without table_rows
 
 
-def _rebuilt() -> None:
-    for cached in (int4._library, int4._kernel, int4._decode_layers, int4._version):
-        cached.cache_clear()
-
-
 @pytest.fixture(params=sorted(BUILDS))
-def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+def build(request: pytest.FixtureRequest) -> Any:
     """The kernel compiled as on a machine with AVX2 only, and as on one with AVX-512 (where this one has it)."""
     if request.param == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("no AVX-512 here")
-    monkeypatch.setattr(int4, "flags", lambda: BUILDS[request.param])
-    _rebuilt()
-    yield request.param
-    monkeypatch.undo()
-    _rebuilt()
+    with int4.built_with(BUILDS[request.param]):
+        yield request.param
 
 
 EVERY_ROW_COUNT = Forms(packer="int4", packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=True)
@@ -487,3 +479,16 @@ def test_the_fused_layers_attention_is_the_attention_written_out(head_dim: int, 
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(keys[:, : cached + 1], k_all)  # the token's key and value went into the cache
     torch.testing.assert_close(values[:, : cached + 1], v_all)
+
+
+def test_a_build_is_named_by_its_flags_and_kept_apart() -> None:
+    """built_with switches this module's kernels to another build and back: measurements kept for one build
+    (swarm.models.matmul's forms, by kernel_version) are not taken for another."""
+    here = int4.kernel_version()
+    with int4.built_with(int4.FLAGS):
+        avx2 = int4.kernel_version()
+        assert int4.available()
+        with int4.built_with(int4.FLAGS + int4.AVX512_FLAGS):
+            assert int4.kernel_version() != avx2
+        assert int4.kernel_version() == avx2
+    assert int4.kernel_version() == here
