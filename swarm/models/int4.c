@@ -323,7 +323,7 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
                      rows * hidden, heads / kv_heads * longest};
     size_t floats = 0;
     for (int i = 0; i < 7; i++) floats += (parts[i] + LINE_FLOATS - 1) / LINE_FLOATS * LINE_FLOATS;
-    float *scratch = aligned_alloc(LINE_FLOATS * sizeof(float), floats * sizeof(float));
+    float *scratch = aligned_alloc(LINE_FLOATS * sizeof(float), (floats ? floats : LINE_FLOATS) * sizeof(float));
     if (!scratch) return -1;
     float *part[7];
     part[0] = scratch;
