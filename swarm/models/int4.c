@@ -46,6 +46,15 @@ static inline float total(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* packed row n of N (each `stride` bytes), once the one PREFETCH_AHEAD rows on is on its way into the cache */
+static inline const uint8_t *packed_row(const uint8_t *packed, long n, long N, long stride) {
+    const uint8_t *row = packed + n * stride;
+    if (n + PREFETCH_AHEAD < N)
+        for (long o = 0; o < stride; o += 64)
+            _mm_prefetch((const char *)(row + PREFETCH_AHEAD * stride + o), _MM_HINT_T0);
+    return row;
+}
+
 /* `rows` (1 to FUSED_ROWS, a constant once inlined) input rows: each block is widened in registers and used by
    every row at once; a row has several accumulators when few rows leave registers free, so that consecutive
    multiply-adds do not wait on each other. */
@@ -54,11 +63,8 @@ static inline __attribute__((always_inline)) void fused_rows(const float *x, con
     const int accs = rows == 1 ? 4 : rows <= 4 ? 2 : 1;
     long blocks = K / BLOCK, stride = K / 2 + 2 * blocks * (long)sizeof(float);
     for (long n = 0; n < N; n++) {
-        const uint8_t *row = packed + n * stride;
+        const uint8_t *row = packed_row(packed, n, N, stride);
         const float *d = (const float *)(row + K / 2), *m = d + blocks;
-        if (n + PREFETCH_AHEAD < N)
-            for (long o = 0; o < stride; o += 64)
-                _mm_prefetch((const char *)(row + PREFETCH_AHEAD * stride + o), _MM_HINT_T0);
         __m256 acc[FUSED_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int a = 0; a < accs; a++) acc[r][a] = _mm256_setzero_ps();
@@ -93,11 +99,8 @@ static inline __attribute__((always_inline)) void table_rows(const float *x, con
     long blocks = K / BLOCK, stride = K / 2 + 2 * blocks * (long)sizeof(float);
     const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (long n = 0; n < N; n++) {
-        const uint8_t *row = packed + n * stride;
+        const uint8_t *row = packed_row(packed, n, N, stride);
         const float *d = (const float *)(row + K / 2), *m = d + blocks;
-        if (n + PREFETCH_AHEAD < N)
-            for (long o = 0; o < stride; o += 64)
-                _mm_prefetch((const char *)(row + PREFETCH_AHEAD * stride + o), _MM_HINT_T0);
         __m512 acc[TABLE_ROWS][2];
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (long b = 0; b < blocks; b++) {
