@@ -309,16 +309,27 @@ def available() -> bool:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _build() -> tuple[ctypes.CDLL, tuple[str, ...]] | None:
+    """The kernel's library and the flags it was compiled with: flags(), or FLAGS where a compiler takes AVX2
+    but not AVX-512 (None where neither builds)."""
     reason = unsupported()
     if reason:
         logger.info("4-bit weights are multiplied as float32 here: %s", reason)
         return None
-    try:
-        return load(SOURCE)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        logger.info("4-bit weights are multiplied as float32 here: no kernel (%s)", e)
-        return None
+    failure: Exception | None = None
+    for chosen in dict.fromkeys((flags(), FLAGS)):
+        try:
+            return load(SOURCE, chosen), chosen
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            logger.info("the 4-bit kernel did not build with %s: %s", " ".join(chosen), e)
+            failure = e
+    logger.info("4-bit weights are multiplied as float32 here: no kernel (%s)", failure)
+    return None
+
+
+def _library() -> ctypes.CDLL | None:
+    built = _build()
+    return None if built is None else built[0]
 
 
 def _function(name: str, argtypes: Sequence[type], restype: type | None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -369,7 +380,8 @@ def _compiler() -> str | None:
 def kernel_version() -> str:
     """What names this build of the kernel: a digest of its source, the compiler and the flags. Measurements
     that timed the kernel (swarm.models.matmul's kept forms) hold for this version only."""
-    return _version(SOURCE)
+    built = _build()
+    return _version(SOURCE, flags() if built is None else built[1])
 
 
 _chosen_flags: list[tuple[str, ...]] = []  # built_with's, innermost last
@@ -386,40 +398,43 @@ def flags() -> tuple[str, ...]:
 @contextlib.contextmanager
 def built_with(chosen: tuple[str, ...]) -> Iterator[None]:
     """Within it, this module's kernels are the build of ``chosen`` flags instead of this machine's (compiled
-    and kept as any build is): benchmarks and tests compare builds in one process."""
+    and kept as any build is): benchmarks and tests compare builds in one process. For one thread at a time:
+    a product called from another thread meanwhile may take either build."""
+    depth = len(_chosen_flags)
     _chosen_flags.append(chosen)
-    _forget_builds()
+    _forget_build()
     try:
         yield
     finally:
-        _chosen_flags.pop()
-        _forget_builds()
+        del _chosen_flags[depth]
+        _forget_build()
 
 
-def _forget_builds() -> None:
-    for cached in (_library, _kernel, _decode_layers, _version):
+def _forget_build() -> None:
+    for cached in (_build, _kernel, _decode_layers):
         cached.cache_clear()
 
 
 @functools.cache
-def _version(source: Path) -> str:
+def _version(source: Path, chosen: tuple[str, ...]) -> str:
     compiler = _compiler() or "cc"
     text = source.read_bytes()
-    return hashlib.sha256(b"\0".join([text, compiler.encode(), *(f.encode() for f in flags())])).hexdigest()[
+    return hashlib.sha256(b"\0".join([text, compiler.encode(), *(f.encode() for f in chosen)])).hexdigest()[
         :16
     ]
 
 
-def load(source: Path) -> ctypes.CDLL:
-    """The shared library of the C ``source`` (next to this module), compiled with flags() on the first call on
-    this machine and kept in the cache directory. Raises where it cannot be compiled or loaded."""
-    return ctypes.CDLL(str(_compiled(source)))
+def load(source: Path, chosen: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """The shared library of the C ``source`` (next to this module), compiled with the ``chosen`` flags (FLAGS:
+    AVX2 and FMA) on the first call on this machine and kept in the cache directory. Raises where it cannot be
+    compiled or loaded."""
+    return ctypes.CDLL(str(_compiled(source, chosen)))
 
 
-def _compiled(source: Path) -> Path:
-    """``source``'s shared library, compiled now if no earlier run on this machine kept one."""
+def _compiled(source: Path, chosen: tuple[str, ...]) -> Path:
+    """``source``'s shared library built with ``chosen``, compiled now if no earlier run here kept one."""
     compiler = _compiler() or "cc"
-    target = cache_dir() / "kernels" / f"{source.stem}-{_version(source)}.so"
+    target = cache_dir() / "kernels" / f"{source.stem}-{_version(source, chosen)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -428,7 +443,7 @@ def _compiled(source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         done = subprocess.run(
-            [compiler, *flags(), "-o", str(built), str(source)],
+            [compiler, *chosen, "-o", str(built), str(source)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

@@ -308,15 +308,15 @@ def calibrate(
     if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.ndim != 2 for w in weights):
         return PLAIN
     offered = _offered(weights) if packing else ()
-    key = (torch.get_num_threads(), offered, *sorted({tuple(w.shape) for w in weights}))
+    # a faster or slower build of the 4-bit kernel may change what is fastest: measure it again
+    kernels = (f"int4 {int4.kernel_version()}",) if "int4" in offered else ()
+    key = (torch.get_num_threads(), offered, *sorted({tuple(w.shape) for w in weights}), *kernels)
     known = _calibrated.get(key)
     if known is not None:
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
         if key not in _calibrated:
-            # a faster or slower build of the 4-bit kernel may change what is fastest: measure it again
-            kernels = [f"int4 {int4.kernel_version()}"] if "int4" in offered else []
-            stored_key = json.dumps([machine(), *key, *kernels])
+            stored_key = json.dumps([machine(), *key])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
                 with one_at_a_time(_store_path()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,14 +49,16 @@ def _weight(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
 def test_the_kernel_widens_every_weight_to_exactly_the_float32_weight(
     shape: tuple[int, int], build: str
 ) -> None:
-    """One-hot rows pick out single weights: the product is each widened weight itself, bit for bit (13 rows
-    a call: a pass of 8 rows and one of 5, which the AVX-512 build widens by its table)."""
+    """One-hot rows pick out single weights: the product is each widened weight itself, bit for bit, in calls
+    of 1 to 13 rows (passes of every size, up to 6 rows widened by the AVX-512 build's table)."""
     weight = _weight(*shape)
     packed = int4.unpack(weight)
     assert packed is not None and packed.shape == (shape[0], int4.row_bytes(shape[1]))
     columns = shape[1]
+    sizes = itertools.accumulate(itertools.cycle(range(1, 14)), initial=0)  # calls of 1, 2, .. 13 rows
+    starts = [*itertools.takewhile(lambda start: start < columns, sizes), columns]
     picked = torch.cat(
-        [int4.product(torch.eye(columns)[i : i + 13], packed, shape[0]) for i in range(0, columns, 13)]
+        [int4.product(torch.eye(columns)[a:b], packed, shape[0]) for a, b in itertools.pairwise(starts)]
     )
     assert torch.equal(picked, weight.T)
 
@@ -492,3 +495,18 @@ def test_a_build_is_named_by_its_flags_and_kept_apart() -> None:
             assert int4.kernel_version() != avx2
         assert int4.kernel_version() == avx2
     assert int4.kernel_version() == here
+
+
+def test_a_build_the_compiler_refuses_leaves_the_avx2_build() -> None:
+    """Where the compiler refuses this machine's flags (an AVX-512 option it does not know), the kernel is the
+    AVX2 build, named as that build: the 4-bit form is not lost."""
+    with int4.built_with(int4.FLAGS):
+        avx2 = int4.kernel_version()
+    with int4.built_with((*int4.FLAGS, "-mno-such-option-anywhere")):
+        assert int4.available()
+        assert int4.kernel_version() == avx2
+        weight = _weight(8, 64)
+        packed = int4.unpack(weight)
+        assert packed is not None
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(int4.product(x, packed, 8), F.linear(x, weight), atol=1e-5, rtol=1e-5)
