@@ -18,8 +18,10 @@ Aggregate tokens/s = decode steps of all sessions inside the common window (from
 token to the first session's last token) / the window's length; sessions' prefills are outside it. Each
 aggregate phase also gives the machine's busy cores and where they went: CPU ms per generated token by process
 role and thread (cpu_ms_per_token: peers' decode and prefill lanes and event loops, clients' heads and loops,
-p2pd, DHT children; see cpu_by_thread), and when the last session's first token came (last_first_token_s: the
-sessions' prompts wait behind the running sessions' decode steps).
+p2pd, DHT children; see cpu_by_thread), how long the same threads were ready to run but waited for a core
+(runqueue_ms_per_token, from schedstat: on 2 cores a step's latency holds these waits too), and when the last
+session's first token came (last_first_token_s: the sessions' prompts wait behind the running sessions' decode
+steps).
 
     .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
     .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
@@ -53,7 +55,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -477,6 +479,8 @@ class Seen:
     busy_cores: dict[str, float | None] = field(default_factory=dict)  # cores_busy_since its start
     # CPU ms per generated token by process role and thread (cpu_by_thread), summed over the phase
     cpu_ms_per_token: dict[str, dict[str, float]] = field(default_factory=dict)
+    # ms per generated token those threads were runnable but waiting for a core (waiting_by_thread)
+    runqueue_ms_per_token: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def phase(
         self,
@@ -484,18 +488,20 @@ class Seen:
         began: float,
         jiffies: tuple[int, int] | None,
         cpu: dict[str, float] | None,
+        waiting: dict[str, float] | None,
         tokens: int,
     ) -> None:
-        """Note what the machine did in phase ``name`` since ``began``, ``jiffies`` and ``cpu`` (its start)."""
+        """Note what the machine did in phase ``name`` since ``began``, ``jiffies``, ``cpu`` and ``waiting`` (its
+        start)."""
         self.windows[name] = (began, clock())
         self.busy_cores[name] = cores_busy_since(jiffies)
-        after = cpu_by_thread()
-        if cpu is not None and after is not None:
-            self.cpu_ms_per_token[name] = {
-                k: round(1000 * (after[k] - cpu.get(k, 0.0)) / tokens, 2)
-                for k in sorted(after)
-                if after[k] > cpu.get(k, 0.0)
-            }
+        for before, after, into in (
+            (cpu, cpu_by_thread(), self.cpu_ms_per_token),
+            (waiting, waiting_by_thread(), self.runqueue_ms_per_token),
+        ):
+            if before is not None and after is not None:
+                per_token = {k: round(1000 * (after[k] - before.get(k, 0.0)) / tokens, 2) for k in sorted(after)}
+                into[name] = {k: ms for k, ms in per_token.items() if ms > 0}
 
 
 def by_mode(per_phase: dict[str, _V]) -> dict[str, dict[str, _V]]:
@@ -515,12 +521,12 @@ def measure_one_client(
     """Aggregate tokens/s of N generations at once in one AsyncSwarmClient."""
     rates = {}
     for n in args.sessions:
-        began, jiffies, cpu = clock(), cpu_jiffies(), cpu_by_thread()
+        began, jiffies, cpu, waiting = clock(), cpu_jiffies(), cpu_by_thread(), waiting_by_thread()
         head = client.aclient.batcher
         calls, rows = head.calls, head.rows
         timelines = client.run(timelines_together(client.aclient, n, ids, args.aggregate_tokens))
         calls, rows = head.calls - calls, head.rows - rows
-        seen.phase(f"one_client/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
+        seen.phase(f"one_client/{n}", began, jiffies, cpu, waiting, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"one_client/{n}"] = longest_gap_ms(timelines)
         seen.last_first_s[f"one_client/{n}"] = last_first_s(timelines)
@@ -539,9 +545,9 @@ def measure_processes(
     """Aggregate tokens/s of N client processes generating at once."""
     rates = {}
     for n in args.sessions:
-        began, jiffies, cpu = clock(), cpu_jiffies(), cpu_by_thread()
+        began, jiffies, cpu, waiting = clock(), cpu_jiffies(), cpu_by_thread(), waiting_by_thread()
         timelines = workers.run_together(n, ids, args.aggregate_tokens)
-        seen.phase(f"processes/{n}", began, jiffies, cpu, n * args.aggregate_tokens)
+        seen.phase(f"processes/{n}", began, jiffies, cpu, waiting, n * args.aggregate_tokens)
         rates[str(n)] = round(aggregate_tok_s(timelines), 2)
         seen.gaps_ms[f"processes/{n}"] = longest_gap_ms(timelines)
         seen.last_first_s[f"processes/{n}"] = last_first_s(timelines)
@@ -661,6 +667,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "busy_cores": by_mode(seen.busy_cores),
         # where that CPU went: ms per generated token (prefill included) by process role and thread
         "cpu_ms_per_token": by_mode(seen.cpu_ms_per_token),
+        # and how long those threads were ready to run but waited for a core, ms per generated token
+        "runqueue_ms_per_token": by_mode(seen.runqueue_ms_per_token),
         "decode_during_long_prefill_ms": during,
         "targets": _targets(single, processes, one_client, during),
         "tokens_match": single["tokens_match"],
@@ -709,6 +717,27 @@ def cpu_by_thread() -> dict[str, float] | None:
     forked by one with its very command line is its DHT child ("peer dht"). Threads: the lanes and loops the
     project names in the OS (swarm.models.threads: swarm-decode, swarm-prefill, swarm-head, swarm-client),
     "main", "other"."""
+    return _by_thread(_cpu_s)
+
+
+def waiting_by_thread() -> dict[str, float] | None:
+    """Seconds so far the swarm's threads were ready to run but waited on a run queue for a core (schedstat), by
+    role and thread as in cpu_by_thread (None without /proc or schedstat). On a busy machine a step's latency
+    holds these waits as well as its threads' CPU time."""
+    return _by_thread(_waiting_s)
+
+
+def _cpu_s(task: Path) -> float:
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _waiting_s(task: Path) -> float:
+    return int((task / "schedstat").read_text().split()[1]) / 1e9  # [on a cpu, waiting on a runqueue, slices]
+
+
+def _by_thread(read: Callable[[Path], float]) -> dict[str, float] | None:
+    """``read(/proc/PID/task/TID)`` summed by role and thread (see cpu_by_thread); None if nothing could be read."""
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -721,8 +750,8 @@ def cpu_by_thread() -> dict[str, float] | None:
         except (OSError, ValueError, IndexError):
             continue
         roles[pid] = _role(pid, commands[pid])
-    ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = defaultdict(float)
+    read_any = False
     for pid, role in roles.items():
         if role is None:
             continue
@@ -733,16 +762,18 @@ def cpu_by_thread() -> dict[str, float] | None:
         except OSError:
             continue
         for tid in tids:
+            task = Path(f"/proc/{pid}/task/{tid}")
             try:
-                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                name = (task / "comm").read_text().strip()
+                seconds = read(task)
+            except (OSError, ValueError, IndexError):
                 continue
             key = (
                 role if role == "p2pd" or role.endswith(" dht") else f"{role} {_thread(name, int(tid), pid)}"
             )
-            totals[key] += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-    return totals
+            totals[key] += seconds
+            read_any = True
+    return totals if read_any else None
 
 
 def _thread(name: str, tid: int, pid: int) -> str:

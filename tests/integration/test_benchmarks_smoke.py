@@ -326,6 +326,60 @@ def test_cpu_by_thread_charges_a_named_thread_its_cpu() -> None:
     assert set(after) <= CPU_LABELS
 
 
+# Two threads of bench_e2e's own process share one core: "swarm-head" burns CPU with the GIL released (hashlib
+# lets it go for large inputs) while "swarm-client", under Linux's idle policy, is ready to run the whole time but
+# gets the core only when nothing else wants it. waiting_by_thread charges the waits to their names.
+_CONTEND = """
+import hashlib, json, os, runpy, threading, time
+bench = runpy.run_path("scripts/bench_e2e.py", run_name="bench_e2e")
+from swarm.models.threads import name_os_thread
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread; the threads it starts inherit it
+data = bytes(1 << 20)
+started, burnt, read, done = threading.Event(), threading.Event(), threading.Barrier(3), threading.Event()
+def burn():
+    name_os_thread("swarm-head")
+    started.set()
+    end = time.thread_time() + 0.5
+    while time.thread_time() < end:
+        hashlib.sha256(data).digest()
+    burnt.set()
+    read.wait()
+    done.wait()  # a thread's counts go with it: they are read while it lives
+def starve():
+    name_os_thread("swarm-client")
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+    started.wait()
+    while not burnt.is_set():
+        hashlib.sha256(data).digest()
+    read.wait()
+    done.wait()
+before = bench["waiting_by_thread"]()
+threads = [threading.Thread(target=burn), threading.Thread(target=starve)]
+for thread in threads:
+    thread.start()
+read.wait()
+after, cpu = bench["waiting_by_thread"](), bench["cpu_by_thread"]()
+done.set()
+for thread in threads:
+    thread.join()
+print(json.dumps({"before": before, "after": after, "cpu": cpu}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_waiting_by_thread_charges_a_thread_kept_off_its_core_its_wait() -> None:
+    out = _run_json(["-c", _CONTEND], 100)
+    assert isinstance(out, dict)
+    before, after, cpu = out["before"], out["after"], out["cpu"]
+    if after is None:
+        pytest.skip("this kernel gives no schedstat")
+    assert "client swarm-client" not in before
+    # it was ready for the whole 0.5 s of CPU the other burnt, and ran a small share of that
+    assert after["client swarm-client"] >= 0.3, after
+    assert cpu.get("client swarm-client", 0.0) < 0.5 * after["client swarm-client"], (cpu, after)
+    assert set(after) <= CPU_LABELS
+
+
 @pytest.mark.timeout(600)
 def test_bench_e2e_quick(tmp_path: Path) -> None:
     out_file, plot = tmp_path / "e2e.json", tmp_path / "e2e.png"
@@ -348,6 +402,8 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
         ]
         # a tiny model's phases may spend under a clock tick in some thread: which ones show varies, not what
         assert _sizes(out["cpu_ms_per_token"][mode], {"1", "2"}, _cpu_labels), out["cpu_ms_per_token"]
+        waits = out["runqueue_ms_per_token"][mode]
+        assert waits == {} or _sizes(waits, {"1", "2"}, _cpu_labels), waits  # {}: a kernel without schedstat
     during = out["decode_during_long_prefill_ms"]
     assert isinstance(during, dict) and {"p50", "p99", "p50_alone"} <= set(during)
     assert all(_positive(during[k]) for k in ("p50", "p99", "p50_alone"))
