@@ -99,13 +99,10 @@ class ExecutorConfig:
     prefill_nice: int = setting(
         10, "OS niceness (0-19) of the thread that runs prefill chunks, above the decode thread's"
     )
-    # Niceness ranks the threads of one process, but each peer is a process of its own, so another peer's prefill
-    # thread still met a decode step as an equal. The idle policy (SCHED_IDLE) counts across the processes of one
-    # session: a waking decode thread preempts a prefill thread at once, and a core that runs only prefill
-    # threads counts as free when the scheduler places it. Linux weighs each session (autogroup) as one before it
-    # looks at the threads in it, so peers in sessions of their own compete as equals whatever their threads'
-    # policies: peers started together share their starter's session (swarm/testing/launcher.py, SPAWN_OPTIONS),
-    # as peers started from one shell do. Two paired probes, 4 sessions
+    # Niceness ranks the threads of one process, but each peer is a process of its own (on Linux its own autogroup),
+    # so another peer's prefill thread still met a decode step as an equal. The idle policy (SCHED_IDLE) counts
+    # across processes where it matters: a waking decode thread preempts a prefill thread at once, and a core
+    # that runs only prefill threads counts as free when the scheduler places it. Two paired probes, 4 sessions
     # decoding during a 2048-token prefill (3 peers on 2 cores, 3 rounds each): decode p99 206.5 / 202.0 /
     # 200.6 and 220.0 / 232.1 / 215.7 ms against 226.7 / 216.8 / 224.7 and 254.8 / 245.6 / 221.5 with niceness
     # alone, lower in each of 6 pairs, the prefill 63-74 against 63-73 s; 8 client processes, paired A/B of 4

@@ -1,8 +1,8 @@
 """The zygote process: imports what a ``swarm-peer`` process imports, then forks peers on request.
 
 Tests start it through ``swarm/testing/zygote.py`` (see there for why and for the protocol). Each child does what
-``Popen(["swarm-peer", *argv], stdout=log, stderr=STDOUT, process_group=0, cwd=cwd, env=env)`` would (as the
-launcher's SPAWN_OPTIONS start a fresh peer), then runs ``swarm.peer.cli.main(argv)`` in the modules this process imported already.
+``Popen(["swarm-peer", *argv], stdout=log, stderr=STDOUT, start_new_session=True, cwd=cwd, env=env)`` would,
+then runs ``swarm.peer.cli.main(argv)`` in the modules this process imported already.
 """
 
 from __future__ import annotations
@@ -68,12 +68,11 @@ def _fork(argv: list[str], env: dict[str, str], cwd: str, log: str) -> int:
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pid = os.fork()
     if pid:
-        os.setpgid(pid, pid)  # as the child does too: its group is set before its pid is answered
         os.close(log_fd)
         return pid
     code = 1
-    try:  # the child: from here on, what `Popen(argv, stdout=log, stderr=STDOUT, process_group=0)` does
-        os.setpgid(0, 0)
+    try:  # the child: from here on, what `Popen(argv, stdout=log, stderr=STDOUT, start_new_session=True)` does
+        os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log_fd, 1)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from swarm.testing.launcher import REPO, SPAWN_OPTIONS, log_tail, stop_process_group
+from swarm.testing.launcher import REPO, log_tail, stop_process_group
 
 READY = re.compile(r"swarm-chat: serving (http://\S+/) ")
 
@@ -45,7 +45,7 @@ class ChatServer:
         environment = {**os.environ, "FLOWSWARM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=REPO, **SPAWN_OPTIONS
+                args, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True
             )
         self.url = ""
         if wait:

@@ -10,8 +10,8 @@
             asyncio.run(my_check(swarm.initial_peers))      # e.g. with swarm_client(...) below
         # leaving the block: SIGTERM, then SIGKILL after a grace, then the whole process group (p2pd too)
 
-Every peer leads its own process group (so its hivemind DHT child and p2pd daemon can be killed with it even
-after a SIGKILL of the peer) in the test's session (see SPAWN_OPTIONS), with FLOWSWARM_THREADS=1 and logs in ``tmp_path/<name>.log``. A peer is
+Every peer runs in its own session/process group (so its hivemind DHT child and p2pd daemon can be killed with
+it even after a SIGKILL of the peer), with FLOWSWARM_THREADS=1 and logs in ``tmp_path/<name>.log``. A peer is
 ready when it wrote its ``--maddr-file``, which ``swarm-peer`` does only once it is serving and announced.
 On timeout or early exit the error message carries the tail of the peer's log.
 
@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from swarm.config import fork_peers
 from swarm.testing.zygote import ForkedProcess, zygote
@@ -39,19 +38,6 @@ from swarm.testing.zygote import ForkedProcess, zygote
 REPO = Path(__file__).resolve().parents[2]
 SWARM_PEER = [sys.executable, "-m", "swarm.peer.cli"]
 Process = subprocess.Popen[bytes] | ForkedProcess  # a fresh peer process, or one forked by the zygote
-
-# How a peer (or the web face) is started: the leader of a process group of its own, so stop_process_group reaps
-# its p2pd and DHT children and a terminal's Ctrl-C does not reach it, but in the starter's session. Linux
-# schedules each session as one group (autogroup) and weighs groups as equals before it looks at the threads in
-# them, so a peer's prefill thread under the idle policy (ExecutorConfig.prefill_idle) yields at once only to threads
-# of its own session: started each in a session of its own, three peers on 2 cores saw another peer's prefill
-# chunk take the core from their decode steps as an equal. 4 sessions decoding during a 2048-token prefill (3 peers
-# x 10 layers of the default model, 2 vCPUs of a Zen 4; two swarms side by side, rounds alternated, 2 x 6 rounds):
-# decode p99 lower in 12 of 12 pairs, median 0.85 and 0.87 of the p99 with a session each (p99 / p50 alone,
-# medians 1.84 and 1.76 against 2.17 and 2.05), the prefill no slower (22.6 and 23.7 against 24.2 and 24.8 s);
-# 8 client processes, one client's 8 sessions and a single session alike (paired, 6 rounds: B / A medians 1.02,
-# 0.97 and 1.01, within noise).
-SPAWN_OPTIONS: dict[str, Any] = {"process_group": 0, "stdin": subprocess.DEVNULL}
 
 
 @dataclass
@@ -189,7 +175,7 @@ class LocalSwarm:
         else:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, **SPAWN_OPTIONS
+                    args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
                 )
         peer = PeerProcess(name, proc, maddr_file, log_path)
         self.peers.append(peer)

@@ -13,8 +13,7 @@ benchmarks run by hand start fresh, so a measured join time includes the imports
 
 Protocol: one JSON object a line on the zygote's stdin, one answer a line on its stdout:
 ``{"start": {"argv", "env", "cwd", "log"}}`` -> ``{"pid"}``, ``{"poll": pid}`` -> ``{"code": int | null}``.
-Each child leads its own process group in the zygote's session (like ``Popen(process_group=0)``, as the launcher
-starts a fresh peer: its SPAWN_OPTIONS); the zygote, its parent, reaps it
+Each child leads its own session (like ``Popen(start_new_session=True)``); the zygote, its parent, reaps it
 and keeps its exit code for ``poll``. The zygote exits when its stdin closes (its test process ended).
 """
 
