@@ -174,6 +174,8 @@ class LocalSwarm:
             proc = zygote().start(args[len(SWARM_PEER) :], self.env, REPO, log_path)
         else:
             with open(log_path, "wb") as log:
+                # a session of its own: on Linux its own scheduling group, which keeps the peers' share of the
+                # machine beside the clients' threads (ExecutorConfig.prefill_idle has what one session cost)
                 proc = subprocess.Popen(
                     args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
                 )
