@@ -108,9 +108,8 @@ class ExecutorConfig:
     # swarm/testing/launcher.py; 2 vCPUs of a Zen 4, paired rounds of two swarms side by side): decode p99
     # during a 2048-token prefill 0.85 and 0.87 of the p99 with a session each (medians of 6 rounds, lower in 12
     # of 12), but one client's 16 sessions 0.60-0.67x as fast and the last first token of 8 client processes
-    # 1.6x later (4-5 rounds), also with chat prompts on a normal-policy thread: every thread then shares one
-    # group (likely the clients' and p2pd's threads then take the peers' share; not traced). Peers keep a session
-    # each. Two paired probes, 4 sessions
+    # 1.6x later (4-5 rounds): every thread then shares one group (likely the clients' and p2pd's threads then
+    # take the peers' share; not traced). Peers keep a session each. Two paired probes, 4 sessions
     # decoding during a 2048-token prefill (3 peers on 2 cores, 3 rounds each): decode p99 206.5 / 202.0 /
     # 200.6 and 220.0 / 232.1 / 215.7 ms against 226.7 / 216.8 / 224.7 and 254.8 / 245.6 / 221.5 with niceness
     # alone, lower in each of 6 pairs, the prefill 63-74 against 63-73 s; 8 client processes, paired A/B of 4
