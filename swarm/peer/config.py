@@ -102,19 +102,21 @@ class ExecutorConfig:
     # Niceness ranks the threads of one process, but each peer is a process of its own (on Linux its own autogroup),
     # so another peer's prefill thread still met a decode step as an equal. The idle policy (SCHED_IDLE) ranks
     # it below the decode threads of its session: a waking decode thread preempts a prefill thread at once, and a
-    # core that runs only prefill threads counts as free when the scheduler places it. Linux weighs sessions
-    # (autogroups) as equals before the threads in them, so against another session's threads the idle policy
-    # counts only in placement. Peers started in one session instead (Popen(process_group=0) in
+    # core that runs only prefill threads counts as free when the scheduler places it. Two paired probes, 4
+    # sessions decoding during a 2048-token prefill (3 peers on 2 cores, 3 rounds each): decode p99 206.5 / 202.0
+    # / 200.6 and 220.0 / 232.1 / 215.7 ms against 226.7 / 216.8 / 224.7 and 254.8 / 245.6 / 221.5 with niceness
+    # alone, lower in each of 6 pairs, the prefill 63-74 against 63-73 s; 8 client processes, paired A/B of 4
+    # rounds (scripts/bench_e2e.py --ab): median 1.01.
+    # Linux weighs sessions (autogroups) as equals before the threads in them, so against another session's
+    # threads the idle policy counts only in placement, and a prefill thread keeps its peer's share of the machine
+    # beside other peers. Peers started in one session instead (Popen(process_group=0) in
     # swarm/testing/launcher.py; 2 vCPUs of a Zen 4, paired rounds of two swarms side by side): decode p99
     # during a 2048-token prefill 0.85 and 0.87 of the p99 with a session each (medians of 6 rounds, lower in 12
     # of 12), but one client's 16 sessions 0.60-0.67x as fast and the last first token of 8 client processes
-    # 1.6x later (4-5 rounds): every thread then shares one group (likely the clients' and p2pd's threads then
-    # take the peers' share; not traced). Peers keep a session each. Two paired probes, 4 sessions
-    # decoding during a 2048-token prefill (3 peers on 2 cores, 3 rounds each): decode p99 206.5 / 202.0 /
-    # 200.6 and 220.0 / 232.1 / 215.7 ms against 226.7 / 216.8 / 224.7 and 254.8 / 245.6 / 221.5 with niceness
-    # alone, lower in each of 6 pairs, the prefill 63-74 against 63-73 s; 8 client processes, paired A/B of 4
-    # rounds (scripts/bench_e2e.py --ab): median 1.01. A prefill thread still gets its peer's share of the
-    # machine beside other peers' threads.
+    # 1.6x later (4-5 rounds): the sessions' chat prompts, on the prefill thread too, then waited behind every
+    # decode step of the machine. With those on a second, normal-policy thread (a probe: the peers in one session
+    # apart from the clients), one client's 16 sessions 1.10x and first tokens as before, but one client's 8
+    # sessions 0.89x and the p99 gain gone to 0.97 (4 rounds). Peers keep a session each.
     prefill_idle: bool = setting(
         True,
         "run prefill chunks under the OS's idle scheduling policy (Linux SCHED_IDLE), below every decode step",
