@@ -116,7 +116,8 @@ class ExecutorConfig:
     # 1.6x later (4-5 rounds): the sessions' chat prompts, on the prefill thread too, then waited behind every
     # decode step of the machine. With those on a second, normal-policy thread (a probe: the peers in one session
     # apart from the clients), one client's 16 sessions 1.10x and first tokens as before, but one client's 8
-    # sessions 0.89x and the p99 gain gone to 0.97 (4 rounds). Peers keep a session each.
+    # sessions 0.89x and the p99 gain gone to 0.97 (4 rounds); at niceness 10 on that thread, the p99 0.92x but
+    # 16 sessions 0.67x and first tokens 1.44x later again. Peers keep a session each.
     prefill_idle: bool = setting(
         True,
         "run prefill chunks under the OS's idle scheduling policy (Linux SCHED_IDLE), below every decode step",
