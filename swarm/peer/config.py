@@ -109,7 +109,7 @@ class ExecutorConfig:
     # rounds (scripts/bench_e2e.py --ab): median 1.01.
     # Linux weighs sessions (autogroups) as equals before the threads in them, so against another session's
     # threads the idle policy counts only in placement, and a prefill thread keeps its peer's share of the machine
-    # beside other peers. Peers started in one session instead (Popen(process_group=0) in
+    # beside other peers. Peers started in one session instead (a probe, reverted: Popen(process_group=0) in
     # swarm/testing/launcher.py; 2 vCPUs of a Zen 4, paired rounds of two swarms side by side): decode p99
     # during a 2048-token prefill 0.85 and 0.87 of the p99 with a session each (medians of 6 rounds, lower in 12
     # of 12), but one client's 16 sessions 0.60-0.67x as fast and the last first token of 8 client processes
@@ -120,7 +120,7 @@ class ExecutorConfig:
     # 16 sessions 0.67x and first tokens 1.44x later again. Peers keep a session each.
     prefill_idle: bool = setting(
         True,
-        "run prefill chunks under the OS's idle scheduling policy (Linux SCHED_IDLE), below every decode step",
+        "run prefill chunks under the OS's idle scheduling policy (Linux SCHED_IDLE), below this peer's decode steps",
         flag="--executor-no-prefill-idle",
     )
     # Niceness gives decode the core, not the GIL, the caches and the hand-offs around it: three peers on one
