@@ -21,7 +21,9 @@ role and thread (cpu_ms_per_token: peers' decode and prefill lanes and event loo
 p2pd, DHT children; see cpu_by_thread), how long the same threads were ready to run but waited for a core
 (runqueue_ms_per_token, from schedstat: on 2 cores a step's latency holds these waits too), and when the last
 session's first token came (last_first_token_s: the sessions' prompts wait behind the running sessions' decode
-steps).
+steps). The model's own arithmetic for a token of 1 and of 8 sessions, timed in this process alone
+(arithmetic_ms), gives what 8 sessions may spend beyond it per token and still reach 4x the single session with
+every core busy, next to what they spent (budget_for_4x_ms_per_token; see budget_for_target).
 
     .venv/bin/python scripts/bench_e2e.py --json e2e.json --png e2e.png     # default model, full sizes
     .venv/bin/python scripts/bench_e2e.py --quick                           # tiny model, small sizes (CI)
@@ -66,11 +68,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from client import AsyncSwarmClient, SwarmClient  # noqa: E402
+from client.batching import HEAD_THREAD  # noqa: E402
 from client.generation import GenerationRequest, generate_ids, timed_ids  # noqa: E402
 from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.models.blocks import BlockRange, Step  # noqa: E402
 from swarm.models.head import ClientHead  # noqa: E402
 from swarm.models.loading import ModelSource  # noqa: E402
+from swarm.peer.executor import DECODE_THREAD, PREFILL_THREAD  # noqa: E402
 from swarm.peer.server import BATCH_LOG_INTERVAL_S  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.launcher import log_tail  # noqa: E402
@@ -79,6 +83,10 @@ from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 OWN_MODEL_PACK_BYTES = 2**40  # blocks_decode's range may keep any packed copy, as the peers here can
 STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
+TARGET_SESSIONS, TARGET_MULTIPLE = (
+    8,
+    4,
+)  # the issue's aggregate target: 8 sessions at 4x one session's tokens/s
 _V = TypeVar("_V")
 
 
@@ -229,6 +237,81 @@ def blocks_decode(
         return (new_tokens - 1) / (time.perf_counter() - first), tokens
     finally:
         blocks.close_session(session)
+
+
+def arithmetic_ms(
+    source: ModelSource,
+    ids: Sequence[int],
+    peers: int,
+    repeats: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict[str, dict[str, float]]:
+    """The model's own arithmetic for one decode token of 1 and of ``TARGET_SESSIONS`` sessions, as the swarm
+    splits it, in this process with nothing else in the way: the peers' decode calls (one per range of
+    ``layer_cuts``, in turn; their sum) and the client head's greedy step on their outputs (``argmax_only``),
+    medians of ``repeats`` alternated rounds, ms by rows: {"hops": {"1", "8"}, "head": {"1", "8"}}."""
+    blocks, head = _own_model(source, device, dtype)
+    cuts = layer_cuts(source.spec.num_layers, peers)
+    sessions = [uuid.uuid4().hex for _ in range(1 + TARGET_SESSIONS)]
+    groups = (sessions[:1], sessions[1:])
+    times: dict[str, dict[str, list[float]]] = {"hops": defaultdict(list), "head": defaultdict(list)}
+    for session in sessions:
+        blocks.open_session(session, len(ids) + repeats)
+    try:
+        prompt = head.embed(torch.tensor(list(ids[:-1])))
+        for session in sessions:
+            blocks.forward([Step(session, prompt, 0, source.spec.num_layers, 0)])
+        token = head.embed(torch.tensor(list(ids[-1:])))
+        for position in range(len(ids) - 1, len(ids) - 1 + repeats):
+            for group in groups:
+                hidden = [token] * len(group)
+                began = time.perf_counter()
+                for start, end in zip(cuts, cuts[1:], strict=False):
+                    if start < end:
+                        hidden = blocks.forward(
+                            [Step(s, h, start, end, position) for s, h in zip(group, hidden, strict=True)]
+                        )
+                computed = time.perf_counter()
+                head.logits(torch.cat(hidden), argmax_only=True)
+                times["hops"][str(len(group))].append(1000 * (computed - began))
+                times["head"][str(len(group))].append(1000 * (time.perf_counter() - computed))
+    finally:
+        for session in sessions:
+            blocks.close_session(session)
+    return {
+        part: {rows: round(statistics.median(ms), 3) for rows, ms in by_rows.items()}
+        for part, by_rows in times.items()
+    }
+
+
+def budget_for_target(
+    arithmetic: dict[str, dict[str, float]], single_tok_s: float, cpus: int
+) -> dict[str, float]:
+    """CPU ms per token that ``TARGET_SESSIONS`` sessions may spend beyond the model's arithmetic (messages, event
+    loops, daemons, spot-checks) and still reach ``TARGET_MULTIPLE`` times the single session's
+    tokens/s, with all ``cpus`` cores busy all the time: cpus * (ms per token of the single session) / the
+    multiple, less the arithmetic of a token among them (``arithmetic_ms``). Client processes share no head: each
+    steps its own on one row; one client steps all its sessions' rows at once. Under 0: out of reach on this
+    machine even were all of that free. Every ms taken off the single session's own path takes cpus / multiple
+    ms off it too."""
+    n = str(TARGET_SESSIONS)
+    hops, head = arithmetic["hops"], arithmetic["head"]
+    allowed = cpus * (1000 / single_tok_s) / TARGET_MULTIPLE
+    return {
+        "processes": round(allowed - head["1"] - hops[n] / TARGET_SESSIONS, 2),
+        "one_client": round(allowed - (head[n] + hops[n]) / TARGET_SESSIONS, 2),
+    }
+
+
+def beyond_arithmetic(cpu_ms: dict[str, float] | None) -> float | None:
+    """CPU ms per token of a phase (cpu_ms_per_token) outside the threads that compute the model (the peers'
+    decode and prefill lanes, the clients' heads): messages, event loops, daemons, DHT nodes. Over the whole phase,
+    so it also holds the prompts' messages, a small part of it."""
+    if cpu_ms is None:
+        return None
+    arithmetic = {f"peer {DECODE_THREAD}", f"peer {PREFILL_THREAD}", f"client {HEAD_THREAD}"}
+    return round(sum(ms for role, ms in cpu_ms.items() if role not in arithmetic), 2)
 
 
 @functools.cache
@@ -421,11 +504,16 @@ def worker_main(initial_peers: Sequence[str], model: str, options: dict[str, Any
             print(json.dumps({"times": [t + offset for t in times]}), flush=True)
 
 
+def layer_cuts(num_layers: int, peers: int) -> list[int]:
+    """Where the peers' equal runs of layers start, and the last one ends."""
+    return [round(i * num_layers / peers) for i in range(peers + 1)]
+
+
 def start_swarm(
     swarm: LocalSwarm, peers: int, peer_args: str, num_layers: int, args: argparse.Namespace
 ) -> list[str]:
     """Start the peers, each on a fixed equal run of layers; returns their ranges once the first serves."""
-    cuts = [round(i * num_layers / peers) for i in range(peers + 1)]
+    cuts = layer_cuts(num_layers, peers)
     ranges = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
     # --no-plan: the peers hold fixed layers, so a plan changes nothing here, but the elected planner's solver
     # process (its first solves, and a re-solve whenever load moves the measured speeds) would share this
@@ -466,7 +554,9 @@ def measure_single(
         local_s = min(local_ttft(reference, prompt) for _ in range(repeats))
         ttft[str(size)] = {"local": round(local_s, 4), "swarm": round(swarm_s, 4)}
         log(f"ttft {size}: swarm {swarm_s:.3f} s, local {local_s:.3f} s")
-    return {**best, "ttft": ttft, "tokens_match": match}
+    arithmetic = arithmetic_ms(source, ids, args.peers, 4 * args.repeats + 1, args.device, args.dtype)
+    log(f"arithmetic of a decode token (ms, by rows): {arithmetic}")
+    return {**best, "ttft": ttft, "tokens_match": match, "arithmetic": arithmetic}
 
 
 @dataclass
@@ -673,6 +763,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runqueue_ms_per_token": by_mode(seen.runqueue_ms_per_token),
         "decode_during_long_prefill_ms": during,
         "targets": _targets(single, processes, one_client, during),
+        # the peers' decode calls and the client's head step for a token of 1 and of 8 sessions, alone (ms)
+        "arithmetic_ms": single["arithmetic"],
+        # CPU ms per token that 8 sessions may spend beyond that arithmetic and reach 4x (budget_for_target),
+        # and what they spent on it in this run (beyond_arithmetic)
+        "budget_for_4x_ms_per_token": {
+            mode: {"allowed": allowed, "spent": beyond_arithmetic(seen.cpu_ms_per_token.get(f"{mode}/8"))}
+            for mode, allowed in budget_for_target(
+                single["arithmetic"], single["swarm"], os.cpu_count() or 1
+            ).items()
+        },
         "tokens_match": single["tokens_match"],
         "client_head_batches": head_stats,
         "peer_batches": peer_batches,

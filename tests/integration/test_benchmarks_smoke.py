@@ -380,6 +380,37 @@ def test_waiting_by_thread_charges_a_thread_kept_off_its_core_its_wait() -> None
     assert set(after) <= CPU_LABELS
 
 
+# bench_e2e's budget for the 8-session target: the model's arithmetic timed in its own process (the tiny model), and
+# the sums over known figures.
+_ARITHMETIC = """
+import json, runpy
+bench = runpy.run_path("scripts/bench_e2e.py", run_name="bench_e2e")
+from swarm.models import resolve_model
+source = resolve_model("tiny")
+arithmetic = bench["arithmetic_ms"](source, list(range(3, 40)), 3, 3)
+blocks, _ = bench["_own_model"](source, "cpu", "float32")
+known = {"hops": {"1": 8.0, "8": 24.0}, "head": {"1": 2.0, "8": 4.0}}
+cpu_ms = {"peer swarm-decode": 4.0, "peer swarm-prefill": 1.0, "client swarm-head": 2.0, "peer main": 1.5,
+          "p2pd": 0.5, "client swarm-client": 1.0}
+print(json.dumps({
+    "arithmetic": arithmetic, "left_open": list(blocks.cache.session_ids),
+    "budget": bench["budget_for_target"](known, 50.0, 2), "beyond": bench["beyond_arithmetic"](cpu_ms),
+}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_bench_e2e_budget_for_the_8_session_target() -> None:
+    out = _run_json(["-c", _ARITHMETIC], 180)
+    assert isinstance(out, dict)
+    assert _sizes(out["arithmetic"], {"hops", "head"}, lambda rows: _sizes(rows, {"1", "8"}, _positive))
+    assert out["left_open"] == []  # its sessions closed: the blocks it borrowed serve blocks_decode after it
+    # 2 cores at 50 tok/s for one session allow 10 ms a token at 4x; a process's token is its own head on one row
+    # (2) and an eighth of the hops' 8 rows (3), one client's an eighth of both on 8 rows (3.5)
+    assert out["budget"] == {"processes": 5.0, "one_client": 6.5}
+    assert out["beyond"] == 3.0  # the event loops and the daemon, not the lanes or the head
+
+
 @pytest.mark.timeout(600)
 def test_bench_e2e_quick(tmp_path: Path) -> None:
     out_file, plot = tmp_path / "e2e.json", tmp_path / "e2e.png"
@@ -417,6 +448,11 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     assert shares and all(0 <= share <= 1 for share in shares), out["peer_computing_share"]
     assert any(share > 0 for share in shares), out["peer_computing_share"]
     assert _positive(out["blocks_decode_tok_s"])
+    assert _sizes(out["arithmetic_ms"], {"hops", "head"}, lambda rows: _sizes(rows, {"1", "8"}, _positive))
+    budget = out["budget_for_4x_ms_per_token"]
+    assert set(budget) == {"processes", "one_client"}
+    # "spent" needs an 8-session phase, which this smoke run does not have
+    assert all(isinstance(b["allowed"], float) and b["spent"] is None for b in budget.values()), budget
 
 
 @pytest.mark.timeout(400)
