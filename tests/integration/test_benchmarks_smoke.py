@@ -389,11 +389,18 @@ from swarm.models import resolve_model
 source = resolve_model("tiny")
 arithmetic = bench["arithmetic_ms"](source, list(range(3, 40)), 3, 3)
 blocks, _ = bench["_own_model"](source, "cpu", "float32")
+left_open = list(blocks.active_sessions)
+try:
+    with bench["_sessions"](blocks, 3, 3000):  # 3 x 3000 tokens: more than the range's 4096, the second fails
+        pass
+except Exception as e:
+    refused = type(e).__name__
 known = {"hops": {"1": 8.0, "8": 24.0}, "head": {"1": 2.0, "8": 4.0}}
 cpu_ms = {"peer swarm-decode": 4.0, "peer swarm-prefill": 1.0, "client swarm-head": 2.0, "peer main": 1.5,
           "p2pd": 0.5, "client swarm-client": 1.0}
 print(json.dumps({
-    "arithmetic": arithmetic, "left_open": list(blocks.cache.session_ids),
+    "arithmetic": arithmetic, "left_open": left_open, "refused": refused,
+    "left_open_after_refusal": list(blocks.active_sessions),
     "budget": bench["budget_for_target"](known, 50.0, 2), "beyond": bench["beyond_arithmetic"](cpu_ms),
 }))
 """
@@ -405,6 +412,8 @@ def test_bench_e2e_budget_for_the_8_session_target() -> None:
     assert isinstance(out, dict)
     assert _sizes(out["arithmetic"], {"hops", "head"}, lambda rows: _sizes(rows, {"1", "8"}, _positive))
     assert out["left_open"] == []  # its sessions closed: the blocks it borrowed serve blocks_decode after it
+    # and closed when one of them could not open: the first, opened, does not hold the cache
+    assert out["refused"] == "CapacityError" and out["left_open_after_refusal"] == []
     # 2 cores at 50 tok/s for one session allow 10 ms a token at 4x; a process's token is its own head on one row
     # (2) and an eighth of the hops' 8 rows (3), one client's an eighth of both on 8 rows (3.5)
     assert out["budget"] == {"processes": 5.0, "one_client": 6.5}
