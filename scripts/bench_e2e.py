@@ -76,6 +76,7 @@ from swarm.models.blocks import BlockRange, Step  # noqa: E402
 from swarm.models.head import ClientHead  # noqa: E402
 from swarm.models.loading import ModelSource  # noqa: E402
 from swarm.peer.executor import DECODE_THREAD, PREFILL_THREAD  # noqa: E402
+from swarm.peer.measure import sync_device  # noqa: E402
 from swarm.peer.server import BATCH_LOG_INTERVAL_S  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.launcher import log_tail  # noqa: E402
@@ -86,9 +87,8 @@ STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
 TARGET_SESSIONS = 8  # the issue's aggregate target: this many sessions together ...
 TARGET_MULTIPLE = 4  # ... at this many times one session's tokens/s
-ARITHMETIC_ROUNDS_PER_REPEAT = (
-    4  # arithmetic_ms's rounds: this many per --repeats, plus one (an odd count's median)
-)
+# arithmetic_ms's rounds: this many per --repeats, plus one (an odd count, whose median is one round)
+ARITHMETIC_ROUNDS_PER_REPEAT = 4
 _V = TypeVar("_V")
 
 
@@ -283,7 +283,7 @@ def arithmetic_ms(
                     if start < end:
                         steps = [Step(s, h, start, end, position) for s, h in zip(group, hidden, strict=True)]
                         hidden = blocks.forward(steps)
-                _settle(blocks.device)  # a GPU's calls have only been queued
+                sync_device(blocks.device)  # a GPU's calls have only been queued
                 computed = time.perf_counter()
                 head.logits(torch.cat(hidden), argmax_only=True).argmax(-1).tolist()
                 times["hops"][str(len(group))].append(1000 * (computed - began))
@@ -292,11 +292,6 @@ def arithmetic_ms(
         part: {rows: round(statistics.median(ms), 3) for rows, ms in by_rows.items()}
         for part, by_rows in times.items()
     }
-
-
-def _settle(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def budget_for_target(
@@ -324,16 +319,19 @@ def _budget(single: dict[str, Any], seen: Seen, device: str) -> dict[str, dict[s
     if torch.device(device).type != "cpu":
         return None
     allowed = budget_for_target(single["arithmetic"], single["swarm"], len(os.sched_getaffinity(0)))
-    spent = {
-        mode: beyond_arithmetic(seen.cpu_ms_per_token.get(f"{mode}/{TARGET_SESSIONS}")) for mode in allowed
+    return {
+        mode: {
+            "allowed": ms,
+            "spent": beyond_arithmetic(seen.cpu_ms_per_token.get(f"{mode}/{TARGET_SESSIONS}")),
+        }
+        for mode, ms in allowed.items()
     }
-    return {mode: {"allowed": allowed[mode], "spent": spent[mode]} for mode in allowed}
 
 
 def beyond_arithmetic(cpu_ms: dict[str, float] | None) -> float | None:
     """CPU ms per token of a phase (cpu_ms_per_token) outside the threads that compute the model (the peers'
     decode and prefill lanes, the clients' heads): messages, event loops, daemons, DHT nodes. Over the whole phase,
-    so it also holds the prompts' messages, a small part of it."""
+    so it also holds the prompts' messages, not only the decode window's."""
     if cpu_ms is None:
         return None
     compute_threads = {f"peer {DECODE_THREAD}", f"peer {PREFILL_THREAD}", f"client {HEAD_THREAD}"}

@@ -60,11 +60,11 @@ def measure_compute(
         try:
             blocks.forward([Step(sid, hidden(context), layer, layer + 1, 0) for sid in ids])
             blocks.forward([Step(sid, hidden(1), layer, layer + 1, context) for sid in ids])  # warm-up
-            _sync(blocks.device)
+            sync_device(blocks.device)
             started = time.perf_counter()
             for i in range(decode_steps):
                 blocks.forward([Step(sid, hidden(1), layer, layer + 1, context + 1 + i) for sid in ids])
-            _sync(blocks.device)
+            sync_device(blocks.device)
             return n_sessions * decode_steps / (time.perf_counter() - started)
         finally:
             for sid in ids:
@@ -73,15 +73,16 @@ def measure_compute(
     b1 = decode_rate(1)
     b8 = decode_rate(batch)
     blocks.forward([Step(None, hidden(prefill_tokens), layer, layer + 1, 0)])  # warm-up
-    _sync(blocks.device)
+    sync_device(blocks.device)
     started = time.perf_counter()
     blocks.forward([Step(None, hidden(prefill_tokens), layer, layer + 1, 0)])
-    _sync(blocks.device)
+    sync_device(blocks.device)
     prefill = prefill_tokens / (time.perf_counter() - started)
     return ComputeMeasure(b1, b8, prefill)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU runs it after the call returns); nothing on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

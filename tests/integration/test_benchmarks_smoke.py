@@ -390,6 +390,7 @@ source = resolve_model("tiny")
 arithmetic = bench["arithmetic_ms"](source, list(range(3, 40)), 3, 3)
 blocks, _ = bench["_own_model"](source, "cpu", "float32")
 left_open = list(blocks.active_sessions)
+refused = None
 try:
     with bench["_sessions"](blocks, 3, 3000):  # 3 x 3000 tokens: more than the range's 4096, the second fails
         pass
