@@ -31,8 +31,7 @@ every core busy, next to what they spent (budget_for_4x_ms_per_token; see budget
 With --ab B_ARGS it runs a paired A/B of peer settings instead: swarm A (--peer-args) and swarm B (B_ARGS) side
 by side, each with its own client processes, and --rounds rounds that each run every level of --sessions (1 8)
 on A and on B back to back, the order flipping each round, so both see the same minute of the machine (on a
-shared 2-vCPU machine one phase of the same code reads 23-37 tok/s from one minute to the next, so two runs
-minutes apart cannot tell settings apart by less). A swarm that is not measured idles. It reports per setting
+shared machine the same code's speed drifts from one minute to the next by more than most settings change it). A swarm that is not measured idles. It reports per setting
 and level the aggregate tokens/s of each round and their median, and per level B / A of each round and its median.
 
     .venv/bin/python scripts/bench_e2e.py --ab "--executor-ride-along-tokens 0" --rounds 6 --json ab.json
@@ -135,8 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-options", default="{}", help=argparse.SUPPRESS)  # a worker's ClientConfig
     args = parser.parse_args(argv)
     # Concurrent sessions decode as many tokens as the single session (64): the common window then covers
-    # the sessions' steady pace, not mostly their first steps after the staggered prefills (at 32 tokens, 8
-    # client processes measured 74-89 tok/s across runs of the same code).
+    # the sessions' steady pace, not mostly their first steps after the staggered prefills (shorter runs
+    # scattered widely across runs of the same code; docs/benchmarks.md).
     full = {"model": "default", "new_tokens": 64, "aggregate_tokens": 64, "sessions": [1, 4, 8, 16],
             "ttft_tokens": [37, 512, 2048], "long_prompt": 2048, "repeats": 2, "rounds": 6}  # fmt: skip
     quick = {"model": "tiny", "new_tokens": 8, "aggregate_tokens": 6, "sessions": [1, 2],
@@ -846,8 +845,8 @@ def waiting_by_thread() -> dict[str, float] | None:
     """Seconds so far the swarm's threads were ready to run but waited on a run queue for a core (schedstat), by
     role and thread as in cpu_by_thread (None without /proc or schedstat). On a busy machine a step's latency
     holds these waits as well as its threads' CPU time, though not every wait is on a step's path: p2pd's figure
-    includes its Go runtime's monitor thread, which wakes several times a token whatever the load (on the 2-vCPU
-    Zen 4 at one session, about 0.9 of each daemon's 1.6-1.7 ms a token)."""
+    includes its Go runtime's monitor thread, which wakes several times a token whatever the load (most of a
+    daemon's waits at one session; docs/benchmarks.md)."""
     return _by_thread(_waiting_s)
 
 

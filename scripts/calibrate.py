@@ -15,7 +15,7 @@
      bookkeeping, LM head) -> SimConfig.client_step_s, with the client on the same host;
    * host "loopback" with this machine's cores, and host_parallel_speed: a peer's step time alone over its
      step time while another peer steps at once. Two decodes on idle cores still slow each other (each step
-     streams the weights from memory), by 5-20% here (0.79-0.95 measured); swarm/sim/hosts.py models both;
+     streams the weights from memory; docs/benchmarks.md has the measured range); swarm/sim/hosts.py models both;
    * links: loopback latency 0 (an RPC's round trip is CPU work, already counted above), measured bandwidth.
    Also reported: route_cpu_s_per_token (every process, one session) against what the simulator charges.
 3. Measures end to end for each concurrency C: C concurrent greedy sessions (AsyncSwarmClient, P prompt
@@ -264,7 +264,7 @@ async def parallel_speed(client: AsyncSwarmClient, first: Stage, second: Stage, 
     """How fast two peers step while both do at once, relative to each alone: the median over `rounds` of
     (slower one-stage step alone) / (both stepping together, each step sent to both at the same moment).
     Cores are not all they share: each peer's event loop and torch thread contend for its GIL while the
-    other session's messages pass through, and memory bandwidth is shared (about 5% here)."""
+    other session's messages pass through, and memory bandwidth is shared."""
     ratios = []
     for _ in range(rounds):
         alone = [(await probe_routes(client, [[stage]], {}))[0] for stage in (first, second)]

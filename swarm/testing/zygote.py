@@ -1,9 +1,9 @@
 """Start ``swarm-peer`` processes by forking one that has already imported torch, transformers and hivemind:
 the test side (the zygote process itself is ``swarm/peer/zygote.py``).
 
-A fresh ``python -m swarm.peer.cli`` spends ~10 s of CPU importing before it does anything (tiny model, 2-core
-AVX2 machine: 11 s of CPU to serving, 10 of them in the peer process). Tests and their benchmark smoke runs start
-~100 peers, so on 2 cores that was more than half the suite's CPU. The zygote is a process started once per
+A fresh ``python -m swarm.peer.cli`` spends most of its start-up CPU importing before it does anything
+(docs/benchmarks.md). Tests and their benchmark smoke runs start ~100 peers, so on 2 cores the imports were
+more than half the suite's CPU. The zygote is a process started once per
 test process that imports those modules and then, for each request, forks a child that runs
 ``swarm.peer.cli.main`` with the requested arguments, environment, working directory and log file: the same
 code, now in a process that only copies its parent's imported modules on write.

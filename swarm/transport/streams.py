@@ -1,9 +1,8 @@
 """Long-lived libp2p streams: a call is one frame written on an open stream and one frame read back.
 
-Measured on this machine (scripts/bench_wire.py, loopback, 2.4 KB messages): a hivemind unary call takes about
-0.64 ms per round trip, opening a fresh stream for each message 0.89 ms, and a message and its reply on a stream
-that is already open 0.33 ms. A decode step crosses every hop of its route twice per token, so the open stream
-is what each hop uses.
+A message and its reply on a stream that is already open cost about half a hivemind unary call's round trip,
+and less than opening a fresh stream per message (scripts/bench_wire.py; figures in docs/benchmarks.md). A
+decode step crosses every hop of its route twice per token, so the open stream is what each hop uses.
 
 The caller keeps, per P2P instance and remote peer, a few idle streams (``StreamPool``); a call takes one (or
 opens one), writes its request, reads the reply and gives the stream back. A stream carries one call at a time,
@@ -40,7 +39,7 @@ STREAM_IDLE_S = 120.0  # the server closes a stream that brings no request for t
 POOL_IDLE_S = 30.0  # the caller stops reusing a stream idle this long (well under STREAM_IDLE_S)
 # Idle streams kept per remote peer; more concurrent calls open more, then close them. A client's sessions each
 # keep a step and a wait in flight, and a peer forwards every session's step to the next hop: at 16 sessions a
-# cap of 8 closed and reopened 2585 streams in three 32-token rounds (3 ms each, some 40 ms), at 32 it opened 88.
+# smaller cap kept closing and reopening streams, each open costing milliseconds (docs/benchmarks.md).
 POOL_STREAMS_PER_PEER = 32  # under MAX_STREAMS_PER_REMOTE, so idle streams never crowd out calls
 MAX_STREAMS_PER_REMOTE = 64  # open streams the server accepts from one remote peer at a time
 
@@ -70,9 +69,8 @@ async def read_frame(reader: asyncio.StreamReader, *, first: bool = False) -> by
 
 async def send_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
     """Write ``data`` with its length prefix (what ``read_frame`` reads) in one write. hivemind's send_raw_data
-    writes the 8-byte prefix on its own: a send of its own, and for the daemon a read of its own, on every frame.
-    A 2.6 KB frame and its echo on an open stream: 358 against 400 us, p2pd 315 against 375 us of CPU, this
-    process 159 against 179 (scripts/bench_wire.py)."""
+    writes the 8-byte prefix on its own: a send of its own, and for the daemon a read of its own, on every frame
+    (scripts/bench_wire.py measures both; docs/benchmarks.md)."""
     writer.writelines((len(data).to_bytes(HEADER_BYTES, "big"), data))
     await writer.drain()
 
