@@ -19,8 +19,8 @@ T = TypeVar("T")
 # Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
 # chunks of a pipelined prompt are cut to cost the same, so later ones hold fewer tokens. SmolLM2-135M counts
 # 7.1 MFLOP per token per layer outside attention and 2.3 kFLOP per earlier token in it: 3,000 (measured chunk
-# times agree roughly: scripts/bench_prefill.py --chunk-costs, docs/benchmarks.md). Equal-cost chunks keep the pipeline's stages in step; the last chunk, which no other work
-# overlaps, is the cheapest in tokens.
+# times agree roughly: scripts/bench_prefill.py --chunk-costs, docs/benchmarks.md). Equal-cost chunks keep the
+# pipeline's stages in step; the last chunk, which no other work overlaps, is the cheapest in tokens.
 ATTENTION_COST_TOKENS = 3000
 
 
