@@ -215,7 +215,8 @@ class RemoteChain:
                 if not stepping.done():
                     # The acknowledgement is on its way: let it come on its stream in the background. Cancelled,
                     # the call would close its stream (half-way, out of step), and the next step would open a
-                    # fresh one through p2pd, which costs several frames on an open stream (docs/benchmarks.md).
+                    # fresh one through p2pd, costing several frames' worth on an open stream
+                    # (docs/benchmarks.md).
                     calls.remove(stepping)
                     self._acknowledging.add(stepping)
                     stepping.add_done_callback(_forget_when_done(self._acknowledging))

@@ -31,8 +31,9 @@ every core busy, next to what they spent (budget_for_4x_ms_per_token; see budget
 With --ab B_ARGS it runs a paired A/B of peer settings instead: swarm A (--peer-args) and swarm B (B_ARGS) side
 by side, each with its own client processes, and --rounds rounds that each run every level of --sessions (1 8)
 on A and on B back to back, the order flipping each round, so both see the same minute of the machine (on a
-shared machine the same code's speed drifts from one minute to the next by more than most settings change it). A swarm that is not measured idles. It reports per setting
-and level the aggregate tokens/s of each round and their median, and per level B / A of each round and its median.
+shared machine the same code's speed drifts from one minute to the next by more than most settings change
+it). A swarm that is not measured idles. It reports per setting and level the aggregate tokens/s of each round
+and their median, and per level B / A of each round and its median.
 
     .venv/bin/python scripts/bench_e2e.py --ab "--executor-ride-along-tokens 0" --rounds 6 --json ab.json
     .venv/bin/python scripts/bench_e2e.py --ab=--executor-no-prefill-turns   # one flag alone: with "="

@@ -15,7 +15,8 @@
      bookkeeping, LM head) -> SimConfig.client_step_s, with the client on the same host;
    * host "loopback" with this machine's cores, and host_parallel_speed: a peer's step time alone over its
      step time while another peer steps at once. Two decodes on idle cores still slow each other (each step
-     streams the weights from memory; docs/benchmarks.md has the measured range); swarm/sim/hosts.py models both;
+     streams the weights from memory; the measured range is in docs/benchmarks.md); swarm/sim/hosts.py
+     models both;
    * links: loopback latency 0 (an RPC's round trip is CPU work, already counted above), measured bandwidth.
    Also reported: route_cpu_s_per_token (every process, one session) against what the simulator charges.
 3. Measures end to end for each concurrency C: C concurrent greedy sessions (AsyncSwarmClient, P prompt
