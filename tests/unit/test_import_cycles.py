@@ -22,17 +22,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
             "swarm.models.matmul",
         }
     ),
-    # swarm.sim: being split by responsibility.
-    frozenset(
-        {
-            "swarm.sim.batching",
-            "swarm.sim.client_side",
-            "swarm.sim.engine",
-            "swarm.sim.links",
-            "swarm.sim.moves",
-            "swarm.sim.sessions",
-        }
-    ),
 }
 
 
