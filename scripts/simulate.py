@@ -54,7 +54,12 @@ def parser() -> argparse.ArgumentParser:
         help="online arrival rate as a fraction of max flow (a prompt token counts as prefill_token_cost of "
         "a decode token)",
     )
-    p.add_argument("--plan-time-limit-s", type=float, default=20.0, help="MILP / search time limit")
+    p.add_argument(
+        "--plan-time-limit-s",
+        type=float,
+        default=Experiment.plan_time_limit_s,
+        help="MILP / search time limit",
+    )
     p.add_argument("--reload-s-per-layer", type=float, default=1.0, help="churn: time to load one layer")
     p.add_argument(
         "--cache-layer-tokens",

@@ -21,6 +21,7 @@ from swarm.errors import PlanningError
 from swarm.planner import synthetic
 from swarm.planner.cluster import Cluster, load_cluster
 from swarm.planner.graph import max_flow
+from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig, replan
 from swarm.planner.solve import HEURISTICS, solve
 from swarm.sim.churn import Churn, ChurnEvent, Planner, initially_absent, load_schedule, present_cluster
@@ -51,7 +52,7 @@ class Experiment:
     schedulings: tuple[str, ...] = ("iwrr", "random", "swarm")
     seed: int = 0
     load: float = 0.75  # online arrival rate as a fraction of the best plan's max flow
-    plan_time_limit_s: float = 20.0  # MILP / search time limit
+    plan_time_limit_s: float = TIME_LIMIT_S  # MILP / search time limit
     reload_s_per_layer: float = 1.0  # churn: time to load one layer
     cache_layer_tokens: int = SimConfig.cache_layer_tokens
     decode_quantum_tokens: int = 1
