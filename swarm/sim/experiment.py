@@ -43,7 +43,7 @@ CHURN_FEATURES = ("mbb", "partial", "handover", "chunked")
 
 @dataclass(frozen=True)
 class Experiment:
-    """What scripts/simulate.py runs; its options, one for one."""
+    """What scripts/simulate.py runs; its options, one for one (their defaults are these fields')."""
 
     cluster: str  # CLUSTER.json, or helix24 / helix42 / randomN for a synthetic cluster
     mode: str = "online"  # online (Poisson arrivals) or offline (everything at t = 0)
@@ -55,7 +55,7 @@ class Experiment:
     plan_time_limit_s: float = TIME_LIMIT_S  # MILP / search time limit
     reload_s_per_layer: float = 1.0  # churn: time to load one layer
     cache_layer_tokens: int = SimConfig.cache_layer_tokens
-    decode_quantum_tokens: int = 1
+    decode_quantum_tokens: int = SimConfig.decode_quantum_tokens
     churn: str | None = None  # SCHEDULE.json, or the name of a bundled one (churn_helix24)
     replan: str = "local"  # churn: "local" (repair, then capped improvement) or "scratch" (full re-solve)
     churn_mode: str = "new"  # churn: "new" (churn_features on), "old" (all off) or "both" (a row of each)
