@@ -201,6 +201,10 @@ class Directory:
     def model_hash(self) -> str:
         return self.dht.model_hash
 
+    @property
+    def write_timeout_s(self) -> float:
+        return self.config.write_timeout_s
+
     def now(self) -> float:
         """DHT time (unix seconds), the clock every record is dated by."""
         return self.dht.now()

@@ -65,6 +65,9 @@ class LeaseBoard(Protocol):
     @property
     def model_hash(self) -> str: ...
 
+    @property
+    def write_timeout_s(self) -> float: ...
+
     def now(self) -> float: ...
 
     async def read_leases(self) -> dict[str, LeaseRecord]: ...
@@ -147,7 +150,7 @@ class Election:
         self.became_leader.clear()
         now = self.directory.now()
         try:
-            async with asyncio.timeout(5.0):
+            async with asyncio.timeout(self.directory.write_timeout_s):
                 record = self._record(candidate_since, now, leaving=True)
                 # Must outlive our last refresh, or the DHT keeps the older (still claiming) value.
                 await asyncio.shield(self.directory.write_lease(record, now + self.config.lease_s + 1.0))

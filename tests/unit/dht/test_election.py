@@ -151,6 +151,7 @@ class Board:
     store: Store
     peer_id: str
     model_hash: str = "model"
+    write_timeout_s: float = 5.0
     reads: int = 0
 
     def now(self) -> float:
