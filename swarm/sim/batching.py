@@ -38,19 +38,22 @@ class Batcher:
         self.cap = config.max_batch_tokens
         self.act_bytes = act_bytes
         self.token_bytes = token_bytes
+        self._send = network.send  # bound once: called per message
+        self._push = events.push  # and per iteration
 
-    def deliver_decode(self, i: int, incarnation: int, keys: list[int]) -> None:
-        """Decode tokens reach node i (dropped if it died or reloaded since they were sent)."""
+    def deliver_decode(self, i: int, message: tuple[int, list[int]]) -> None:
+        """Decode tokens reach node i: (its incarnation when they were sent, keys); dropped if it died or
+        reloaded since."""
         node = self.nodes[i]
-        if node.alive and node.incarnation == incarnation:
-            node.decode_q.extend(keys)
+        if node.alive and node.incarnation == message[0]:
+            node.decode_q.extend(message[1])
             if not node.busy:
                 self.start(node, i)
 
-    def deliver_prefill(self, i: int, incarnation: int, jobs: list[tuple[int, int]]) -> None:
+    def deliver_prefill(self, i: int, message: tuple[int, list[tuple[int, int]]]) -> None:
         node = self.nodes[i]
-        if node.alive and node.incarnation == incarnation:
-            self.queue_prefill(node, jobs)
+        if node.alive and node.incarnation == message[0]:
+            self.queue_prefill(node, message[1])
             if not node.busy:
                 self.start(node, i)
 
@@ -113,7 +116,7 @@ class Batcher:
         node.busy = True
         node.busy_s += dt
         if node.host is None:
-            self.events.push(self.events.now + dt, NODE_DONE, i, node.incarnation)
+            self._push(self.events.now + dt, NODE_DONE, i, node.incarnation)
         else:
             node.host.start(self.events.now, i, dt, self.events.schedule_host)
 
@@ -148,7 +151,7 @@ class Batcher:
             route = requests.routes[r]
             requests.stage[r] = s
             nxt = route[s] if s < len(route) else SNK
-            self.network.send(i, nxt, self.act_bytes * self.quantum, node.cur_decode, False)
+            self._send(i, nxt, self.act_bytes * self.quantum, node.cur_decode, False)
         node.cur_decode = []
 
     def _send_decodes(self, i: int, node: Node) -> None:
@@ -168,7 +171,7 @@ class Batcher:
             else:
                 group.append(key)
         for nxt, keys in groups.items():
-            self.network.send(i, nxt, len(keys) * self.act_bytes * self.quantum, keys, False)
+            self._send(i, nxt, len(keys) * self.act_bytes * self.quantum, keys, False)
         node.cur_decode = []
 
     def _send_prefills(self, i: int, node: Node) -> None:
@@ -181,9 +184,9 @@ class Batcher:
             s = stage[r] + 1
             stage[r] = s
             if s >= len(routes[r]):
-                self.network.send(i, SNK, tokens * self.act_bytes, [(key, tokens)], True)
+                self._send(i, SNK, tokens * self.act_bytes, [(key, tokens)], True)
             elif s >= requests.replay_end[r]:  # a partial replay: the next stage kept its cache
-                self.network.send(i, SNK, self.token_bytes, [(key, tokens)], True)
+                self._send(i, SNK, self.token_bytes, [(key, tokens)], True)
             else:
-                self.network.send(i, routes[r][s], tokens * self.act_bytes, [(key, tokens)], True)
+                self._send(i, routes[r][s], tokens * self.act_bytes, [(key, tokens)], True)
         node.cur_prefill, node.cur_replay, node.cur_replay_tokens = [], [], 0

@@ -47,6 +47,7 @@ class Client:
         self.queue: deque[tuple[int, list]] = deque()  # type: ignore[type-arg]
         self.busy = False
         self.buckets: list[int] = []  # generated tokens per bucket_s of simulated time
+        self._send = network.send  # bound once: called per message
 
     def arrive(self, kind: int, payload: list) -> None:  # type: ignore[type-arg]
         """A message reached the client (kind CLIENT_DECODE or CLIENT_PREFILL)."""
@@ -104,7 +105,7 @@ class Client:
                 group.append(key)
         self._count(counted)
         for first, group in groups.items():
-            self.network.send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, delay_s)
+            self._send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, delay_s)
 
     def _prefill(self, jobs: list[tuple[int, int]], delay_s: float) -> None:
         requests = self.requests
@@ -123,7 +124,7 @@ class Client:
             rs = requests.resume_stage[r]
             requests.stage[r], requests.resume_stage[r], requests.replaying[r] = rs, 0, False
             per_token = self.token_bytes if rs == 0 else self.act_bytes
-            self.network.send(SRC, requests.routes[r][rs], per_token * self.quantum, [key], False, delay_s)
+            self._send(SRC, requests.routes[r][rs], per_token * self.quantum, [key], False, delay_s)
 
     def _count(self, tokens: int) -> None:
         """Add generated tokens to the throughput bucket of the current time."""

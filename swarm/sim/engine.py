@@ -171,11 +171,11 @@ class Simulation:
             if kind == NODE_DONE:
                 batcher.finish(a, b)  # type: ignore[arg-type]
             elif kind == DELIVER_DECODE:
-                batcher.deliver_decode(a, *b)  # type: ignore[misc]
+                batcher.deliver_decode(a, b)  # type: ignore[arg-type]
             elif kind == CLIENT_DECODE:
                 client.arrive(CLIENT_DECODE, b)  # type: ignore[arg-type]
             elif kind == DELIVER_PREFILL:
-                batcher.deliver_prefill(a, *b)  # type: ignore[misc]
+                batcher.deliver_prefill(a, b)  # type: ignore[arg-type]
             elif kind == CLIENT_PREFILL:
                 client.arrive(CLIENT_PREFILL, b)  # type: ignore[arg-type]
             elif kind == ARRIVE:

@@ -36,6 +36,7 @@ class Network:
         # per message.
         self.links: dict[int, Link] = {}
         self._stride = len(nodes) + 2
+        self._push = events.push  # bound once: called per message
 
     def _new_link(self, src: int, dst: int) -> Link:
         a = SOURCE if src == SRC else self.nodes[src].id
@@ -75,7 +76,7 @@ class Network:
         link.free_at = start + nbytes / link.bandwidth_bytes_s
         arrive = link.free_at + (link.latency_s if prefill else link.latency_s * self.quantum)
         if dst == SNK:
-            self.events.push(arrive, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
+            self._push(arrive, CLIENT_PREFILL if prefill else CLIENT_DECODE, 0, payload)
         else:
             inc = self.nodes[dst].incarnation
-            self.events.push(arrive, DELIVER_PREFILL if prefill else DELIVER_DECODE, dst, (inc, payload))
+            self._push(arrive, DELIVER_PREFILL if prefill else DELIVER_DECODE, dst, (inc, payload))
