@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.settings import setting
 from swarm.types import DTYPE_BYTES
 
@@ -63,10 +64,12 @@ class ClientConfig:
     )
     snapshot_max_age_s: float = setting(2.0, "a DHT snapshot younger than this is reused instead of re-read")
     min_reporters: int = setting(
-        2, "never route through a peer reported for wrong outputs by this many distinct reporters (0: never)"
+        MIN_REPORTERS,
+        "never route through a peer reported for wrong outputs by this many distinct reporters (0: never)",
     )
     max_layer_tokens_s: float = setting(
-        1e6, "announced decode tokens/s per layer above this count as this (cap on what peers claim)"
+        MAX_LAYER_TOKENS_S,
+        "announced decode tokens/s per layer above this count as this (cap on what peers claim)",
     )
     # A check re-runs one stage on another peer holding its layers and compares (client/spot.py has its cost:
     # a liar is dropped after a few dozen steps of a client).
