@@ -19,9 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
-from swarm.sim.engine import SimConfig
 from swarm.sim.experiment import (
-    CHURN_FEATURES,
     CHURN_MODES,
     PLACEMENTS,
     SCHEDULINGS,
@@ -38,34 +36,48 @@ def split(text: str) -> tuple[str, ...]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cluster", help="CLUSTER.json, or helix24 / helix42 / randomN for a synthetic cluster")
-    p.add_argument("--mode", choices=("online", "offline"), default="online")
-    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--mode", choices=("online", "offline"), default=Experiment.mode)
+    p.add_argument("--requests", type=int, default=Experiment.requests)
     p.add_argument(
-        "--placements", default="milp,greedy,swarm", help=f"comma-separated: {','.join(PLACEMENTS)}"
+        "--placements",
+        default=",".join(Experiment.placements),
+        help=f"comma-separated: {','.join(PLACEMENTS)}",
     )
     p.add_argument(
-        "--scheduling", default="iwrr,random,swarm", help=f"comma-separated: {','.join(SCHEDULINGS)}"
+        "--scheduling",
+        default=",".join(Experiment.schedulings),
+        help=f"comma-separated: {','.join(SCHEDULINGS)}",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=Experiment.seed)
     p.add_argument(
         "--load",
         type=float,
-        default=0.75,
+        default=Experiment.load,
         help="online arrival rate as a fraction of max flow (a prompt token counts as prefill_token_cost of "
         "a decode token)",
     )
-    p.add_argument("--plan-time-limit-s", type=float, default=20.0, help="MILP / search time limit")
-    p.add_argument("--reload-s-per-layer", type=float, default=1.0, help="churn: time to load one layer")
+    p.add_argument(
+        "--plan-time-limit-s",
+        type=float,
+        default=Experiment.plan_time_limit_s,
+        help="MILP / search time limit",
+    )
+    p.add_argument(
+        "--reload-s-per-layer",
+        type=float,
+        default=Experiment.reload_s_per_layer,
+        help="churn: time to load one layer",
+    )
     p.add_argument(
         "--cache-layer-tokens",
         type=int,
-        default=SimConfig.cache_layer_tokens,
+        default=Experiment.cache_layer_tokens,
         help="KV cache of nodes without cache_tokens, in tokens x layers (split over the layers they hold)",
     )
     p.add_argument(
         "--decode-quantum",
         type=int,
-        default=1,
+        default=Experiment.decode_quantum_tokens,
         help="decode tokens per simulated pass (1 = exact; larger is faster and coarser, for huge runs)",
     )
     p.add_argument("--json", dest="json_out", help="write the result JSON here too")
@@ -76,19 +88,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replan",
         choices=("local", "scratch"),
-        default="local",
+        default=Experiment.replan,
         help="churn: repair then a capped improvement (the live planner), or a full re-solve (before)",
     )
     p.add_argument(
         "--churn-mode",
         choices=CHURN_MODES,
-        default="new",
+        default=Experiment.churn_mode,
         help="churn: issue 13's behaviour (new: --churn-features on), the swarm before it (old), or a row of each "
         "(both; the --png then plots both over time)",
     )
     p.add_argument(
         "--churn-features",
-        default=",".join(CHURN_FEATURES),
+        default=",".join(Experiment.churn_features),
         help="churn: which behaviours 'new' turns on: mbb (make before break), partial (partial replay), "
         "handover (KV hand-over), chunked (chunked replay prefill)",
     )

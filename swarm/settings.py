@@ -12,7 +12,8 @@
     add_arguments(parser, PeerConfig)                 # one option per leaf field, one group per component
     config = from_arguments(PeerConfig, parser.parse_args())
 
-A field's option is ``--<prefix>-<name>`` with underscores as dashes, or the ``flag`` it names. A bool that
+A field's option is ``--<prefix>-<name>`` with underscores as dashes, or the ``flag`` it names: ``--initial-peers``
+as written, ``no-plan`` (no dashes in front) after the prefix, ``--<prefix>-no-plan``. A bool that
 defaults to False is a switch that turns it on; one that defaults to True needs a ``flag`` that turns it off
 (``--no-plan``). Values are checked by the dataclass itself (``__post_init__`` raises ValueError), so the CLI,
 tests and code that builds a config by hand all get the same checks.
@@ -64,6 +65,11 @@ def _flag(prefix: str, name: str) -> str:
     return "--" + _dest(prefix, name).replace("_", "-")
 
 
+def _named_flag(prefix: str, flag: str) -> str:
+    """A setting's own flag: as written when it starts with --, else after the component's prefix."""
+    return flag if flag.startswith("--") else "--" + (f"{prefix}-{flag}" if prefix else flag)
+
+
 def _scalar_type(hint: Any) -> tuple[type, bool]:
     """(the type an option parses to, whether the field is a tuple of it)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -92,7 +98,7 @@ def add_arguments(
 
 def _add_option(parser: Any, f: dataclasses.Field[Any], hint: Any, prefix: str) -> None:
     meta = f.metadata
-    flag = meta["flag"] or _flag(prefix, f.name)
+    flag = _named_flag(prefix, meta["flag"]) if meta["flag"] else _flag(prefix, f.name)
     dest = _dest(prefix, f.name)
     kind, many = _scalar_type(hint)
     if kind is bool:

@@ -1,7 +1,8 @@
 """The web server's configuration: one frozen dataclass, and the `swarm-chat` command line built from it.
 
 Each setting is written once, as a field with its default and help (swarm.settings); `build_parser` turns every
-field into a `--flag-with-dashes`, so a new limit needs no second edit to reach the CLI.
+field into a `--flag-with-dashes`, so a new limit needs no second edit to reach the CLI. The client's settings
+(client.config.ClientConfig) come in as a component: `--initial-peers`, `--model` and `--client-<name>`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,14 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from swarm.settings import add_arguments, from_arguments, positive, setting
+from client.config import ClientConfig
+from swarm.settings import add_arguments, component, from_arguments, positive, setting
 
 
 @dataclass(frozen=True)
 class WebConfig:
     """How `swarm-chat` reaches the swarm, where it listens and the limits that keep a public server up."""
 
-    initial_peers: tuple[str, ...] = setting(
-        (), "multiaddrs of peers already in the swarm (at least one)", metavar="MADDR"
-    )
-    model: str = setting("default", "model name or path; its weights hash must match the swarm's")
     host: str = setting(
         "127.0.0.1", "address to listen on; 127.0.0.1 keeps the server private to this machine"
     )
@@ -38,16 +36,15 @@ class WebConfig:
     )
     max_body_bytes: int = setting(1 << 20, "largest request body in bytes; larger is a 413")
     request_timeout_s: float = setting(300.0, "deadline of one request, queueing included")
-    step_timeout_s: float = setting(30.0, "deadline of one forward step through the swarm")
-    connect_timeout_s: float = setting(60.0, "how long to wait at start-up for peers covering every layer")
     status_timeout_s: float = setting(
         3.0, "deadline of the status page's directory read and live peer queries"
     )
     recent_requests: int = setting(20, "how many recent requests (with their routes) the status page lists")
+    # The client's own settings, each with its one default: --initial-peers and --model as they are, the rest
+    # as --client-<name> (--client-step-timeout-s, --client-connect-timeout-s, ...).
+    client: ClientConfig = component(ClientConfig, prefix="client")
 
     def __post_init__(self) -> None:
-        if isinstance(self.initial_peers, str):
-            raise ValueError("initial_peers must be a list of multiaddrs, not one string")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         positive(self, *(f.name for f in fields(self) if f.type in ("int", "float") and f.name != "port"))
@@ -69,7 +66,7 @@ def parse_config(argv: Sequence[str] | None = None) -> WebConfig:
     """A WebConfig from command-line arguments; invalid values exit with argparse's usage message."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.initial_peers:
+    if not args.client_initial_peers:
         parser.error("the following arguments are required: --initial-peers")
     try:
         return from_arguments(WebConfig, args)

@@ -58,7 +58,7 @@ class WebServer:
         self.routes: SwarmRoutes = client.routes
         self.model_name = spec.name
         self.num_layers = spec.num_layers
-        self.models = tuple(dict.fromkeys((spec.name, config.model)))  # names a request may use
+        self.models = tuple(dict.fromkeys((spec.name, config.client.model)))  # names a request may use
         self.metrics = WebMetrics()
         self.generator = SwarmGenerator(
             client,
@@ -293,15 +293,11 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
 
 async def serve(config: WebConfig, on_ready: Callable[[str], None] = print) -> None:
     """Connect to the swarm, then serve until cancelled; the client leaves the swarm on the way out."""
-    from client.config import ClientConfig
     from swarm.models.loading import resolve_model
 
-    source = await asyncio.to_thread(resolve_model, config.model)
-    client_config = ClientConfig(
-        step_timeout_s=config.step_timeout_s, connect_timeout_s=config.connect_timeout_s
-    )
+    source = await asyncio.to_thread(resolve_model, config.client.model)
     started = time.perf_counter()
-    client = await AsyncSwarmClient.create(config.initial_peers, config.model, client_config)
+    client = await AsyncSwarmClient.create(config.client.initial_peers, config.client.model, config.client)
     logger.info("connected to the swarm in %.1f s", time.perf_counter() - started)
     try:
         await WebServer(config, client, source.spec).run(on_ready)

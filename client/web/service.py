@@ -103,8 +103,9 @@ class SwarmGenerator:
         metrics: WebMetrics,
         peer_names: Callable[[], Mapping[str, str]] = dict,
         clock: Callable[[], float] = time.perf_counter,
-        recent: int = 20,
-        context_tokens: int = 2048,
+        *,
+        recent: int,  # WebConfig.recent_requests
+        context_tokens: int,  # WebConfig.context_tokens
     ) -> None:
         self.client = client
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)  # finished requests, newest last

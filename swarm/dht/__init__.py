@@ -17,7 +17,8 @@ finally:
 """
 
 from swarm.dht.directory import Announcer, Directory, DirectoryConfig, SwarmSnapshot, coverage
-from swarm.dht.election import Election, ElectionConfig, decide, lease_holder
+from swarm.dht.election import Election, ElectionConfig, LeaseBoard
+from swarm.dht.lease import LEASE_S, decide, lease_holder
 from swarm.dht.node import P2PD_THREADS, DHTConfig, ReachabilityConfig, SwarmDHT
 from swarm.dht.schemas import (
     MAX_OLDER_RANGES,
@@ -37,6 +38,8 @@ __all__ = [
     "DirectoryConfig",
     "Election",
     "ElectionConfig",
+    "LEASE_S",
+    "LeaseBoard",
     "LeaseRecord",
     "LinkMeasure",
     "MAX_OLDER_RANGES",

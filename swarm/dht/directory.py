@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from swarm.dht.election import lease_holder
 from swarm.dht.identity import owner_peer_id
+from swarm.dht.lease import LEASE_S, lease_holder
 from swarm.dht.node import SwarmDHT
 from swarm.dht.schemas import (
     LeaseRecord,
@@ -60,7 +60,7 @@ class DirectoryConfig:
     write_timeout_s: float = 5.0  # deadline of one announcement or withdrawal
     report_ttl_s: float = 600.0  # a misbehaviour report counts this long after it was written
     lease_s: float = (
-        30.0  # the planner lease period (ElectionConfig.lease_s): how far a claim may be back-dated
+        LEASE_S  # the planner lease period (ElectionConfig.lease_s): how far a claim may be back-dated
     )
     max_record_ttl_s: float = 900.0  # readers drop records that claim to live longer than this
 
@@ -196,6 +196,18 @@ class Directory:
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id
+
+    @property
+    def model_hash(self) -> str:
+        return self.dht.model_hash
+
+    @property
+    def write_timeout_s(self) -> float:
+        return self.config.write_timeout_s
+
+    def now(self) -> float:
+        """DHT time (unix seconds), the clock every record is dated by."""
+        return self.dht.now()
 
     async def announce(self, record: PeerRecord) -> bool:
         """Store our record (stamped with the current time) until now + ttl_s; True if some node took it."""

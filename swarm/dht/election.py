@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from swarm.dht.lease import LEASE_S, decide
 from swarm.dht.schemas import LeaseRecord
-from swarm.dht.trust import tie_rank
 from swarm.settings import setting
-
-if TYPE_CHECKING:
-    from swarm.dht.directory import Directory
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +36,9 @@ logger = logging.getLogger(__name__)
 class ElectionConfig:
     """Planner election and planning"""
 
-    lease_s: float = setting(30.0, "planner lease: a holder that stops refreshing loses it after this long")
+    lease_s: float = setting(
+        LEASE_S, "planner lease: a holder that stops refreshing loses it after this long"
+    )
     settle_s: float | None = setting(None, "wait before claiming an empty lease (default: lease / 3)")
 
     def __post_init__(self) -> None:
@@ -58,32 +56,29 @@ class ElectionConfig:
         return self.refresh_s if self.settle_s is None else self.settle_s
 
 
-def lease_holder(leases: Mapping[str, LeaseRecord], salt: str = "") -> str | None:
-    """Rule 1: the earliest live claim holds the lease (ties: smallest tie_rank(peer id, salt))."""
-    claims = [r for r in leases.values() if r.held_since is not None and not r.leaving]
-    if not claims:
-        return None
-    return min(claims, key=lambda r: (r.held_since, tie_rank(r.peer_id, salt))).peer_id
+class LeaseBoard(Protocol):
+    """Where the lease records live (swarm.dht.directory.Directory), and the clock they are dated by."""
 
+    @property
+    def peer_id(self) -> str: ...
 
-def decide(leases: Mapping[str, LeaseRecord], now: float, settle_s: float, salt: str = "") -> str | None:
-    """Who should hold the lease given the live lease records (pure: same records, same answer).
+    @property
+    def model_hash(self) -> str: ...
 
-    `salt` is the model hash: every candidate of one swarm ranks the others the same way."""
-    holder = lease_holder(leases, salt)
-    if holder is not None:
-        return holder
-    candidates = [r for r in leases.values() if not r.leaving]
-    if not candidates:
-        return None
-    first = min(candidates, key=lambda r: tie_rank(r.peer_id, salt))
-    return first.peer_id if now - first.candidate_since >= settle_s else None
+    @property
+    def write_timeout_s(self) -> float: ...
+
+    def now(self) -> float: ...
+
+    async def read_leases(self) -> dict[str, LeaseRecord]: ...
+
+    async def write_lease(self, lease: LeaseRecord, expiration: float) -> bool: ...
 
 
 class Election:
     """Runs this peer's candidacy; `is_leader` says whether it holds the planner lease right now."""
 
-    def __init__(self, directory: Directory, config: ElectionConfig | None = None) -> None:
+    def __init__(self, directory: LeaseBoard, config: ElectionConfig | None = None) -> None:
         self.directory = directory
         self.config = config or ElectionConfig()
         self.holder: str | None = None  # the lease holder as of our last read
@@ -98,30 +93,31 @@ class Election:
     @property
     def is_leader(self) -> bool:
         # A holder that cannot reach the DHT for a whole lease must assume it lost it.
-        fresh = self.directory.dht.now() - self._last_write_ok < self.config.lease_s
+        fresh = self.directory.now() - self._last_write_ok < self.config.lease_s
         return self._held_since is not None and fresh
 
     async def run(self) -> None:
-        candidate_since = self.directory.dht.now()
+        candidate_since = self.directory.now()
         try:
             while True:
                 try:
-                    await self._tick(candidate_since)
+                    await self.tick(candidate_since)
                 except Exception as e:  # one bad round (a bad record, a DHT error) must not end the election
                     logger.warning("planner election round failed: %r", e)
                 await asyncio.sleep(self.config.refresh_s)
         finally:
             await self._resign(candidate_since)
 
-    async def _tick(self, candidate_since: float) -> None:
-        now = self.directory.dht.now()
+    async def tick(self, candidate_since: float) -> None:
+        """One round: read the leases, decide, renew our record (run() calls it every refresh_s)."""
+        now = self.directory.now()
         try:
             leases = await self.directory.read_leases()
         except (TimeoutError, OSError, RuntimeError) as e:
             logger.warning("could not read planner leases: %r", e)
             return
         leases[self.peer_id] = self._record(candidate_since, now)  # our own view beats a stale read
-        winner = decide(leases, now, self.config.settle_delay_s, self.directory.dht.model_hash)
+        winner = decide(leases, now, self.config.settle_delay_s, self.directory.model_hash)
         if winner == self.peer_id and self._held_since is None:
             self._held_since = now
             logger.info("became the planner (lease holder)")
@@ -152,9 +148,9 @@ class Election:
         """Mark our candidacy leaving so others need not wait for it to expire."""
         was_leader, self._held_since = self._held_since is not None, None
         self.became_leader.clear()
-        now = self.directory.dht.now()
+        now = self.directory.now()
         try:
-            async with asyncio.timeout(5.0):
+            async with asyncio.timeout(self.directory.write_timeout_s):
                 record = self._record(candidate_since, now, leaving=True)
                 # Must outlive our last refresh, or the DHT keeps the older (still claiming) value.
                 await asyncio.shield(self.directory.write_lease(record, now + self.config.lease_s + 1.0))

@@ -38,6 +38,9 @@ MAX_CLOCK_SKEW_S = 30.0  # how far in the future a writer's clock may run ahead 
 EPOCH_SLACK = 2  # epochs a plan may be ahead of the last accepted one with no time passed
 EPOCH_RATE_PER_S = 1.0  # and one more per second since then
 MAX_LOGGED = 1024  # distinct (kind, writer, reason) warnings kept; beyond that, rejections are only counted
+# Defaults shared by the planner's and the clients' settings (one default each):
+MIN_REPORTERS = 2  # distinct reporters that exclude a peer (0: never)
+MAX_LAYER_TOKENS_S = 1e6  # announced decode tokens/s per layer above this count as this (a plausibility cap)
 
 
 @dataclass(frozen=True)

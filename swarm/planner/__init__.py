@@ -3,7 +3,7 @@
     from swarm.planner import solve, max_flow, Cluster, load_cluster
 
     cluster = load_cluster("cluster.json")            # or Cluster(model, nodes, links) from DHT records
-    plan = solve(cluster, method="milp", time_limit_s=60, current=live_placement, reload_cost=5.0)
+    plan = solve(cluster, method="milp", time_limit_s=TIME_LIMIT_S, current=live_placement, reload_cost=5.0)
     plan.placement      # {node id: LayerRange}, always valid: every layer held, max_layers respected
     plan.flows          # EdgeFlow(src, dst, tokens_s), SOURCE/SINK for the client; routing's IWRR weights
     max_flow(cluster, placement)   # evaluate any placement (method "evaluate")
@@ -23,11 +23,13 @@ from swarm.planner.cluster import (
 )
 from swarm.planner.graph import coverage_score, max_flow, upper_bound, valid_edges
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
+from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.placement import Placement, check_placement, placement_problems, repair
 from swarm.planner.solve import METHODS, solve
 
 __all__ = [
     "METHODS",
+    "TIME_LIMIT_S",
     "Cluster",
     "ClusterLink",
     "ClusterNode",

@@ -10,6 +10,7 @@ import sys
 from swarm.errors import PlanningError
 from swarm.planner.cluster import load_cluster
 from swarm.planner.graph import max_flow
+from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.placement import placement_problems
 from swarm.planner.solve import METHODS, solve
 from swarm.types import Plan
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p_solve = sub.add_parser("solve", help="plan a placement for a cluster")
     p_solve.add_argument("cluster", help="CLUSTER.json")
     p_solve.add_argument("--method", choices=METHODS, default="milp")
-    p_solve.add_argument("--time-limit-s", type=float, default=60.0)
+    p_solve.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S)
     p_solve.add_argument("--seed", type=int, default=0)
     p_solve.add_argument("--prune-k", type=int, default=8, help="hop links kept per node in the MILP")
     p_solve.add_argument("--json", dest="json_out", help="write the plan here (default: stdout)")

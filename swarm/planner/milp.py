@@ -44,10 +44,14 @@ from swarm.types import SINK, SOURCE, LayerRange, NodeID
 
 logger = logging.getLogger(__name__)
 
+# The planner's wall-clock limit per solve, building the model included: the one default every caller shares
+# (solve(), the live planner's ReplanConfig and PlannerConfig, the simulator, `python -m swarm.planner`).
+TIME_LIMIT_S = 20.0
+
 
 @dataclass(frozen=True)
 class MilpConfig:
-    time_limit_s: float = 30.0  # wall-clock limit, building the model included
+    time_limit_s: float = TIME_LIMIT_S  # wall-clock limit, building the model included
     prune_k: int = 8  # hop links kept per node (ties with the k-th best kept too); 0 keeps all
     reload_cost_tokens_s: float = 0.0  # objective penalty per layer a node loads anew
     mip_rel_gap: float = 0.01  # stop within this fraction of the proven bound

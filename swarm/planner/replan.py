@@ -28,7 +28,7 @@ from scipy.optimize import linear_sum_assignment
 from swarm.errors import PlanningError
 from swarm.planner.cluster import Cluster
 from swarm.planner.graph import max_flow
-from swarm.planner.milp import MilpConfig, solve_milp
+from swarm.planner.milp import TIME_LIMIT_S, MilpConfig, solve_milp
 from swarm.planner.moves import FLOW_TOL, add_spares, best_of, flow_of, greedy_moves, moved_nodes
 from swarm.planner.placement import Placement, placement_problems, repair
 from swarm.planner.solve import solve
@@ -40,7 +40,7 @@ class ReplanConfig:
     """How the live planner (and the simulator's churn runs) re-plan; see swarm/peer/config.py PlannerConfig."""
 
     method: str = "milp"  # solve()'s method for a from-scratch plan
-    time_limit_s: float = 20.0  # per solve
+    time_limit_s: float = TIME_LIMIT_S  # per solve
     max_moves: int = 2  # nodes holding a range that one improvement may move
     move_cost_fraction: float = 0.01  # price of one moved node, as a fraction of the current max flow
     reload_cost_tokens_s: float = 0.1  # price per layer a node loads anew

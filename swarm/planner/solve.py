@@ -30,7 +30,7 @@ from swarm.planner.cluster import Cluster
 from swarm.planner.coverage_ip import MAX_KINDS, node_kinds, solve_coverage_ip
 from swarm.planner.graph import max_flow, upper_bound
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
-from swarm.planner.milp import MilpConfig, solve_milp
+from swarm.planner.milp import TIME_LIMIT_S, MilpConfig, solve_milp
 from swarm.planner.placement import Placement, check_feasible, check_placement, new_layers, repair
 from swarm.planner.search import SearchConfig, anneal
 from swarm.types import SINK, SOURCE, Plan
@@ -139,7 +139,7 @@ class _Run:
 def solve(
     cluster: Cluster,
     method: str = "milp",
-    time_limit_s: float = 60.0,
+    time_limit_s: float = TIME_LIMIT_S,
     current: Placement | None = None,
     reload_cost: float = 0.0,
     seed: int = 0,

@@ -98,9 +98,9 @@ def predict_tokens_s(
         client_host=TESTBED_HOST if shared_host else None,
     )
     sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, config).run()
-    if min(sim.done_s) < 0:
+    if min(sim.requests.done_s) < 0:
         raise RuntimeError("the simulation did not finish every request")
-    return sum(sim.generated) / max(sim.done_s)
+    return sum(sim.requests.generated) / max(sim.requests.done_s)
 
 
 def compare_run(

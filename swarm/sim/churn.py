@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from swarm.planner.cluster import Cluster
-from swarm.sim import moves
 from swarm.sim.engine import Simulation
 from swarm.types import LayerRange, NodeID, Plan
 
@@ -99,10 +98,10 @@ class Churn:
     def counters(self) -> dict[str, int]:
         sim = self.sim
         return {
-            "failovers": sim.failovers,
-            "handovers": sim.handovers,
-            "restarts": sim.restarts,
-            "replayed_tokens": sim.replayed_tokens,
+            "failovers": sim.counters.failovers,
+            "handovers": sim.counters.handovers,
+            "restarts": sim.counters.restarts,
+            "replayed_tokens": sim.counters.replayed_tokens,
         }
 
     def events(self) -> list[dict[str, Any]]:
@@ -137,7 +136,7 @@ class Churn:
                 for r in lost:
                     sim.fail_over(r, i)
             else:
-                moves.hand_over_or_fail(sim, i, lost)
+                sim.give_up(i, lost)
         current = {n: r for n, r in sim.plan.placement.items() if n in self.present}
         try:
             plan = self.replan(present_cluster(sim.cluster, self.present), current)
@@ -181,7 +180,7 @@ class Churn:
             sim.at(sim.now + load_s, lambda: self._switch(j, node_id, layers))
             return
         # Both ranges do not fit: its sessions move now, then it loads the layers it lacks.
-        moves.hand_over_or_fail(sim, j, sim.remove(j))
+        sim.give_up(j, sim.remove(j))
         sim.at(sim.now + load_s, lambda: self._ready(j, node_id, layers))
 
     def _wanted(self, node_id: NodeID, layers: LayerRange) -> bool:
@@ -196,7 +195,7 @@ class Churn:
         assert node.layers is not None
         if not layers.covers(node.layers):
             if node.old_layers is not None:  # a third range: the oldest sessions move on now
-                moves.hand_over_or_fail(sim, j, sorted(node.draining))
+                sim.give_up(j, sorted(node.draining))
             node.old_layers, node.draining = node.layers, set(node.sessions)
         sim.relayer(j, layers)
         sim.try_admit()
@@ -210,5 +209,5 @@ class Churn:
         lost = sim.remove(j) if sim.nodes[j].alive else []
         sim.set_layers(j, layers)
         # Sessions on the old layers move on (possibly to this node's new ones).
-        moves.hand_over_or_fail(sim, j, lost)
+        sim.give_up(j, lost)
         sim.try_admit()

@@ -10,100 +10,125 @@ throughput buckets of bucket_s.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
 
-from swarm.sim.hosts import CLIENT
-from swarm.sim.links import send
-from swarm.sim.records import CLIENT_DECODE, SRC
-from swarm.sim.sessions import finish
+from swarm.sim.config import SimConfig
+from swarm.sim.events import EventQueue
+from swarm.sim.hosts import CLIENT, Host
+from swarm.sim.links import Network
+from swarm.sim.records import CLIENT_DECODE, SRC, Requests
+from swarm.sim.sessions import Sessions
 
-if TYPE_CHECKING:
-    from swarm.sim.engine import Simulation
 
+class Client:
+    """The client: `arrive` takes a message from the last stage; `buckets` counts generated tokens over time."""
 
-def client_arrive(sim: Simulation, kind: int, payload: list) -> None:  # type: ignore[type-arg]
-    """A message reached the client (kind CLIENT_DECODE or CLIENT_PREFILL)."""
-    if sim.client_host is None:  # many independent clients: the head's time is a delay on the send
+    def __init__(
+        self,
+        requests: Requests,
+        sessions: Sessions,
+        network: Network,
+        events: EventQueue,
+        config: SimConfig,
+        host: Host | None,
+        act_bytes: int,
+        token_bytes: int,
+    ) -> None:
+        self.requests = requests
+        self.sessions = sessions
+        self.network = network
+        self.events = events
+        self.config = config
+        self.host = host
+        self.act_bytes = act_bytes
+        self.token_bytes = token_bytes
+        self.quantum = config.decode_quantum_tokens
+        self.step_s = config.client_step_s * self.quantum  # the head's time for one decode message's token
+        self.queue: deque[tuple[int, list]] = deque()  # type: ignore[type-arg]
+        self.busy = False
+        self.buckets: list[int] = []  # generated tokens per bucket_s of simulated time
+        self._send = network.send  # bound once: called per message
+
+    def arrive(self, kind: int, payload: list) -> None:  # type: ignore[type-arg]
+        """A message reached the client (kind CLIENT_DECODE or CLIENT_PREFILL)."""
+        if self.host is None:  # many independent clients: the head's time is a delay on the send
+            if kind == CLIENT_DECODE:
+                self._decode(payload, self.step_s)
+            else:
+                self._prefill(payload, self.step_s)
+            return
+        self.queue.append((kind, payload))
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        """The client process takes the next arrived message: client_step_s per token it carries."""
+        kind, payload = self.queue[0]
+        work_s = len(payload) * (self.step_s if kind == CLIENT_DECODE else self.config.client_step_s)
+        self.busy = True
+        assert self.host is not None
+        self.host.start(self.events.now, CLIENT, work_s, self.events.schedule_host)
+
+    def done(self) -> None:
+        """The client process finished the message at the head of its queue."""
+        kind, payload = self.queue.popleft()
+        self.busy = False
         if kind == CLIENT_DECODE:
-            client_decode(sim, payload, sim.client_s)
+            self._decode(payload, 0.0)
         else:
-            client_prefill(sim, payload, sim.client_s)
-        return
-    sim.client_q.append((kind, payload))
-    if not sim.client_busy:
-        client_next(sim)
+            self._prefill(payload, 0.0)
+        if self.queue and not self.busy:
+            self._next()
 
-
-def client_next(sim: Simulation) -> None:
-    """The client process takes the next arrived message: client_step_s per token it carries."""
-    kind, payload = sim.client_q[0]
-    work_s = len(payload) * (sim.client_s if kind == CLIENT_DECODE else sim.config.client_step_s)
-    sim.client_busy = True
-    assert sim.client_host is not None
-    sim.client_host.start(sim.now, CLIENT, work_s, sim._schedule_host)
-
-
-def client_done(sim: Simulation) -> None:
-    """The client process finished the message at the head of its queue."""
-    kind, payload = sim.client_q.popleft()
-    sim.client_busy = False
-    if kind == CLIENT_DECODE:
-        client_decode(sim, payload, 0.0)
-    else:
-        client_prefill(sim, payload, 0.0)
-    if sim.client_q and not sim.client_busy:
-        client_next(sim)
-
-
-def client_decode(sim: Simulation, keys: list[int], delay_s: float) -> None:
-    epoch, gen, stage, routes = sim.epoch, sim.generated, sim.stage, sim.routes
-    out_len = sim.out_len
-    groups: dict[int, list[int]] = {}
-    counted = 0
-    for key in keys:
-        r = key >> 8
-        if key & 255 != epoch[r] & 255:
-            continue
-        step = min(sim.quantum, out_len[r] - gen[r])
-        counted += step
-        gen[r] += step
-        if gen[r] >= out_len[r]:
-            finish(sim, r)
-            continue
-        stage[r] = 0
-        first = routes[r][0]
-        group = groups.get(first)
-        if group is None:
-            groups[first] = [key]
-        else:
-            group.append(key)
-    count_tokens(sim, counted)
-    for first, group in groups.items():
-        send(sim, SRC, first, len(group) * sim.token_bytes * sim.quantum, group, False, delay_s)
-
-
-def client_prefill(sim: Simulation, jobs: list[tuple[int, int]], delay_s: float) -> None:
-    for key, _ in jobs:
-        r = key >> 8
-        if key & 255 != sim.epoch[r] & 255:
-            continue
-        if sim.generated[r] == 0:  # the prompt's last position gives the first output token
-            sim.generated[r] = 1
-            sim.first_token_s[r] = sim.now
-            count_tokens(sim, 1)
-            if sim.generated[r] >= sim.out_len[r]:
-                finish(sim, r)
+    def _decode(self, keys: list[int], delay_s: float) -> None:
+        requests = self.requests
+        epoch, gen, stage, routes = requests.epoch, requests.generated, requests.stage, requests.routes
+        out_len = requests.out_len
+        groups: dict[int, list[int]] = {}
+        counted = 0
+        for key in keys:
+            r = key >> 8
+            if key & 255 != epoch[r] & 255:
                 continue
-        # The pending decode step re-enters where the replay began (0 unless a partial replay).
-        rs = sim.resume_stage[r]
-        sim.stage[r], sim.resume_stage[r], sim.replaying[r] = rs, 0, False
-        per_token = sim.token_bytes if rs == 0 else sim.act_bytes
-        send(sim, SRC, sim.routes[r][rs], per_token * sim.quantum, [key], False, delay_s)
+            step = min(self.quantum, out_len[r] - gen[r])
+            counted += step
+            gen[r] += step
+            if gen[r] >= out_len[r]:
+                self.sessions.finish(r)
+                continue
+            stage[r] = 0
+            first = routes[r][0]
+            group = groups.get(first)
+            if group is None:
+                groups[first] = [key]
+            else:
+                group.append(key)
+        self._count(counted)
+        for first, group in groups.items():
+            self._send(SRC, first, len(group) * self.token_bytes * self.quantum, group, False, delay_s)
 
+    def _prefill(self, jobs: list[tuple[int, int]], delay_s: float) -> None:
+        requests = self.requests
+        for key, _ in jobs:
+            r = key >> 8
+            if key & 255 != requests.epoch[r] & 255:
+                continue
+            if requests.generated[r] == 0:  # the prompt's last position gives the first output token
+                requests.generated[r] = 1
+                requests.first_token_s[r] = self.events.now
+                self._count(1)
+                if requests.generated[r] >= requests.out_len[r]:
+                    self.sessions.finish(r)
+                    continue
+            # The pending decode step re-enters where the replay began (0 unless a partial replay).
+            rs = requests.resume_stage[r]
+            requests.stage[r], requests.resume_stage[r], requests.replaying[r] = rs, 0, False
+            per_token = self.token_bytes if rs == 0 else self.act_bytes
+            self._send(SRC, requests.routes[r][rs], per_token * self.quantum, [key], False, delay_s)
 
-def count_tokens(sim: Simulation, tokens: int) -> None:
-    """Add generated tokens to the throughput bucket of the current time."""
-    b = int(sim.now / sim.config.bucket_s)
-    while len(sim.buckets) <= b:
-        sim.buckets.append(0)
-    sim.buckets[b] += tokens
+    def _count(self, tokens: int) -> None:
+        """Add generated tokens to the throughput bucket of the current time."""
+        b = int(self.events.now / self.config.bucket_s)
+        while len(self.buckets) <= b:
+            self.buckets.append(0)
+        self.buckets[b] += tokens

@@ -25,8 +25,12 @@ What is modelled, and where:
 
 Per event the work is O(log n) for the heap plus O(1) per token carried. Hot loops use plain lists and ints.
 Tokens in flight are tagged with the request's failover epoch (key = request << 8 | epoch), so tokens of a
-session that failed over are dropped wherever they are, in O(1). The state lives on Simulation and in the
-records of swarm/sim/records.py; the modules above are functions of it.
+session that failed over are dropped wherever they are, in O(1).
+
+Each part is an object that owns its state, wired here by what is passed to its constructor: EventQueue
+(events.py: the clock and the heap), Network (links.py), SwarmView (view.py: what the router sees, cache
+reservations), Batcher (batching.py), Moves (moves.py), Sessions (sessions.py), Client (client_side.py). The
+records they share (Node, Link, Requests, Counters) are in records.py. Simulation dispatches events to them.
 """
 
 from __future__ import annotations
@@ -34,15 +38,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from heapq import heappop, heappush
 
 from swarm.planner.cluster import Cluster
-from swarm.routing import PeerState, Router, RoutingView
-from swarm.sim import links, moves, sessions
-from swarm.sim.batching import finish_iteration, queue_prefill, start_iteration, take_replays
-from swarm.sim.client_side import client_arrive, client_done
-from swarm.sim.hosts import CLIENT, Host, hosts_of
+from swarm.sim.batching import Batcher
+from swarm.sim.client_side import Client
+from swarm.sim.config import SimConfig
+from swarm.sim.events import EventQueue
+from swarm.sim.hosts import CLIENT, hosts_of
+from swarm.sim.links import Network
+from swarm.sim.moves import Moves
 from swarm.sim.records import (
     ARRIVE,
     CLIENT_DECODE,
@@ -54,57 +58,26 @@ from swarm.sim.records import (
     SNK,
     SRC,
     TIMER,
+    Counters,
     Link,
     Node,
+    Requests,
 )
-from swarm.sim.timing import NodeTiming, TimingDefaults
+from swarm.sim.sessions import Sessions
+from swarm.sim.timing import NodeTiming
 from swarm.sim.trace import Request
+from swarm.sim.view import RouterFactory, SwarmView
 from swarm.types import LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
 
 # Re-exported: report, churn and the tests import these from here.
-__all__ = [
-    "ARRIVE", "CLIENT_DECODE", "CLIENT_PREFILL", "DELIVER_DECODE", "DELIVER_PREFILL", "HOST_DONE", "NODE_DONE",
-    "SNK", "SRC", "TIMER", "Link", "Node", "RouterFactory", "SimConfig", "Simulation",
-]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Knobs of the simulation that are not in CLUSTER.json."""
-
-    prefill_budget_tokens: int = 4096  # prompt tokens one iteration may take in (chunked prefill)
-    # Decode tokens per iteration: a micro-batch, so several are in flight in a pipeline. Also the full batch
-    # at which derived timing (no tables) runs a node at its tokens_s, the planner's figure.
-    max_batch_tokens: int = 32
-    cache_layer_tokens: int = 20_000_000  # KV cache of a node without "cache_tokens": tokens x layers it fits
-    cache_high_water: float = 0.9  # like the client: a peer fuller than this takes no new session
-    client_step_s: float = 0.0  # LM head + sampling on the client per decode step
-    client_host: str | None = None  # the client runs on this host (swarm/sim/hosts.py), sharing its cores
-    missing_link_latency_s: float = 0.1  # a hop with no link in CLUSTER.json (fallback routes only)
-    missing_link_bandwidth_bytes_s: float = 12.5e6
-    bucket_s: float = 10.0  # width of the throughput-over-time buckets
-    # Decode tokens a session advances per pass through its route. 1 is exact; K > 1 simulates K consecutive
-    # steps as one (K x compute, K x link latency and bytes, batch membership fixed for the K steps), which
-    # cuts events K-fold for large runs at the price of coarser interleaving.
-    decode_quantum_tokens: int = 1
-    timing: TimingDefaults = field(default_factory=TimingDefaults)
-    # Churn behaviour (swarm/sim/moves.py); False / 0 everywhere is the swarm before issue 13.
-    make_before_break: bool = True  # a moved node serves its old sessions while it loads, and drains them
-    partial_replay: bool = True  # a failover replays only through the replaced stage(s), from their inputs
-    kv_handover: bool = True  # a leaving or moving node streams its sessions' KV caches to a successor
-    replay_chunk_tokens: int = 256  # replay tokens one iteration may take in (0: a replay is one prefill)
-    # KV bytes per token per layer = 2 (K and V) * kv_heads * head_dim * dtype bytes = 2 * activation bytes
-    # * kv_heads / heads: LLaMA-2-70B has 8 KV heads of 64 (the synthetic clusters' 70B class).
-    kv_heads_fraction: float = 0.125
-
-
-RouterFactory = Callable[[Plan], Router]
+__all__ = ["SNK", "SRC", "Link", "Node", "RouterFactory", "SimConfig", "Simulation"]
 
 
 class Simulation:
-    """One run: a cluster, a plan, a way to route, a trace. `run()` returns itself with the results filled in."""
+    """One run: a cluster, a plan, a way to route, a trace. `run()` returns itself with the results filled in:
+    per-request times in `requests`, churn's cost in `counters`, tokens over time in `client.buckets`."""
 
     def __init__(
         self,
@@ -115,114 +88,107 @@ class Simulation:
         config: SimConfig | None = None,
     ) -> None:
         self.cluster = cluster
-        self.config = config or SimConfig()
+        self.config = config = config or SimConfig()
+        if config.decode_quantum_tokens < 1:
+            raise ValueError(f"decode_quantum_tokens must be >= 1, got {config.decode_quantum_tokens}")
         self.make_router = make_router
         self.plan = plan
-        self.router = make_router(plan)
+        router = make_router(plan)
         self.trace = trace
         self.ids: list[NodeID] = [n.id for n in cluster.nodes]
         self.index = {n: i for i, n in enumerate(self.ids)}
         self.nodes = [Node(n) for n in self.ids]
-        self.hosts, node_hosts = hosts_of(cluster, self.config.client_host)
+        self.hosts, node_hosts = hosts_of(cluster, config.client_host)
         for node, host in zip(self.nodes, node_hosts, strict=True):
             node.host = host
-        self.client_host = None if self.config.client_host is None else self.hosts[self.config.client_host]
-        self.client_q: deque[tuple[int, list]] = deque()  # type: ignore[type-arg]
-        self.client_busy = False
-        self.peers: dict[NodeID, PeerState] = {}
-        self.view = RoutingView(cluster.model.num_layers, self.peers)
-        # Keyed by one int, (src + 2) * stride + dst + 2, not a (src, dst) tuple: the hot path looks up a link
-        # per message.
-        self.links: dict[int, Link] = {}
-        self._link_stride = len(self.ids) + 2
-        self.act_bytes = cluster.model.activation_bytes_per_token
-        if self.config.decode_quantum_tokens < 1:
-            raise ValueError(f"decode_quantum_tokens must be >= 1, got {self.config.decode_quantum_tokens}")
-        self.quantum = self.config.decode_quantum_tokens
-        self._cap = self.config.max_batch_tokens
-        self.client_s = self.config.client_step_s * self.quantum
-        self.token_bytes = cluster.model.token_id_bytes
-        n = len(trace)
-        self.routes: list[tuple[int, ...]] = [()] * n
-        self.stage_starts: list[tuple[int, ...]] = [()] * n
-        self.stage = [0] * n
-        self.epoch = [0] * n
-        self.generated = [0] * n
-        self.out_len = [req.output_tokens for req in trace]
-        self.first_token_s = [-1.0] * n
-        self.done_s = [-1.0] * n
-        self.failovers = 0
-        self.restarts = 0
-        self.handovers = 0
-        self.replayed_tokens = 0  # token x stage: tokens re-prefilled by replacement stages
-        self.handover_bytes = 0
-        self.replay_end = [0] * n  # a replay's prefill returns to the client before this stage
-        self.resume_stage = [0] * n  # after a replay, the pending decode step re-enters here
-        self.replaying = [False] * n
-        self.stalled: list[tuple[int, int]] = []  # (request, stage) failed over with no route yet
-        self.waiting: deque[int] = deque()
-        self.admission_blocked = False
-        self.buckets: list[int] = []
-        self.now = 0.0
-        self._heap: list[tuple[float, int, int, int, object]] = []
-        self._seq = 0
-        self._hooks: dict[int, Callable[[], None]] = {}
+        client_host = None if config.client_host is None else self.hosts[config.client_host]
+        act_bytes, token_bytes = cluster.model.activation_bytes_per_token, cluster.model.token_id_bytes
+        num_layers = cluster.model.num_layers
+
+        self.events = EventQueue()
+        self.requests = Requests(trace)
+        self.counters = Counters()
+        self.view = SwarmView(self.nodes, num_layers, config, router)
+        self.network = Network(cluster, self.nodes, config, self.events)
+        self.batcher = Batcher(
+            self.nodes, self.requests, self.network, self.events, config, act_bytes, token_bytes
+        )
+        self.moves = Moves(
+            self.nodes,
+            self.requests,
+            self.view,
+            self.network,
+            self.events,
+            config,
+            self.counters,
+            num_layers,
+            act_bytes,
+            token_bytes,
+        )
+        self.sessions = Sessions(
+            self.requests,
+            self.view,
+            self.moves,
+            self.network,
+            self.events,
+            config,
+            self.counters,
+            act_bytes,
+            token_bytes,
+        )
+        self.client = Client(
+            self.requests,
+            self.sessions,
+            self.network,
+            self.events,
+            config,
+            client_host,
+            act_bytes,
+            token_bytes,
+        )
         for node_id, layers in plan.placement.items():
             self.set_layers(self.index[node_id], layers)
 
-    # -- events ----------------------------------------------------------------------------------------
-
-    def push(self, t: float, kind: int, a: int, b: object = None) -> None:
-        # batching.start_iteration and links.send inline these two lines: one event per message, and the call cost 6% of a run.
-        self._seq += 1
-        heappush(self._heap, (t, self._seq, kind, a, b))
+    @property
+    def now(self) -> float:
+        return self.events.now
 
     def at(self, t: float, action: Callable[[], None]) -> None:
         """Run `action` at simulated time t (churn events, reloads)."""
-        self._seq += 1
-        self._hooks[self._seq] = action
-        self.push(t, TIMER, self._seq)
+        self.events.at(t, action)
 
     def run(self) -> Simulation:
+        events, batcher, client, sessions, nodes = (
+            self.events,
+            self.batcher,
+            self.client,
+            self.sessions,
+            self.nodes,
+        )
         for req in self.trace:
-            self.push(req.arrival_s, ARRIVE, req.index)
-        heap = self._heap
-        while heap:
-            t, _, kind, a, b = heappop(heap)
-            self.now = t
+            events.push(req.arrival_s, ARRIVE, req.index)
+        for kind, a, b in events.drain():
             if kind == NODE_DONE:
-                finish_iteration(self, a, b)  # type: ignore[arg-type]
+                batcher.finish(a, b)  # type: ignore[arg-type]
             elif kind == DELIVER_DECODE:
-                node = self.nodes[a]
-                if node.alive and node.incarnation == b[0]:  # type: ignore[index]
-                    node.decode_q.extend(b[1])  # type: ignore[index]
-                    if not node.busy:
-                        start_iteration(self, node, a)
+                batcher.deliver_decode(a, b)  # type: ignore[arg-type]
             elif kind == CLIENT_DECODE:
-                client_arrive(self, CLIENT_DECODE, b)  # type: ignore[arg-type]
+                client.arrive(CLIENT_DECODE, b)  # type: ignore[arg-type]
             elif kind == DELIVER_PREFILL:
-                node = self.nodes[a]
-                if node.alive and node.incarnation == b[0]:  # type: ignore[index]
-                    queue_prefill(self, node, b[1])  # type: ignore[index]
-                    if not node.busy:
-                        start_iteration(self, node, a)
+                batcher.deliver_prefill(a, b)  # type: ignore[arg-type]
             elif kind == CLIENT_PREFILL:
-                client_arrive(self, CLIENT_PREFILL, b)  # type: ignore[arg-type]
+                client.arrive(CLIENT_PREFILL, b)  # type: ignore[arg-type]
             elif kind == ARRIVE:
-                self.waiting.append(a)
-                sessions.try_admit(self)
+                sessions.arrive(a)
             elif kind == TIMER:
-                self._hooks.pop(a)()
+                events.fire(a)
             elif kind == HOST_DONE:
-                for proc in b.finish(t, a, self._schedule_host):  # type: ignore[attr-defined]
+                for proc in b.finish(events.now, a, events.schedule_host):  # type: ignore[attr-defined]
                     if proc == CLIENT:
-                        client_done(self)
+                        client.done()
                     else:
-                        finish_iteration(self, proc, self.nodes[proc].incarnation)
+                        batcher.finish(proc, nodes[proc].incarnation)
         return self
-
-    def _schedule_host(self, t: float, host: Host, version: int) -> None:
-        self.push(t, HOST_DONE, version, host)
 
     # -- nodes -----------------------------------------------------------------------------------------
 
@@ -237,69 +203,46 @@ class Simulation:
 
     def relayer(self, i: int, layers: LayerRange) -> None:
         """Node i now serves `layers` to new sessions; its sessions and work in flight stay."""
-        node, spec = self.nodes[i], self.cluster.node_by_id[self.ids[i]]
+        node, spec, config = self.nodes[i], self.cluster.node_by_id[self.ids[i]], self.config
+        cap, quantum = config.max_batch_tokens, config.decode_quantum_tokens
         node.layers = layers
         node.timing = timing = NodeTiming(
-            node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, self.config.timing, self._cap
+            node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, config.timing, cap
         )
-        node.decode_iter_s = [timing.decode_s(b) * self.quantum for b in range(self._cap + 1)]
-        node.cache_total = int(spec.extra.get("cache_tokens", self.config.cache_layer_tokens // len(layers)))
-        self._announce(node)
-        self.admission_blocked = False
-        self.retry_stalled()
+        node.decode_iter_s = [timing.decode_s(b) * quantum for b in range(cap + 1)]
+        node.cache_total = int(spec.extra.get("cache_tokens", config.cache_layer_tokens // len(layers)))
+        self.view.announce(node)
+        self.view.changed()
+        self.moves.retry_stalled()
 
     def remove(self, i: int) -> list[int]:
         """Node i leaves (or starts reloading). Returns the sessions that were using it."""
         node = self.nodes[i]
         if node.host is not None:
-            node.host.cancel(self.now, i, self._schedule_host)
+            node.host.cancel(self.events.now, i, self.events.schedule_host)
         node.alive, node.incarnation, node.busy = False, node.incarnation + 1, False
         node.decode_q, node.prefill_q, node.cur_decode, node.cur_prefill = [], deque(), [], []
         node.replay_q, node.cur_replay, node.cur_replay_tokens = deque(), [], 0
         node.old_layers, node.draining = None, set()
-        self.peers.pop(node.id, None)
+        self.view.withdraw(node)
         lost, node.sessions = sorted(node.sessions), set()
         return lost
 
-    def _announce(self, node: Node) -> None:
-        assert node.layers is not None
-        reserve = int((1.0 - self.config.cache_high_water) * node.cache_total)
-        self.peers[node.id] = PeerState(
-            node.id, node.layers, node.cache_total - node.cache_used, 0.0, 0.0, reserve
-        )
-
-    def _queue_prefill(self, node: Node, jobs: list[tuple[int, int]]) -> None:
-        queue_prefill(self, node, jobs)  # kept as a method for tests/unit/sim/test_churn_moves.py
-
-    def _take_replays(self, node: Node) -> None:
-        take_replays(self, node)  # kept as a method for tests/unit/sim/test_churn_moves.py
-
-    def transfer(self, src: int, dst: int, nbytes: int) -> float:
-        """Queue a bulk transfer (a KV cache) on the link src -> dst; returns when it has arrived."""
-        return links.transfer(self, src, dst, nbytes)
-
-    # -- sessions --------------------------------------------------------------------------------------
-
-    def session_tokens(self, r: int) -> int:
-        return self.trace[r].prompt_tokens + self.trace[r].output_tokens
+    # -- sessions and the plan -------------------------------------------------------------------------
 
     def try_admit(self) -> None:
         """Start waiting requests in FIFO order until one finds no route (swarm/sim/sessions.py)."""
-        sessions.try_admit(self)
+        self.sessions.try_admit()
 
     def fail_over(self, r: int, lost: int) -> None:
         """Node `lost` no longer serves session r: re-route and replay (swarm/sim/sessions.py)."""
-        sessions.fail_over(self, r, lost)
+        self.sessions.fail_over(r, lost)
+
+    def give_up(self, i: int, sessions: list[int]) -> None:
+        """Node i gives up `sessions`: hand them over (KV hand-over) or fail them over."""
+        self.sessions.give_up(i, sessions)
 
     def set_plan(self, plan: Plan) -> None:
         self.plan = plan
-        self.router = self.make_router(plan)
-        self.admission_blocked = False
-        self.retry_stalled()
-
-    def retry_stalled(self) -> None:
-        """Sessions that failed over with no route try again (the swarm changed)."""
-        if self.stalled:
-            stalled, self.stalled = self.stalled, []
-            for r, k in stalled:
-                moves.resume_stalled(self, r, k)
+        self.view.changed(self.make_router(plan))
+        self.moves.retry_stalled()

@@ -21,6 +21,7 @@ from swarm.errors import PlanningError
 from swarm.planner import synthetic
 from swarm.planner.cluster import Cluster, load_cluster
 from swarm.planner.graph import max_flow
+from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig, replan
 from swarm.planner.solve import HEURISTICS, solve
 from swarm.sim.churn import Churn, ChurnEvent, Planner, initially_absent, load_schedule, present_cluster
@@ -42,7 +43,7 @@ CHURN_FEATURES = ("mbb", "partial", "handover", "chunked")
 
 @dataclass(frozen=True)
 class Experiment:
-    """What scripts/simulate.py runs; its options, one for one."""
+    """What scripts/simulate.py runs; its options, one for one (their defaults are these fields')."""
 
     cluster: str  # CLUSTER.json, or helix24 / helix42 / randomN for a synthetic cluster
     mode: str = "online"  # online (Poisson arrivals) or offline (everything at t = 0)
@@ -51,10 +52,10 @@ class Experiment:
     schedulings: tuple[str, ...] = ("iwrr", "random", "swarm")
     seed: int = 0
     load: float = 0.75  # online arrival rate as a fraction of the best plan's max flow
-    plan_time_limit_s: float = 20.0  # MILP / search time limit
+    plan_time_limit_s: float = TIME_LIMIT_S  # MILP / search time limit
     reload_s_per_layer: float = 1.0  # churn: time to load one layer
     cache_layer_tokens: int = SimConfig.cache_layer_tokens
-    decode_quantum_tokens: int = 1
+    decode_quantum_tokens: int = SimConfig.decode_quantum_tokens
     churn: str | None = None  # SCHEDULE.json, or the name of a bundled one (churn_helix24)
     replan: str = "local"  # churn: "local" (repair, then capped improvement) or "scratch" (full re-solve)
     churn_mode: str = "new"  # churn: "new" (churn_features on), "old" (all off) or "both" (a row of each)

@@ -19,170 +19,174 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from swarm.errors import NoRouteError
-from swarm.sim.links import send
-from swarm.sim.records import SRC
-from swarm.types import SOURCE, LayerRange
-
-if TYPE_CHECKING:
-    from swarm.sim.engine import Simulation
-
-
-def stage_layers(sim: Simulation, r: int, k: int) -> LayerRange:
-    """The layers stage k of request r's route runs."""
-    starts = sim.stage_starts[r]
-    end = starts[k + 1] if k + 1 < len(starts) else sim.cluster.model.num_layers
-    return LayerRange(starts[k], end)
+from swarm.sim.config import SimConfig
+from swarm.sim.events import EventQueue
+from swarm.sim.links import Network
+from swarm.sim.records import SRC, Counters, Node, Requests
+from swarm.sim.view import SwarmView
+from swarm.types import SOURCE, LayerRange, NodeID
 
 
-def kv_bytes(sim: Simulation, layers: int, tokens: int) -> int:
-    """KV cache of `tokens` tokens over `layers` layers: K and V, kv_heads * head_dim values each."""
-    return int(2 * layers * sim.act_bytes * sim.config.kv_heads_fraction * tokens)
+class Moves:
+    """Partial replay and KV hand-over for sessions whose node left or moved; keeps the sessions that wait
+    for a route (`stalled`) and retries them when the swarm changes (`retry_stalled`)."""
 
+    def __init__(
+        self,
+        nodes: list[Node],
+        requests: Requests,
+        view: SwarmView,
+        network: Network,
+        events: EventQueue,
+        config: SimConfig,
+        counters: Counters,
+        num_layers: int,
+        act_bytes: int,
+        token_bytes: int,
+    ) -> None:
+        self.nodes = nodes
+        self.index: dict[NodeID, int] = {node.id: i for i, node in enumerate(nodes)}
+        self.requests = requests
+        self.view = view
+        self.network = network
+        self.events = events
+        self.config = config
+        self.counters = counters
+        self.num_layers = num_layers
+        self.act_bytes = act_bytes
+        self.token_bytes = token_bytes
+        self.quantum = config.decode_quantum_tokens
+        self.stalled: list[tuple[int, int]] = []  # (request, stage) failed over with no route yet
 
-def session_length(sim: Simulation, r: int) -> int:
-    return sim.trace[r].prompt_tokens + sim.generated[r]
+    def stage_layers(self, r: int, k: int) -> LayerRange:
+        """The layers stage k of request r's route runs."""
+        starts = self.requests.stage_starts[r]
+        end = starts[k + 1] if k + 1 < len(starts) else self.num_layers
+        return LayerRange(starts[k], end)
 
+    def kv_bytes(self, layers: int, tokens: int) -> int:
+        """KV cache of `tokens` tokens over `layers` layers: K and V, kv_heads * head_dim values each."""
+        return int(2 * layers * self.act_bytes * self.config.kv_heads_fraction * tokens)
 
-def _release_on(sim: Simulation, r: int, nodes: list[int]) -> None:
-    need = sim.session_tokens(r)
-    for i in nodes:
-        node = sim.nodes[i]
-        if r in node.sessions:
-            node.sessions.discard(r)
-            node.draining.discard(r)
-            node.cache_used -= need
-            if node.alive:
-                sim._announce(node)
-    sim.admission_blocked = False
+    def fail_over_partial(self, r: int, lost: int) -> None:
+        """Node `lost` no longer serves session r: replace its stage only, and replay through the replacement."""
+        requests = self.requests
+        self.counters.failovers += 1
+        requests.epoch[r] += 1  # tokens of r in flight anywhere are now stale
+        self.view.release_moved(r, [lost], requests.session_tokens(r))
+        self.replace_stage(r, list(requests.routes[r]).index(lost))
 
+    def retry_stalled(self) -> None:
+        """Sessions that failed over with no route try again (the swarm changed)."""
+        if self.stalled:
+            stalled, self.stalled = self.stalled, []
+            for r, k in stalled:
+                routes = self.requests.routes[r]
+                if (
+                    self.requests.done_s[r] < 0
+                    and k < len(routes)
+                    and r not in self.nodes[routes[k]].sessions
+                ):
+                    self.replace_stage(r, k)
 
-def _reserve_on(sim: Simulation, r: int, nodes: list[int]) -> None:
-    need = sim.session_tokens(r)
-    for i in nodes:
-        node = sim.nodes[i]
-        if r not in node.sessions:
-            node.sessions.add(r)
-            node.cache_used += need
-            sim._announce(node)
+    def replace_stage(self, r: int, k: int) -> None:
+        """Route stage k of r anew, splice the new stages in, and replay the session through them."""
+        requests = self.requests
+        nodes, starts = list(requests.routes[r]), list(requests.stage_starts[r])
+        prev = self.nodes[nodes[k - 1]].id if k > 0 else SOURCE
+        try:
+            tail = self.view.router.route_from(self.view.view, starts[k], prev, requests.session_tokens(r))
+        except NoRouteError:
+            self.stalled.append((r, k))
+            return
+        tail_nodes = [self.index[s.peer_id] for s in tail]
+        tail_starts = [s.layers.start for s in tail]
+        prefilling = requests.generated[r] == 0
+        rejoin = None
+        if not prefilling:  # rejoin the old route where a later stage still holds the session
+            later = {starts[m]: m for m in range(k + 1, len(nodes)) if r in self.nodes[nodes[m]].sessions}
+            for t, stage in enumerate(tail):
+                if stage.layers.end in later:
+                    rejoin = (t + 1, later[stage.layers.end])
+                    break
+        if rejoin is None:
+            new_nodes, new_starts, dropped = nodes[:k] + tail_nodes, starts[:k] + tail_starts, nodes[k + 1 :]
+            end = len(new_nodes)
+        else:
+            t, m = rejoin
+            new_nodes = nodes[:k] + tail_nodes[:t] + nodes[m:]
+            new_starts = starts[:k] + tail_starts[:t] + starts[m:]
+            dropped, end = nodes[k + 1 : m], k + t
+        need = requests.session_tokens(r)
+        self.view.release_moved(r, dropped, need)
+        self.view.reserve_missing(r, new_nodes[k:end], need)
+        # A prompt still on its way through stages before k has not reached them: its prefill goes on from there.
+        first = min(k, requests.stage[r]) if prefilling else k
+        requests.routes[r], requests.stage_starts[r] = tuple(new_nodes), tuple(new_starts)
+        requests.stage[r], requests.replay_end[r] = first, end
+        requests.resume_stage[r] = 0 if prefilling else first
+        requests.replaying[r] = True
+        tokens = requests.length(r)
+        self.counters.replayed_tokens += tokens * (end - first)
+        per_token = self.token_bytes if first == 0 else self.act_bytes
+        self.network.send(SRC, new_nodes[first], tokens * per_token, [(requests.key(r), tokens)], True)
 
-
-def fail_over_partial(sim: Simulation, r: int, lost: int) -> None:
-    """Node `lost` no longer serves session r: replace its stage only, and replay through the replacement."""
-    sim.failovers += 1
-    sim.epoch[r] += 1  # tokens of r in flight anywhere are now stale
-    _release_on(sim, r, [lost])
-    replace_stage(sim, r, list(sim.routes[r]).index(lost))
-
-
-def resume_stalled(sim: Simulation, r: int, k: int) -> None:
-    if sim.done_s[r] < 0 and k < len(sim.routes[r]) and r not in sim.nodes[sim.routes[r][k]].sessions:
-        replace_stage(sim, r, k)
-
-
-def replace_stage(sim: Simulation, r: int, k: int) -> None:
-    """Route stage k of r anew, splice the new stages in, and replay the session through them."""
-    nodes, starts = list(sim.routes[r]), list(sim.stage_starts[r])
-    prev = sim.ids[nodes[k - 1]] if k > 0 else SOURCE
-    try:
-        tail = sim.router.route_from(sim.view, starts[k], prev, sim.session_tokens(r))
-    except NoRouteError:
-        sim.stalled.append((r, k))
-        return
-    tail_nodes = [sim.index[s.peer_id] for s in tail]
-    tail_starts = [s.layers.start for s in tail]
-    prefilling = sim.generated[r] == 0
-    rejoin = None
-    if not prefilling:  # rejoin the old route where a later stage still holds the session
-        later = {starts[m]: m for m in range(k + 1, len(nodes)) if r in sim.nodes[nodes[m]].sessions}
-        for t, stage in enumerate(tail):
-            if stage.layers.end in later:
-                rejoin = (t + 1, later[stage.layers.end])
-                break
-    if rejoin is None:
-        new_nodes, new_starts, dropped = nodes[:k] + tail_nodes, starts[:k] + tail_starts, nodes[k + 1 :]
-        end = len(new_nodes)
-    else:
-        t, m = rejoin
-        new_nodes = nodes[:k] + tail_nodes[:t] + nodes[m:]
-        new_starts = starts[:k] + tail_starts[:t] + starts[m:]
-        dropped, end = nodes[k + 1 : m], k + t
-    _release_on(sim, r, dropped)
-    _reserve_on(sim, r, new_nodes[k:end])
-    # A prompt still on its way through stages before k has not reached them: its prefill goes on from there.
-    first = min(k, sim.stage[r]) if prefilling else k
-    sim.routes[r], sim.stage_starts[r] = tuple(new_nodes), tuple(new_starts)
-    sim.stage[r], sim.replay_end[r] = first, end
-    sim.resume_stage[r] = 0 if prefilling else first
-    sim.replaying[r] = True
-    tokens = session_length(sim, r)
-    sim.replayed_tokens += tokens * (end - first)
-    per_token = sim.token_bytes if first == 0 else sim.act_bytes
-    key = r << 8 | (sim.epoch[r] & 255)
-    send(sim, SRC, new_nodes[first], tokens * per_token, [(key, tokens)], True)
-
-
-def successors(sim: Simulation, r: int, k: int, leaving: int) -> list[tuple[int, LayerRange]] | None:
-    """Who takes stage k of r, and which of its layers each: the stages the router would route the session
-    through after the previous stage, cut at the end of stage k (KV is per layer, so it splits). Usually one
-    node holding the same layers. None when no route avoids the leaving node."""
-    nodes = sim.routes[r]
-    need = stage_layers(sim, r, k)
-    prev = sim.ids[nodes[k - 1]] if k > 0 else SOURCE
-    try:
-        tail = sim.router.route_from(sim.view, need.start, prev, sim.session_tokens(r))
-    except NoRouteError:
-        return None
-    out: list[tuple[int, LayerRange]] = []
-    for stage in tail:
-        j = sim.index[stage.peer_id]
-        if j == leaving or j in nodes:
+    def successors(self, r: int, k: int, leaving: int) -> list[tuple[int, LayerRange]] | None:
+        """Who takes stage k of r, and which of its layers each: the stages the router would route the session
+        through after the previous stage, cut at the end of stage k (KV is per layer, so it splits). Usually
+        one node holding the same layers. None when no route avoids the leaving node."""
+        nodes = self.requests.routes[r]
+        need = self.stage_layers(r, k)
+        prev = self.nodes[nodes[k - 1]].id if k > 0 else SOURCE
+        try:
+            tail = self.view.router.route_from(
+                self.view.view, need.start, prev, self.requests.session_tokens(r)
+            )
+        except NoRouteError:
             return None
-        out.append((j, LayerRange(stage.layers.start, min(stage.layers.end, need.end))))
-        if stage.layers.end >= need.end:
-            return out
-    return None
+        out: list[tuple[int, LayerRange]] = []
+        for stage in tail:
+            j = self.index[stage.peer_id]
+            if j == leaving or j in nodes:
+                return None
+            out.append((j, LayerRange(stage.layers.start, min(stage.layers.end, need.end))))
+            if stage.layers.end >= need.end:
+                return out
+        return None
 
-
-def hand_over(sim: Simulation, i: int, r: int) -> bool:
-    """Stream r's KV cache on node i to its successor(s); False when there is none (replay instead)."""
-    if sim.done_s[r] >= 0:
+    def hand_over(self, i: int, r: int) -> bool:
+        """Stream r's KV cache on node i to its successor(s); False when there is none (replay instead)."""
+        requests = self.requests
+        if requests.done_s[r] >= 0:
+            return True
+        if requests.generated[r] == 0 or requests.replaying[r]:  # the KV is not complete on every stage yet
+            return False
+        nodes, starts = list(requests.routes[r]), list(requests.stage_starts[r])
+        k = nodes.index(i)
+        targets = self.successors(r, k, i)
+        if targets is None:
+            return False
+        self.counters.handovers += 1
+        requests.epoch[r] += 1  # the step in flight is redone at stage k once the cache has arrived
+        need = requests.session_tokens(r)
+        self.view.release_moved(r, [i], need)
+        self.view.reserve_missing(r, [j for j, _ in targets], need)
+        requests.routes[r] = tuple(nodes[:k] + [j for j, _ in targets] + nodes[k + 1 :])
+        requests.stage_starts[r] = tuple(starts[:k] + [lr.start for _, lr in targets] + starts[k + 1 :])
+        tokens, arrived_s = requests.length(r), self.events.now
+        for j, layers in targets:
+            nbytes = self.kv_bytes(len(layers), tokens)
+            self.counters.handover_bytes += nbytes
+            arrived_s = max(arrived_s, self.network.transfer(i, j, nbytes))
+        epoch = requests.epoch[r]
+        self.events.at(arrived_s, lambda: self._resume(r, epoch, k))
         return True
-    if sim.generated[r] == 0 or sim.replaying[r]:  # the KV is not complete on every stage yet
-        return False
-    nodes, starts = list(sim.routes[r]), list(sim.stage_starts[r])
-    k = nodes.index(i)
-    targets = successors(sim, r, k, i)
-    if targets is None:
-        return False
-    sim.handovers += 1
-    sim.epoch[r] += 1  # the step in flight is redone at stage k once the cache has arrived
-    _release_on(sim, r, [i])
-    _reserve_on(sim, r, [j for j, _ in targets])
-    sim.routes[r] = tuple(nodes[:k] + [j for j, _ in targets] + nodes[k + 1 :])
-    sim.stage_starts[r] = tuple(starts[:k] + [lr.start for _, lr in targets] + starts[k + 1 :])
-    tokens, arrived_s = session_length(sim, r), sim.now
-    for j, layers in targets:
-        nbytes = kv_bytes(sim, len(layers), tokens)
-        sim.handover_bytes += nbytes
-        arrived_s = max(arrived_s, sim.transfer(i, j, nbytes))
-    epoch = sim.epoch[r]
-    sim.at(arrived_s, lambda: _resume(sim, r, epoch, k))
-    return True
 
-
-def _resume(sim: Simulation, r: int, epoch: int, k: int) -> None:
-    if sim.epoch[r] != epoch or sim.done_s[r] >= 0:
-        return  # the session moved again (or ended) while its cache streamed
-    sim.stage[r] = k
-    per_token = sim.token_bytes if k == 0 else sim.act_bytes
-    send(sim, SRC, sim.routes[r][k], per_token * sim.quantum, [r << 8 | (epoch & 255)], False)
-
-
-def hand_over_or_fail(sim: Simulation, i: int, sessions: list[int]) -> None:
-    """Node i gives up `sessions`: hand each over where the feature is on and a successor exists."""
-    for r in sessions:
-        if not (sim.config.kv_handover and hand_over(sim, i, r)):
-            sim.fail_over(r, i)
+    def _resume(self, r: int, epoch: int, k: int) -> None:
+        requests = self.requests
+        if requests.epoch[r] != epoch or requests.done_s[r] >= 0:
+            return  # the session moved again (or ended) while its cache streamed
+        requests.stage[r] = k
+        per_token = self.token_bytes if k == 0 else self.act_bytes
+        self.network.send(SRC, requests.routes[r][k], per_token * self.quantum, [requests.key(r)], False)

@@ -1,15 +1,18 @@
-"""The simulation's vocabulary: event kinds, the client's link endpoints, and the mutable Node and Link records.
+"""The simulation's vocabulary: event kinds, the client's link endpoints, and the mutable records of nodes,
+links, requests and churn counters.
 
-Every other module of the engine (engine, batching, links, client_side, sessions, moves) reads and writes these
-records; they hold state only, no behaviour.
+The engine's parts (batching, links, client_side, sessions, moves) share these records; they hold state and
+answer questions about it, and change only through the parts that own each step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from swarm.sim.hosts import Host
 from swarm.sim.timing import NodeTiming
+from swarm.sim.trace import Request
 from swarm.types import LayerRange, NodeID
 
 ARRIVE, NODE_DONE, DELIVER_DECODE, DELIVER_PREFILL, CLIENT_DECODE, CLIENT_PREFILL, TIMER, HOST_DONE = range(8)
@@ -57,3 +60,47 @@ class Link:
         self.free_at = 0.0
         self.wait_s = 0.0
         self.messages = 0
+
+
+class Requests:
+    """Per-request progress, one list entry per request of the trace (plain lists: the hot loops index them).
+
+    Tokens in flight carry a key, request << 8 | (epoch & 255): bumping a request's epoch makes every token of
+    it still in flight stale, wherever it is."""
+
+    def __init__(self, trace: list[Request]) -> None:
+        n = len(trace)
+        self.trace = trace
+        self.routes: list[tuple[int, ...]] = [()] * n  # node indices, stage by stage
+        self.stage_starts: list[tuple[int, ...]] = [()] * n  # first layer of each stage
+        self.stage = [0] * n  # the stage the request's tokens are at (or head for)
+        self.epoch = [0] * n
+        self.generated = [0] * n
+        self.out_len = [req.output_tokens for req in trace]
+        self.first_token_s = [-1.0] * n
+        self.done_s = [-1.0] * n
+        self.replay_end = [0] * n  # a replay's prefill returns to the client before this stage
+        self.resume_stage = [0] * n  # after a replay, the pending decode step re-enters here
+        self.replaying = [False] * n
+
+    def key(self, r: int) -> int:
+        return r << 8 | (self.epoch[r] & 255)
+
+    def session_tokens(self, r: int) -> int:
+        """KV cache a session reserves on each stage: its whole prompt and output."""
+        return self.trace[r].prompt_tokens + self.trace[r].output_tokens
+
+    def length(self, r: int) -> int:
+        """Tokens the session holds now: its prompt and what it generated so far."""
+        return self.trace[r].prompt_tokens + self.generated[r]
+
+
+@dataclass
+class Counters:
+    """What churn cost the sessions."""
+
+    failovers: int = 0
+    restarts: int = 0
+    handovers: int = 0
+    replayed_tokens: int = 0  # token x stage: tokens re-prefilled by replacement stages
+    handover_bytes: int = 0

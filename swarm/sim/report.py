@@ -26,19 +26,19 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any]:
     """One row: decode throughput, latencies, lost requests, utilisation, link queueing."""
     trace = sim.trace
-    done = [r for r in range(len(trace)) if sim.done_s[r] >= 0]
+    done = [r for r in range(len(trace)) if sim.requests.done_s[r] >= 0]
     start_s = min(req.arrival_s for req in trace)
-    end_s = max((sim.done_s[r] for r in done), default=start_s)
+    end_s = max((sim.requests.done_s[r] for r in done), default=start_s)
     span_s = max(end_s - start_s, 1e-9)
-    tokens = sum(sim.generated)
-    prompt = [sim.first_token_s[r] - trace[r].arrival_s for r in done]
+    tokens = sum(sim.requests.generated)
+    prompt = [sim.requests.first_token_s[r] - trace[r].arrival_s for r in done]
     decode = [
-        (sim.done_s[r] - sim.first_token_s[r]) / (trace[r].output_tokens - 1)
+        (sim.requests.done_s[r] - sim.requests.first_token_s[r]) / (trace[r].output_tokens - 1)
         for r in done
         if trace[r].output_tokens > 1
     ]
     util = {str(n.id): n.busy_s / span_s for n in sim.nodes if n.busy_s > 0}
-    waits = [(link.wait_s, link.messages, link) for link in sim.links.values() if link.messages]
+    waits = [(link.wait_s, link.messages, link) for link in sim.network.links.values() if link.messages]
     total_wait = sum(w for w, _, _ in waits)
     messages = sum(m for _, m, _ in waits)
 
@@ -50,7 +50,7 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
     # this is the rate while requests were still arriving, from whole throughput buckets.
     last_arrival_s = max(req.arrival_s for req in trace)
     whole = int(last_arrival_s / sim.config.bucket_s)
-    while_arriving = sum(sim.buckets[:whole]) / (whole * sim.config.bucket_s) if whole > 0 else None
+    while_arriving = sum(sim.client.buckets[:whole]) / (whole * sim.config.bucket_s) if whole > 0 else None
     return {
         "placement": placement,
         "scheduling": scheduling,
@@ -61,12 +61,12 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         "decode_latency_s": percentiles(decode),
         "completed_requests": len(done),
         "lost_requests": len(trace) - len(done),
-        "failovers": sim.failovers,
-        "restarts": sim.restarts,
-        "handovers": sim.handovers,
-        "handover_bytes": sim.handover_bytes,
-        "replayed_tokens": sim.replayed_tokens,
-        "stalled_at_end": len(sim.stalled),
+        "failovers": sim.counters.failovers,
+        "restarts": sim.counters.restarts,
+        "handovers": sim.counters.handovers,
+        "handover_bytes": sim.counters.handover_bytes,
+        "replayed_tokens": sim.counters.replayed_tokens,
+        "stalled_at_end": len(sim.moves.stalled),
         "simulated_s": span_s,
         "node_utilisation": {
             "mean": sum(util.values()) / len(sim.nodes) if sim.nodes else 0.0,
@@ -80,7 +80,7 @@ def summarize(sim: Simulation, placement: str, scheduling: str) -> dict[str, Any
         },
         "throughput_timeline": {
             "bucket_s": sim.config.bucket_s,
-            "tokens_s": [round(b / sim.config.bucket_s, 2) for b in sim.buckets],
+            "tokens_s": [round(b / sim.config.bucket_s, 2) for b in sim.client.buckets],
         },
     }
 

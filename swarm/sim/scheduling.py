@@ -18,7 +18,7 @@ from dataclasses import replace
 from swarm.planner.cluster import Cluster
 from swarm.planner.graph import valid_edges
 from swarm.routing import IWRR, Router
-from swarm.sim.engine import RouterFactory
+from swarm.sim.view import RouterFactory
 from swarm.types import SINK, EdgeFlow, NodeID, Plan
 
 

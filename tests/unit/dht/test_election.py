@@ -1,12 +1,15 @@
-"""The planner-election rule as a pure function of lease records."""
+"""The planner-election rule as a pure function of lease records, and elections run on an injected clock."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from dataclasses import dataclass, field
 
 import pytest
 
-from swarm.dht.election import ElectionConfig, decide, lease_holder
+from swarm.dht.election import Election, ElectionConfig
+from swarm.dht.lease import decide, lease_holder
 from swarm.dht.schemas import LeaseRecord
 from swarm.dht.trust import tie_rank
 
@@ -103,19 +106,9 @@ def test_config_checks():
 
 def test_a_failed_election_round_does_not_end_the_election() -> None:
     """A round that raises (here: the lease read fails with an unexpected error) is logged; the next runs."""
-    import asyncio
 
-    from swarm.dht.election import Election
-
-    class Flaky:
-        def __init__(self) -> None:
-            self.reads = 0
-            self.peer_id = "QmSelf"
-            self.dht = type(
-                "Dht", (), {"now": staticmethod(lambda: 1000.0), "model_hash": "h", "peer_id": "QmSelf"}
-            )()
-
-        async def read_leases(self) -> dict:  # type: ignore[type-arg]
+    class Flaky(Board):
+        async def read_leases(self) -> dict[str, LeaseRecord]:
             self.reads += 1
             if self.reads == 1:
                 raise ValueError("a malformed lease slipped through")
@@ -123,13 +116,10 @@ def test_a_failed_election_round_does_not_end_the_election() -> None:
                 raise asyncio.CancelledError
             return {}
 
-        async def write_lease(self, record: object, expiration: float) -> bool:
-            return True
-
-    directory = Flaky()
+    board = Flaky(Store(), "QmSelf")
 
     async def body() -> None:
-        election = Election(directory, ElectionConfig(lease_s=0.03, settle_s=0.0))  # type: ignore[arg-type]
+        election = Election(board, ElectionConfig(lease_s=0.03, settle_s=0.0))
         election._resign = lambda since: asyncio.sleep(0)  # type: ignore[method-assign]
         try:
             await election.run()
@@ -137,4 +127,117 @@ def test_a_failed_election_round_does_not_end_the_election() -> None:
             pass
 
     asyncio.run(body())
-    assert directory.reads >= 3, "the round after the failed one never ran"
+    assert board.reads >= 3, "the round after the failed one never ran"
+
+
+# ---- elections on an in-memory lease store and a clock the test moves --------------------------------
+
+
+@dataclass
+class Store:
+    """The lease key of a DHT: one record per peer, kept until its expiration (DHT time, moved by the test)."""
+
+    time: float = 1000.0
+    records: dict[str, tuple[LeaseRecord, float]] = field(default_factory=dict)
+
+    def live(self) -> dict[str, LeaseRecord]:
+        return {pid: r for pid, (r, expiration) in self.records.items() if expiration > self.time}
+
+
+@dataclass
+class Board:
+    """One peer's view of the store (what swarm.dht.election.LeaseBoard asks for)."""
+
+    store: Store
+    peer_id: str
+    model_hash: str = "model"
+    write_timeout_s: float = 5.0
+    reads: int = 0
+
+    def now(self) -> float:
+        return self.store.time
+
+    async def read_leases(self) -> dict[str, LeaseRecord]:
+        self.reads += 1
+        return self.store.live()
+
+    async def write_lease(self, lease: LeaseRecord, expiration: float) -> bool:
+        held = self.store.records.get(lease.peer_id)
+        if held is None or expiration >= held[1]:  # the DHT keeps the value that expires last
+            self.store.records[lease.peer_id] = (lease, expiration)
+        return True
+
+
+async def _rounds(store: Store, elections: dict[str, Election], since: float, rounds: int) -> list[set[str]]:
+    """Every election ticks once per refresh period; the leaders after each round."""
+    leaders = []
+    for _ in range(rounds):
+        for election in elections.values():
+            await election.tick(since)
+        leaders.append({pid for pid, e in elections.items() if e.is_leader})
+        store.time += ElectionConfig(lease_s=LEASE).refresh_s
+    return leaders
+
+
+LEASE = 30.0
+
+
+def test_one_leader_stays_and_a_successor_claims_within_two_leases_of_its_death() -> None:
+    async def body() -> None:
+        store = Store()
+        pids = by_rank("QmA", "QmB", "QmC")
+        config = ElectionConfig(lease_s=LEASE)
+        elections = {pid: Election(Board(store, pid, "model"), config) for pid in pids}
+        since = store.time
+
+        # Nobody claims before the candidacies settled (settle_s = lease / 3 = one round), then exactly one.
+        leaders = await _rounds(store, elections, since, rounds=2)
+        assert leaders[0] == set()
+        assert len(leaders[1]) == 1
+        (leader,) = leaders[1]
+
+        # Renewals keep the lease with the same holder for many lease periods, even against a newcomer that
+        # ranks better (leadership is sticky).
+        newcomer = next(
+            f"QmN{i}" for i in range(1000) if by_rank(f"QmN{i}", leader, salt="model")[0] != leader
+        )
+        elections[newcomer] = Election(Board(store, newcomer, "model"), config)
+        later = await _rounds(store, elections, since, rounds=12)
+        assert all(held == {leader} for held in later)
+        assert {e.holder for e in elections.values()} == {leader}
+
+        # The leader dies (stops refreshing, never resigns): one successor, no later than two leases on.
+        died_at = store.time
+        del elections[leader]
+        while not any(e.is_leader for e in elections.values()):
+            assert store.time - died_at <= 2 * LEASE, "no successor within two lease periods"
+            await _rounds(store, elections, since, rounds=1)
+        assert len([e for e in elections.values() if e.is_leader]) == 1
+        assert leader not in store.live()  # nobody claimed while the dead holder's record was live
+
+    asyncio.run(body())
+
+
+def test_a_leader_that_cannot_write_for_a_lease_stops_calling_itself_leader() -> None:
+    async def body() -> None:
+        store = Store()
+
+        class Cut(Board):
+            cut = False
+
+            async def write_lease(self, lease: LeaseRecord, expiration: float) -> bool:
+                if self.cut:
+                    raise OSError("unreachable")
+                return await super().write_lease(lease, expiration)
+
+        board = Cut(store, "QmA")
+        election = Election(board, ElectionConfig(lease_s=LEASE, settle_s=0.0))
+        await election.tick(store.time)
+        assert election.is_leader
+        board.cut = True
+        store.time += LEASE - 1.0
+        assert election.is_leader  # within a lease of its last renewal it may still hold the lease
+        store.time += 1.0
+        assert not election.is_leader
+
+    asyncio.run(body())

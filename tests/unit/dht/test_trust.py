@@ -17,8 +17,8 @@ from hivemind.p2p import P2P
 
 from swarm.dht import Directory, DirectoryConfig, ModelShape, ReportRecord
 from swarm.dht.directory import parse_records
-from swarm.dht.election import lease_holder
 from swarm.dht.identity import load_private_key, peer_id_of_public_key
+from swarm.dht.lease import lease_holder
 from swarm.dht.schemas import (
     LeaseRecord,
     LinkMeasure,

@@ -9,7 +9,6 @@ import pytest
 
 from swarm.planner.cluster import Cluster, ClusterLink, ClusterNode, ModelInfo, full_mesh_links
 from swarm.planner.graph import max_flow
-from swarm.sim import moves
 from swarm.sim.churn import Churn, ChurnEvent
 from swarm.sim.engine import Node, SimConfig, Simulation
 from swarm.sim.experiment import churn_config
@@ -51,7 +50,7 @@ def simulation(
 
 
 def names(sim: Simulation, r: int) -> list[str]:
-    return [str(sim.ids[i]) for i in sim.routes[r]]
+    return [str(sim.ids[i]) for i in sim.requests.routes[r]]
 
 
 @pytest.mark.parametrize(("config", "stages_replayed"), [(NEW, 1), (OLD, 2)])
@@ -61,8 +60,8 @@ def test_a_failover_replays_only_the_replaced_stage(config: SimConfig, stages_re
     seen: dict[str, object] = {}
 
     def kill_first_stage() -> None:
-        first = sim.routes[0][0]
-        seen["length"] = moves.session_length(sim, 0)
+        first = sim.requests.routes[0][0]
+        seen["length"] = sim.requests.length(0)
         seen["lost"] = str(sim.ids[first])
         for r in sim.remove(first):
             sim.fail_over(r, first)
@@ -70,9 +69,9 @@ def test_a_failover_replays_only_the_replaced_stage(config: SimConfig, stages_re
 
     sim.at(2.0, kill_first_stage)
     sim.run()
-    assert sim.done_s[0] >= 0 and sim.restarts == 0 and sim.failovers == 1
-    assert sim.generated[0] == 40 and int(seen["length"]) > 100  # type: ignore[call-overload]
-    assert sim.replayed_tokens == stages_replayed * int(seen["length"])  # type: ignore[call-overload]
+    assert sim.requests.done_s[0] >= 0 and sim.counters.restarts == 0 and sim.counters.failovers == 1
+    assert sim.requests.generated[0] == 40 and int(seen["length"]) > 100  # type: ignore[call-overload]
+    assert sim.counters.replayed_tokens == stages_replayed * int(seen["length"])  # type: ignore[call-overload]
     assert seen["route"][0] != seen["lost"] and seen["route"][1] == "c"  # type: ignore[index]
     assert (0 in sim.nodes[sim.index[NodeID("c")]].sessions) is False  # released at the end
 
@@ -87,15 +86,22 @@ def _hand_over_run(bandwidth: float) -> tuple[float, int]:
         a = sim.index[NodeID("a")]
         sim.set_layers(sim.index[NodeID("b")], HALF[0])
         sim.set_plan(plan_of(cluster, {"b": HALF[0], "c": HALF[1]}))
-        sent.append(moves.kv_bytes(sim, 2, moves.session_length(sim, 0)))
-        moves.hand_over_or_fail(sim, a, sim.remove(a))
+        sent.append(sim.moves.kv_bytes(2, sim.requests.length(0)))
+        sim.give_up(a, sim.remove(a))
 
     sim.at(2.0, leave)
     sim.run()
-    assert sim.handovers == 1 and sim.failovers == 0 and sim.replayed_tokens == 0 and sim.restarts == 0
-    assert sim.generated[0] == 40 and names(sim, 0) == ["b", "c"]
-    assert sim.handover_bytes == sent[0] > 100 * 2 * 2 * 1024 * 0.125  # 2 layers x K, V x 128 B x tokens
-    return sim.done_s[0], sent[0]
+    assert (
+        sim.counters.handovers == 1
+        and sim.counters.failovers == 0
+        and sim.counters.replayed_tokens == 0
+        and sim.counters.restarts == 0
+    )
+    assert sim.requests.generated[0] == 40 and names(sim, 0) == ["b", "c"]
+    assert (
+        sim.counters.handover_bytes == sent[0] > 100 * 2 * 2 * 1024 * 0.125
+    )  # 2 layers x K, V x 128 B x tokens
+    return sim.requests.done_s[0], sent[0]
 
 
 def test_kv_hand_over_takes_bytes_over_the_link_and_replays_nothing() -> None:
@@ -127,7 +133,9 @@ def test_a_node_whose_new_range_contains_the_old_keeps_its_sessions() -> None:
     sim.at(1.0 + 1e-6, lambda: held.append(len(b.sessions)))
     sim.run()
     assert held[0] > 0 and b.layers == LayerRange(0, 4)
-    assert sim.failovers == sim.handovers == sim.restarts == 0 and all(t >= 0 for t in sim.done_s)
+    assert sim.counters.failovers == sim.counters.handovers == sim.counters.restarts == 0 and all(
+        t >= 0 for t in sim.requests.done_s
+    )
     assert churn.events()[0]["nodes_moved"] == 1
 
 
@@ -143,10 +151,14 @@ def test_make_before_break_drains_the_old_range_and_takes_new_sessions_only_on_t
     sim.at(2.0 + 1e-6, after_switch)
     sim.run()
     assert checks == [(True, True)]
-    assert sim.failovers == sim.handovers == sim.restarts == 0 and all(t >= 0 for t in sim.done_s)
+    assert sim.counters.failovers == sim.counters.handovers == sim.counters.restarts == 0 and all(
+        t >= 0 for t in sim.requests.done_s
+    )
     assert b.old_layers is None and not b.draining  # dropped once its sessions ended
-    late = [r for r in range(len(sim.trace)) if sim.trace[r].arrival_s > 2.0 and b_index in sim.routes[r]]
-    assert all(sim.stage_starts[r][list(sim.routes[r]).index(b_index)] == 2 for r in late)
+    late = [
+        r for r in range(len(sim.trace)) if sim.trace[r].arrival_s > 2.0 and b_index in sim.requests.routes[r]
+    ]
+    assert all(sim.requests.stage_starts[r][list(sim.requests.routes[r]).index(b_index)] == 2 for r in late)
 
 
 @pytest.mark.parametrize(("config", "kind"), [(NEW, "handovers"), (OLD, "failovers")])
@@ -157,9 +169,9 @@ def test_a_move_that_does_not_fit_hands_sessions_over(config: SimConfig, kind: s
     sim.at(1.0 - 1e-6, lambda: before.append(len(b.sessions)))
     sim.run()
     # Sessions still prefilling have no complete KV to hand over: they replay their prompt instead.
-    assert before[0] > 0 and sim.handovers + sim.failovers == before[0]
-    assert getattr(sim, kind) > before[0] // 2
-    assert sim.restarts == 0 and all(t >= 0 for t in sim.done_s)
+    assert before[0] > 0 and sim.counters.handovers + sim.counters.failovers == before[0]
+    assert getattr(sim.counters, kind) > before[0] // 2
+    assert sim.counters.restarts == 0 and all(t >= 0 for t in sim.requests.done_s)
 
 
 def test_replays_are_taken_in_chunks_so_decode_keeps_going() -> None:
@@ -168,16 +180,16 @@ def test_replays_are_taken_in_chunks_so_decode_keeps_going() -> None:
         cluster, {"a": HALF[0], "c": HALF[1]}, one_request(), replace(NEW, replay_chunk_tokens=256)
     )
     node = Node(NodeID("x"))
-    sim.replaying[0] = True
-    sim._queue_prefill(node, [(0 << 8 | 1, 1000)])
+    sim.requests.replaying[0] = True
+    sim.batcher.queue_prefill(node, [(0 << 8 | 1, 1000)])
     taken = []
     for _ in range(4):
-        sim._take_replays(node)
+        sim.batcher.take_replays(node)
         taken.append((node.cur_replay_tokens, list(node.cur_replay)))
     assert taken == [(256, []), (256, []), (256, []), (232, [(1, 1000)])]
     unchunked = simulation(cluster, {"a": HALF[0], "c": HALF[1]}, one_request(), OLD)
-    unchunked.replaying[0] = True
-    unchunked._queue_prefill(node, [(1, 1000)])
+    unchunked.requests.replaying[0] = True
+    unchunked.batcher.queue_prefill(node, [(1, 1000)])
     assert list(node.prefill_q) == [(1, 1000)]
 
 
@@ -190,10 +202,10 @@ def test_a_session_with_no_route_waits_instead_of_restarting() -> None:
     def kill() -> None:
         for r in sim.remove(c):
             sim.fail_over(r, c)
-        stalled.append(len(sim.stalled))
+        stalled.append(len(sim.moves.stalled))
 
     sim.at(1.0, kill)
     sim.at(3.0, lambda: sim.set_layers(c, HALF[1]))
     sim.run()
-    assert stalled == [1] and not sim.stalled
-    assert sim.restarts == 0 and sim.done_s[0] > 3.0 and sim.generated[0] == 60
+    assert stalled == [1] and not sim.moves.stalled
+    assert sim.counters.restarts == 0 and sim.requests.done_s[0] > 3.0 and sim.requests.generated[0] == 60

@@ -112,8 +112,8 @@ def closed_loop_rate(cluster: Cluster, sessions: int, client_host: str | None) -
     trace = [Request(i, 0.0, 10, 50) for i in range(sessions)]
     config = SimConfig(client_step_s=0.01, client_host=client_host, max_batch_tokens=1)
     sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, config).run()
-    assert min(sim.done_s) > 0
-    return sum(sim.generated) / max(sim.done_s)
+    assert min(sim.requests.done_s) > 0
+    return sum(sim.requests.generated) / max(sim.requests.done_s)
 
 
 def test_shared_host_caps_a_closed_loop_at_its_cores() -> None:

@@ -100,7 +100,7 @@ def test_churn_fails_over_without_losing_requests() -> None:
     events = [ChurnEvent(10.0, NodeID("a"), False), ChurnEvent(20.0, NodeID("c"), False)]
     churn = Churn(sim, events, replan, present, reload_s_per_layer=0.5)
     row = summarize(sim.run(), "hand", "iwrr")
-    assert sim.failovers + sim.handovers > 0 and churn.replans == 2
+    assert sim.counters.failovers + sim.counters.handovers > 0 and churn.replans == 2
     assert row["lost_requests"] == 0
     assert present_cluster(cluster, {NodeID("b")}).node_by_id.keys() == {"b"}
 
@@ -183,7 +183,7 @@ def test_decode_quantum_keeps_throughput_and_cuts_events() -> None:
         sim = Simulation(
             cluster, plan, router_factory(cluster, "iwrr", 0), trace, SimConfig(decode_quantum_tokens=k)
         )
-        results[k] = (summarize(sim.run(), "hand", "iwrr"), sim._seq)
+        results[k] = (summarize(sim.run(), "hand", "iwrr"), sim.events.pushed)
     (exact, exact_events), (coarse, coarse_events) = results[1], results[4]
     assert coarse_events < exact_events / 2
     assert coarse["lost_requests"] == 0

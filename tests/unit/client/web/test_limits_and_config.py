@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from client.config import ClientConfig
 from client.web.config import WebConfig, build_parser, parse_config
 from client.web.errors import APIError
 from client.web.limits import GenerationSlots, RateLimiter
@@ -72,13 +73,28 @@ def test_generation_slots_queue_then_429() -> None:
 def test_every_config_field_is_a_flag_with_its_default_and_help() -> None:
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
-    for f in fields(WebConfig):
-        assert f.name in flags and flags[f.name].help.startswith(f.metadata["help"])
+    leaves = [(f.name, f) for f in fields(WebConfig) if f.name != "client"]
+    leaves += [(f"client_{f.name}", f) for f in fields(ClientConfig)]
+    for dest, f in leaves:
+        assert dest in flags and flags[dest].help.startswith(f.metadata["help"])
     config = parse_config(
         ["--initial-peers", "/ip4/1", "/ip4/2", "--max-tokens-limit", "10", "--default-max-tokens", "5"]
     )
-    assert config == WebConfig(initial_peers=("/ip4/1", "/ip4/2"), max_tokens_limit=10, default_max_tokens=5)
+    client = ClientConfig(initial_peers=("/ip4/1", "/ip4/2"))
+    assert config == WebConfig(max_tokens_limit=10, default_max_tokens=5, client=client)
     assert parse_config(["--initial-peers", "x"]).host == "127.0.0.1"  # private unless told otherwise
+
+
+def test_the_client_settings_come_from_the_client_config_under_a_prefix() -> None:
+    default = parse_config(["--initial-peers", "x"]).client
+    assert default == ClientConfig(initial_peers=("x",))  # one default per setting: the client's
+    argv = ["--initial-peers", "x", "--model", "tiny", "--client-connect-timeout-s", "60"]
+    argv += ["--client-step-timeout-s", "7.5", "--client-no-group-messages", "--client-spot-check-seed", "3"]
+    client = parse_config(argv).client
+    assert (client.model, client.connect_timeout_s, client.step_timeout_s) == ("tiny", 60.0, 7.5)
+    assert (client.group_messages, client.spot_check_seed) == (False, 3)
+    with pytest.raises(SystemExit):  # the client's own checks apply
+        parse_config(["--initial-peers", "x", "--client-step-timeout-s", "0"])
 
 
 @pytest.mark.parametrize(
