@@ -98,14 +98,15 @@ class AsyncSwarmClient:
     async def create(
         cls,
         initial_peers: Sequence[str] = (),
-        model: str = "default",
+        model: str | None = None,
         config: ClientConfig | None = None,
         reports: ReportSink | None = None,
     ) -> AsyncSwarmClient:
         """Load the tokenizer and head of `model`, join the swarm's DHT as a client, wait for all layers.
 
         `reports` receives the peers spot-checks catch computing wrongly (default: signed reports in the DHT)."""
-        config = replace(config or ClientConfig(), initial_peers=tuple(initial_peers), model=model)
+        config = config or ClientConfig()
+        config = replace(config, initial_peers=tuple(initial_peers), model=model or config.model)
         if not config.initial_peers:
             raise ValueError("initial_peers is empty: give the multiaddr of at least one running peer")
         source = await asyncio.to_thread(resolve_model, config.model)  # may convert a checkpoint once
@@ -288,7 +289,7 @@ class SwarmClient:
     def __init__(
         self,
         initial_peers: Sequence[str] = (),
-        model: str = "default",
+        model: str | None = None,
         config: ClientConfig | None = None,
         reports: ReportSink | None = None,
         **config_fields: Any,

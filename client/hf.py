@@ -46,7 +46,7 @@ class SwarmModelForCausalLM:
 
     @classmethod
     def from_swarm(
-        cls, initial_peers: Sequence[str], model: str = "default", **config_fields: Any
+        cls, initial_peers: Sequence[str], model: str | None = None, **config_fields: Any
     ) -> SwarmModelForCausalLM:
         return cls(SwarmClient(initial_peers, model, **config_fields))
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 
 from swarm.dht import PeerRecord, SwarmSnapshot, excluded_peers
+from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.errors import NoRouteError
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingConfig, RoutingView
 from swarm.routing.observed import announced_layer_tokens_s, discount_plan, flow_factor, speed_ratio
@@ -32,7 +33,6 @@ from swarm.types import LayerRange, NodeID, coverage
 logger = logging.getLogger(__name__)
 
 Snapshotter = Callable[[], Awaitable[SwarmSnapshot]]
-MAX_LAYER_TOKENS_S = 1e6  # default plausibility cap on announced decode tokens/s per layer
 OBSERVED_WEIGHT = 0.3  # weight of the newest observation in a peer's running speed ratio
 # Extra hop cost of a banned peer when only banned peers hold some layers: larger than any real route's cost,
 # so the route goes through as few banned peers as it can.
@@ -63,7 +63,7 @@ def routing_view(
     cache_high_water: float,
     avoid: frozenset[NodeID] = frozenset(),
     *,
-    min_reporters: int = 2,
+    min_reporters: int = MIN_REPORTERS,
     max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
     ratios: Mapping[NodeID, float] | None = None,
     withdrawn: Mapping[NodeID, float] | None = None,
@@ -138,7 +138,7 @@ class SwarmRoutes:
         snapshot_max_age_s: float,
         bans: BanConfig,
         clock: Callable[[], float] = time.monotonic,
-        min_reporters: int = 2,
+        min_reporters: int = MIN_REPORTERS,
         max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
         rng: random.Random | None = None,
     ) -> None:
