@@ -14,7 +14,7 @@ import torch
 
 from client.batching import HEAD_THREAD, HeadBatcher, Round
 from client.session import NO_BATCH
-from swarm.models.argmax import SCREENS
+from swarm.models.backends.cpu.argmax import SCREENS
 from swarm.models.head import ClientHead, SamplingParams
 from swarm.models.loading import ModelSource
 from tests.unit.client.test_local_generation import (
@@ -95,7 +95,7 @@ def test_a_round_screens_its_head_call_only_when_every_row_needs_just_the_argmax
 ) -> None:
     inner = tiny_source.load_head()
     kind = next(kind for kind in SCREENS if kind.available(inner.hidden_size))
-    inner.use_screen(kind(inner.lm_head_weight), 8)
+    inner.kernels.use_screen(kind(inner.lm_head_weight), 8)
     head = CountingHead(inner)
     batcher = HeadBatcher(head)
     hiddens = torch.randn(4, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(0))

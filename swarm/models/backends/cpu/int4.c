@@ -1,4 +1,4 @@
-/* y[M][N] = x[M][K] @ W^T for weights stored as 4-bit blocks (swarm/models/int4.py), float32 in and out.
+/* y[M][N] = x[M][K] @ W^T for weights stored as 4-bit blocks (swarm/models/backends/cpu/int4.py), float32 in and out.
 
    W[n][k] = d * q + m for the block of 32 holding k, rounded as transformers widens a GGUF Q4_1 block: the
    product d * q, then the sum. The kernel widens with one fused multiply-add, which rounds the same: d is a
@@ -142,7 +142,7 @@ static void fused(const float *x, long rows, long K, const uint8_t *packed, long
 }
 
 /* Inputs of more rows go FUSED_ROWS at a time: each pass reads the weights once more, which a prefill's many
-   rows would rather not (swarm.models.matmul times the forms and keeps F.linear where it is faster). Each
+   rows would rather not (swarm.models.backends.cpu.matmul times the forms and keeps F.linear where it is faster). Each
    packed row is multiplied by all of a pass's inputs, so a pass's inputs should stay in the L1 data cache: wide
    ones (an MLP's down projection, 1536 columns: 6 KB a row) go at most L1_INPUT_BYTES a pass, unless the pass
    would leave one or two rows over. A decode layer of the default model, 10 layers of 8 / 7 / 16 rows: 8.5 /
@@ -159,7 +159,7 @@ void int4_matmul(const float *x, long M, long K, const uint8_t *packed, long N, 
 
 /* ---- one decoder layer for decode steps (one token per session), all in one call --------------------------
 
-   What swarm.models.blocks runs for a Llama-family layer, written out for rows of one token each, so that a
+   What swarm.models.backends.generic runs for a Llama-family layer, written out for rows of one token each, so that a
    decode step pays no interpreter or dispatch cost per operation: on the Zen 3 those cost more than the layer's
    products for one row (a 10-layer call of one row: 5.4 ms of 11). Each step rounds as torch does it (products,
    then sums; -ffp-contract=off), except the sums of a norm and of attention, which are taken in another order
@@ -393,4 +393,20 @@ int decode_layers(float *h, long rows, long hidden, long layers, const float *co
         if (failed) return failed;
     }
     return 0;
+}
+
+/* W[N][K] widened to float32 into out (the weights exactly as transformers widens them, see the top): for the
+   products of inputs of more rows than int4_matmul serves best, through a scratch buffer the caller reuses. */
+void int4_widen(const uint8_t *packed, long N, long K, float *out) {
+    const long stride = K / 2 + 8 * (K / BLOCK), blocks = K / BLOCK;
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = packed + n * stride;
+        const float *d = (const float *)(row + K / 2), *m = d + blocks;
+        float *o = out + n * K;
+        for (long b = 0; b < blocks; b++) {
+            __m256 w[4];
+            widen(row + b * (BLOCK / 2), d[b], m[b], w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + b * BLOCK + 8 * i, w[i]);
+        }
+    }
 }

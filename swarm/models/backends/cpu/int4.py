@@ -7,7 +7,7 @@ reads every weight once, so on a CPU it is bound by memory: the projections of 1
 
 `unpack` finds q, d and m in the float32 weights themselves, and keeps them only where ``d * q + m`` gives back
 every weight bit for bit: the kernel then multiplies by exactly the weights transformers has, and only the
-order of the sums differs from ``F.linear`` (as in every form of swarm.models.matmul). Weights that are not of
+order of the sums differs from ``F.linear`` (as in every form of swarm.models.backends.cpu.matmul). Weights that are not of
 this form (a float16 checkpoint, the tiny random test models) are left alone.
 
 The product is a small C kernel (int4.c), compiled with this machine's C compiler the first time it is needed
@@ -128,6 +128,25 @@ def product(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     out = torch.empty(count, out_features, dtype=torch.float32)
     kernel(rows.data_ptr(), count, columns, packed.data_ptr(), out_features, out.data_ptr())
     return out
+
+
+def widen(packed: torch.Tensor, out_features: int, in_features: int, out: torch.Tensor) -> None:
+    """Write the float32 weight [out_features, in_features] that ``packed`` holds into ``out`` (contiguous,
+    that many floats): each weight bit for bit the one ``unpack`` found."""
+    function = _widen()
+    if function is None:
+        raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
+    if (
+        in_features % BLOCK
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or tuple(packed.shape) != (out_features, row_bytes(in_features))
+        or out.dtype != torch.float32
+        or not out.is_contiguous()
+        or out.numel() != out_features * in_features
+    ):
+        raise ValueError(f"cannot widen packed weights {tuple(packed.shape)} into {tuple(out.shape)}")
+    function(packed.data_ptr(), out_features, in_features, out.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -351,6 +370,11 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.cache
+def _widen() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("int4_widen", [_ADDRESS, _COUNT, _COUNT, _ADDRESS], None)
+
+
+@functools.cache
 def _decode_layers() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     arguments = [
         *(_ADDRESS, _COUNT, _COUNT, _COUNT),  # h, rows, hidden, layers
@@ -379,7 +403,7 @@ def _compiler() -> str | None:
 
 def kernel_version() -> str:
     """What names this build of the kernel: a digest of its source, the compiler and the flags. Measurements
-    that timed the kernel (swarm.models.matmul's kept forms) hold for this version only."""
+    that timed the kernel (swarm.models.backends.cpu.matmul's kept forms) hold for this version only."""
     built = _build()
     return _version(SOURCE, flags() if built is None else built[1])
 
@@ -411,7 +435,7 @@ def built_with(chosen: tuple[str, ...]) -> Iterator[None]:
 
 
 def _forget_build() -> None:
-    for cached in (_build, _kernel, _decode_layers):
+    for cached in (_build, _kernel, _widen, _decode_layers):
         cached.cache_clear()
 
 
