@@ -1,17 +1,22 @@
 """Screens: the greedy token from an int8 copy of the LM head, checked in float32 where it could differ.
 
-A greedy step needs only the argmax of the logits, not all of them. The float32 LM head reads 113 MB per call
-for SmolLM2-135M (49152 x 576): 3 ms of one Zen 5 EPYC core, 12 ms of a Zen 3 one (AVX2), on the client, in
-every decode step, and on the critical path of a session's token. A screen computes every logit from int8
-weights (28 MB) with a proven bound on each one's error; the rows whose bound still lets them reach the top
-(typically under ten) are then computed exactly in float32 from the original weights. The greedy token is the
-argmax of the exact float32 logits, so greedy outputs stay those of transformers (tests/unit/models/test_argmax.py).
+A greedy step needs only the argmax of the logits, not all of them. The float32 LM head is read whole in every
+decode step (113 MB for SmolLM2-135M, 49152 x 576), on the client and on the critical path of a session's token.
+A screen computes every logit from int8 weights (a quarter of the bytes) with a proven bound on each one's error;
+the rows whose bound still lets them reach the top (typically a few) are then computed exactly from the original
+weights.
+
+What "exact" means: the greedy token is the argmax of ``exact_logits``, the float32 dot products of the normed
+row with each row of the head, summed in one fixed order (screen.c's dot_rows). A logit is the same bits whichever
+other rows are computed with it and on every x86 CPU, so the re-check of a screen's candidates and the reference
+agree by construction. F.linear's logits differ from these only by float rounding (its kernel and so its order of
+the sums depend on the CPU and the shape), so greedy outputs stay those of transformers
+(tests/unit/models/backends/cpu/test_argmax.py).
 
 Two screens, for two kinds of CPU (``ClientHead`` times both on its own weights and keeps the faster):
 
-``Int8WeightScreen``: torch's weight-only int8 kernel on bf16 inputs (1.2 ms on a Zen 5 EPYC with AVX512-BF16; 6.5
-ms on an AVX2 Zen 3, which has no bf16 dot products). With x the normed hidden row, xb = bf16(x), w_j row j of
-the head, q_j its int8 copy and s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j),
+``Int8WeightScreen``: torch's weight-only int8 kernel on bf16 inputs (fast where the CPU has bf16 dot products).
+With x the normed hidden row, xb = bf16(x), w_j row j of the head, q_j its int8 copy and s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j),
 accumulated in float32, and
 
     |x . w_j - a_j| <=  |x - xb|_1 max|w_j|                 (rounding x to bf16)
@@ -20,7 +25,7 @@ accumulated in float32, and
                       + H 2^-22 (|x|_1 + |xb|_1) max|w_j|   (float32 sums: the kernel's, and the reference's own)
                       + 2^-8 |a_j|                          (the bf16 result)
 
-``Int8InputScreen``: fbgemm's int8 x int8 products (2.9 ms on the Zen 3), with the input quantised too. A last
+``Int8InputScreen``: fbgemm's int8 x int8 products (for CPUs without bf16 dot products), with the input quantised too. A last
 hidden state has a few loud dimensions (|x_i| up to ~47 where the median is ~0.9), and one scale for the whole
 row would make every other dimension's step coarse; so the LOUD loudest dimensions of each row are taken apart,
 through a copy of the head laid out by dimension (one 8-bit row per dimension, per-row scale and offset:
@@ -35,11 +40,11 @@ largest error and m_i its largest term (the row's |scale| 255 + |offset|):
                       + 2^-20 (|y_j| + sum_l |x_i| m_i)                 (the kernel's float32 rescaling, the add)
                       + H 2^-23 |x|_1 max|w_j|                          (the reference's own float32 sums)
 
-(the kernel's sums of integers are exact, its float32 rescaling of them off by a few 2^-24 of |y_j|). On real last hidden states of SmolLM2
-the bound keeps a median of 11 rows (p90 53) with LOUD = 32, the weight-only screen's a median of 25.
+(the kernel's sums of integers are exact, its float32 rescaling of them off by a few 2^-24 of |y_j|). On real last
+hidden states of SmolLM2 this bound keeps fewer rows than the weight-only screen's (docs/benchmarks.md).
 
 In both, a row j with a_j + bound_j below max_k (a_k - bound_k) is below that row k exactly, so it is not the
-argmax. The kept rows get their float32 logits; every other entry of the returned row is -inf (only its argmax
+argmax. The kept rows get their exact logits; every other entry of the returned row is -inf (only its argmax
 is meaningful, which is all a greedy pick reads).
 """
 

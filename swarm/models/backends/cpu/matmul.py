@@ -1,36 +1,22 @@
 """``linear``: ``F.linear``, or the form of the same product this CPU runs faster for the input's row count.
 
-Decoding is bound by reading the weights once per step, so a projection of 1 to 4 rows should cost about one
-pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS, so it is measured, not assumed
-(``calibrate``, once per process and set of weight shapes). On an AMD EPYC (torch 2.13's MKL, one thread) the
-projections of 10 layers of SmolLM2-135M (142 MB, ``scripts/bench_matmul.py``) take 11.9 ms for 1 row and 18.6
-ms for 2 through ``F.linear``, but 9.5 ms for both written as ``weight @ x.T`` (MKL's kernel for a few columns;
-one row goes through it as two, since with one column MKL falls back to the slow kernel), and the LM head 6.3 ms
-instead of 9.8. On an Intel Sapphire Rapids the same products are the other way round: ``F.linear`` takes 10.7 ms
-for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientHead`` times the forms on its
-own weights when it is made and keeps the number of rows up to which the few-columns form is clearly faster
-(0: never).
+Decoding is bound by reading the weights once per step, so a projection of 1 to 16 rows should cost about one
+pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS (the same product is faster one
+way on an AMD EPYC and the other way on an Intel Xeon), so it is measured, not assumed (``calibrate``, once per
+process and set of weight shapes, and kept per machine in the cache directory). The forms:
 
-A third form keeps a packed copy of each weight, laid out for the kernel that reads it (``pack``): oneDNN's
-(``torch.ops.mkldnn``, the kernels torch's inductor calls for frozen CPU models) or MKL's packed GEMM. One copy,
-made for 16 rows, serves any row count. On the AMD EPYC, oneDNN's took 5.0 / 5.4 / 6.4 / 8.8 / 74.6 ms for 1 / 3 /
-7 / 16 / 256 rows of those 10 layers, against 8.6 / 15.7 / 16.7 / 20.2 / 174.6 through ``F.linear``: MKL's
-kernel is slow on that CPU at every size, prefill included. On the Intel host MKL's packed weights took 12.3 /
-14.7 / 15.8 ms for 4 / 8 / 16 rows against 14.3 / 19.5 / 18.4, but 8.3 against 7.5 for one row. The copy
-doubles the weights' memory, so its owner decides whether it can afford it (``BlockRange``'s ``pack_bytes``);
-calibration then times each packing for 1 to 16 rows and for 64 (a prefill chunk), keeps the one that saves
-the most, and says for which row counts it pays (``Forms``): speeds jump about between row counts (MKL's
-F.linear took 20.3 ms for 16 rows but 29.5 for 15 on the Intel host).
-
-A fourth form is for weights that are exactly 4-bit (a GGUF Q4_1 checkpoint such as the default model's): the
-"int4" packer keeps them as nibbles with a scale and minimum per block of 32 (swarm.models.backends.cpu.int4), 3/16 of the
-float32 bytes, which is what bounds a decode step. On the Zen 3 its kernel took 7.1 / 8.2 / 10.3 / 17.7 / 28.9 ms
-for 1 / 2 / 4 / 8 / 16 rows of those 10 layers against 17.7 / 29.4 / 30.7 / 35.9 / 43.4 through ``F.linear``,
-but 99 against 91 for 64 rows, so a prefill keeps ``F.linear``.
+- few columns: ``weight @ x.T``, MKL's kernel for a few columns (one row goes through it as two);
+- a packed copy beside the float32 weight, laid out for the kernel that reads it (``pack``): oneDNN's or MKL's.
+  It doubles the weights' memory, so its owner decides whether it can afford it (BlockRange's ``pack_bytes``);
+  calibration then times it for 1 to 16 rows and for 64 and says for which row counts it pays (speeds jump about
+  between row counts);
+- 4-bit: weights that are exactly 4-bit (a GGUF Q4_1 checkpoint such as the default model's) held as nibbles
+  with a scale and minimum per block of 32 (int4.py, held.py), in place of the float32 weight. ``calibrate_held``
+  keeps the 4-bit kernel for every row count except where F.linear over the widened weight is clearly faster.
 
 Only the summation order differs from ``F.linear`` in any form (each output is the same dot product), so outputs
 agree with transformers' to float rounding and greedy tokens are those of transformers (the exactness tests).
-GPUs and other dtypes use ``F.linear`` itself.
+GPUs and other dtypes never come here. Measurements: docs/benchmarks.md (``scripts/bench_matmul.py``).
 """
 
 from __future__ import annotations
@@ -226,7 +212,7 @@ def packed_together(
     them in one call (``linear_together``); the copies ``packed`` keeps of them become views of it, so no memory
     is added. Only 4-bit copies, packed row by row: each output is the dot product it was, bit for bit, and one
     call instead of three (a decode step's q, k and v) or two (the MLP's gate and up) saves each call's fixed
-    cost (on the Zen 3, one row of a layer's q, k, v: 245 us in three calls, 143 in one). None otherwise."""
+    cost. None otherwise."""
     if forms.packer != "int4" or len(weights) < 2 or any(id(w) not in packed for w in weights):
         return None
     together = torch.cat([packed[id(w)] for w in weights])
