@@ -205,39 +205,6 @@ def linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def packed_together(
-    forms: Forms, packed: dict[int, torch.Tensor], weights: Sequence[torch.Tensor]
-) -> torch.Tensor | None:
-    """One packed copy of ``weights``, their rows one after another, for products of one input through all of
-    them in one call (``linear_together``); the copies ``packed`` keeps of them become views of it, so no memory
-    is added. Only 4-bit copies, packed row by row: each output is the dot product it was, bit for bit, and one
-    call instead of three (a decode step's q, k and v) or two (the MLP's gate and up) saves each call's fixed
-    cost. None otherwise."""
-    if forms.packer != "int4" or len(weights) < 2 or any(id(w) not in packed for w in weights):
-        return None
-    together = torch.cat([packed[id(w)] for w in weights])
-    start = 0
-    for w in weights:
-        packed[id(w)] = together[start : start + w.shape[0]]
-        start += w.shape[0]
-    return together
-
-
-def linear_together(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], forms: Forms, together: torch.Tensor | None
-) -> list[torch.Tensor] | None:
-    """``[F.linear(x, w) for w in weights]`` as one product through ``together`` (``packed_together``), where
-    ``forms`` packs x's rows; None where it does not (the caller takes each product on its own)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if together is None or not forms.packs(rows) or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    sizes = [w.shape[0] for w in weights]
-    out = int4.product(x.reshape(rows, x.shape[-1]), together, sum(sizes))
-    return [
-        part.reshape(*x.shape[:-1], size) for part, size in zip(out.split(sizes, dim=1), sizes, strict=True)
-    ]
-
-
 def project(
     x: torch.Tensor, layer: torch.nn.Linear, forms: Forms = PLAIN, packed: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from client.local import in_process_client
 from swarm.models import SamplingParams, Step
 from swarm.models.backends.cpu import int4, matmul
+from swarm.models.backends.cpu.held import Int4Linear, hold
 from swarm.models.backends.cpu.matmul import PACKED_TIMED_ROWS, Forms, NotFourBit, pack, taken
 from swarm.testing.weights import four_bit, make_four_bit
 
@@ -79,6 +80,43 @@ def test_products_are_f_linears_for_every_row_count(rows: int, columns: int, bui
     torch.testing.assert_close(
         int4.product(x.T.contiguous().T, packed, 96), got, atol=0, rtol=0
     )  # any layout
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (7, 32), (3, 1536)])
+def test_widened_weights_are_the_float32_weights_bit_for_bit(shape: tuple[int, int], build: str) -> None:
+    """What a range holding 4-bit weights multiplies by where F.linear is faster: exactly the loaded weights."""
+    weight = _weight(*shape)
+    packed = int4.unpack(weight)
+    assert packed is not None
+    out = torch.full((shape[0] * shape[1],), float("nan"))
+    int4.widen(packed, *shape, out)
+    assert torch.equal(out.view(shape), weight)
+    with pytest.raises(ValueError, match="cannot widen"):
+        int4.widen(packed, shape[0], shape[1], torch.empty(shape[0] * shape[1] - 1))
+
+
+def test_a_layer_held_as_4_bit_gives_the_float32_layers_products(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    """held.hold replaces each exactly 4-bit projection by an Int4Linear (q, k, v and gate, up packed together,
+    each a view of one tensor), which widens back to the same weight and multiplies to F.linear's result."""
+    layer = tiny_source.load_blocks(0, 1).layers[0]
+    make_four_bit(layer)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    owners = {
+        n: layer.self_attn if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+        for n in names
+    }
+    weights = {n: getattr(owners[n], n).weight.detach().clone() for n in names}
+    hold(layer)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))  # as wide as the widest input
+    for name in names:
+        held = getattr(owners[name], name)
+        assert isinstance(held, Int4Linear) and torch.equal(held.widened(), weights[name])
+        torch.testing.assert_close(
+            held(x[:, : held.in_features]), F.linear(x[:, : held.in_features], weights[name])
+        )
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.q_proj.together is attn.k_proj.together is attn.v_proj.together is not None
+    assert mlp.gate_proj.together is mlp.up_proj.together is not None and attn.o_proj.together is None
 
 
 def test_weights_that_are_not_exactly_4_bit_are_left_alone() -> None:
