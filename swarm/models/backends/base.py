@@ -41,7 +41,7 @@ class Shape:
 class Batch:
     """Session steps over the same layers, their tokens one after another: what ``RangeKernels.run`` takes."""
 
-    hidden: torch.Tensor  # [N, H], every step's tokens in order
+    hidden: torch.Tensor  # [N, H], every step's tokens in order (the backend may change it in place)
     cos: torch.Tensor  # [N, head_dim] rotary angles of each token's position
     sin: torch.Tensor
     caches: list[SessionCache]  # one per step
