@@ -320,9 +320,8 @@ class PlanFollower:
         keep = old.range.intersect(target)
         if keep is not None:
             keep_spare = spare_bytes(self.source, old.blocks, self.peer.identity.memory_bytes, keep)
-            self.peer.serve(
-                assemble_blocks(self.source, old.blocks, keep, keep_spare)
-            )  # shares old's modules
+            narrowed = assemble_blocks(self.source, old.blocks, keep, keep_spare)  # shares old's modules
+            self.peer.serve(narrowed)
             await self._announce(keep)
         else:
             old.accepting = False  # nothing to serve meanwhile: no new sessions on layers being given up

@@ -48,6 +48,7 @@ def _pip_wheel(tree: Path, out: Path) -> Path:
     shutil.copytree(
         CHECKOUT,
         tree,
+        symlinks=True,
         ignore=shutil.ignore_patterns(
             ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "node_modules"
         ),
