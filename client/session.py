@@ -56,7 +56,7 @@ class Head(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # ids[T] -> hidden[T, H]
 
     # hidden[T, H] -> logits[T, V]; argmax_only: only each row's argmax must be exact, entries that cannot be it
-    # may be -inf (swarm.models.argmax)
+    # may be -inf (swarm.models.backends.cpu.argmax)
     def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor: ...
 
 

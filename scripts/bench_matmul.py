@@ -6,9 +6,9 @@
 
 For 1 to 8 rows (the tokens of a decode batch) and a 64-row prefill chunk, the median time of every projection of
 ``--layers`` layers of the model through ``F.linear``, the few-columns form and each packed-weight kernel this
-machine has (``swarm.models.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
+machine has (``swarm.models.backends.cpu.matmul``; the 4-bit one only for weights that are 4-bit), plus the LM head for one
 row, on one torch thread; a greedy step's LM head for 1 to 8 rows, dense and through each argmax screen
-(``swarm.models.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose
+(``swarm.models.backends.cpu.argmax``; Int8InputScreen's finish in C and in torch); and the forms ``matmul.calibrate`` chose
 for them on this machine. Where the range takes the 4-bit form, also whole decode calls of those layers
 (sessions with 37 cached tokens, one new token each) with the layers in one call of ``int4.decode_layers`` and
 written out in torch operations, alternated;
@@ -28,12 +28,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from swarm.models import Step, int4
-from swarm.models.argmax import SCREENS, ArgmaxScreen, Int8InputScreen
+from swarm.models import Step
+from swarm.models.backends.cpu import int4
+from swarm.models.backends.cpu.argmax import SCREENS, ArgmaxScreen, Int8InputScreen
+from swarm.models.backends.cpu.held import Int4Linear
+from swarm.models.backends.cpu.int4 import LayerWeights
+from swarm.models.backends.cpu.matmul import PACKED_ROWS, Forms, NotFourBit, calibrate, linear, pack, packers
 from swarm.models.head import ClientHead
-from swarm.models.int4 import LayerWeights
 from swarm.models.loading import ModelSource, resolve_model
-from swarm.models.matmul import PACKED_ROWS, Forms, NotFourBit, calibrate, linear, pack, packers
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -63,7 +65,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = resolve_model(args.model)
     layers = min(args.layers, source.spec.num_layers)
     blocks = source.load_blocks(0, layers, cache_tokens=0)
-    weights = [m.weight for m in blocks.layers.modules() if isinstance(m, torch.nn.Linear)]
+    # the float32 weights (widened where the range holds them as 4-bit), to time every form on
+    weights = [
+        m.widened() if isinstance(m, Int4Linear) else m.weight
+        for m in blocks.layers.modules()
+        if isinstance(m, torch.nn.Linear | Int4Linear)
+    ]
     head = source.load_head()
     forms, head_forms = calibrate(weights, packing=True), calibrate([head.lm_head_weight], packing=True)
     every_row = {name: Forms(packer=name, packed_rows=frozenset(range(1, PACKED_ROWS + 1)), packed_beyond=True)
@@ -143,9 +150,9 @@ def _greedy_head(head: ClientHead, max_rows: int, repeats: int) -> dict[str, dic
     timed = {}
     for rows in (r for r in (1, 2, 4, 8) if r <= max_rows):
         x = sample[:rows]
-        times = {"dense": _median_ms(repeats, functools.partial(head._dense, x))}
+        times = {"dense": _median_ms(repeats, functools.partial(head.kernels.logits, x))}
         for name, screen in screens.items():
-            times[name] = _median_ms(repeats, functools.partial(screen.logits, x, head._dense))
+            times[name] = _median_ms(repeats, functools.partial(screen.logits, x, head.kernels.logits))
         timed[str(rows)] = times
     return timed
 
@@ -157,14 +164,14 @@ def _decode_calls(
     session with ``context`` cached tokens (None where the calibrated forms leave the layers unfused: weights not
     4-bit, no kernel); where the kernel is built for AVX-512 here, "decode_layer_avx2_build" too."""
     blocks = source.load_blocks(0, layers, cache_tokens=(context + 1) * max_rows, pack_bytes=2**40)
-    fused = list(blocks._fused)
+    fused = list(blocks.kernels._fused)
     if not all(fused):
         return None
     hidden = source.spec.hidden_size
     calls: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for rows in sorted({1, max(1, max_rows // 2), max_rows}):
-            if not blocks.forms.packs(rows):
+            if not blocks.kernels.forms.packs(rows):
                 continue
             sessions = [f"bench-{rows}-{i}" for i in range(rows)]
             for session in sessions:
@@ -177,12 +184,12 @@ def _decode_calls(
             times: dict[str, list[float]] = {name: [] for name, _, _ in forms}
             for _ in range(max(1, repeats)):  # alternated: a slow spell of the machine hits each
                 for name, form, build in forms:
-                    blocks._fused = form
+                    blocks.kernels._fused = form
                     # replayed: the same position each time
                     steps = [Step(s, torch.randn(1, hidden), 0, layers, context) for s in sessions]
                     with int4.built_with(build) if build else contextlib.nullcontext():
                         times[name].append(_median_ms(5, functools.partial(blocks.forward, steps)))
-            blocks._fused = fused
+            blocks.kernels._fused = fused
             calls[str(rows)] = {name: statistics.median(ms) for name, ms in times.items()}
             for session in sessions:
                 blocks.close_session(session)

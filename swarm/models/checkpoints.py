@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from swarm import config
-from swarm.models.kept import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -260,3 +259,16 @@ def ensure_tiny_checkpoint(seed: int) -> Path:
         write_tiny_checkpoint(tmp, seed)
         _write_metadata(tmp, f"tiny-{seed}", f"tiny:{seed}")
     return final
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write ``data`` to ``path`` whole, then rename it into place: a reader never sees half a file."""
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.argmax import ROWS_TIMED, ArgmaxScreen, calibrated_screen
-from swarm.models.matmul import Forms, calibrate, linear, taken
+from swarm.models.backends import for_device
 from swarm.models.spec import ModelSpec
+
+SAMPLE_ROWS = 8  # rows like a model's last hidden states that a backend may time its head's forms on
 
 
 class ClientHead:
@@ -30,30 +31,15 @@ class ClientHead:
         self.lm_head_weight = lm_head_weight
         self.device = embed_weight.device
         self.dtype = embed_weight.dtype
-        # the form of the LM head worth taking on this CPU, as measured (swarm.models.matmul); a packed copy
-        # where it pays, as large as the LM head (113 MB for the default model; CPU float32 heads only)
-        self.use_forms(calibrate([lm_head_weight], packing=True))
-        # greedy steps: the argmax through an int8 screen, for inputs of up to this many rows (swarm.models.argmax)
-        self.screen: ArgmaxScreen | None = None
-        self.screened_rows = 0
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            self._calibrate_screen()
+        self.backend = for_device(self.device, self.dtype)
+        self.kernels = self.backend.head_kernels(lm_head_weight, self._sample)
 
-    def _calibrate_screen(self) -> None:
-        # embedding rows spread over the vocabulary stand in for last hidden states: their logits have a clear top
-        ids = torch.linspace(0, self.spec.vocab_size - 1, max(ROWS_TIMED)).long()
+    def _sample(self) -> torch.Tensor:
+        """Normed embedding rows spread over the vocabulary: they stand in for last hidden states, whose logits
+        have a clear top (random rows have flat logits)."""
+        ids = torch.linspace(0, self.spec.vocab_size - 1, SAMPLE_ROWS).long()
         with torch.no_grad():
-            sample = self.norm(self.embed_weight[ids])
-            self.use_screen(*calibrated_screen(self._dense, self.lm_head_weight, sample))
-
-    def use_screen(self, screen: ArgmaxScreen | None, rows: int) -> None:
-        """Screen greedy inputs of 1 to ``rows`` rows through ``screen`` (None or 0: never)."""
-        self.screen, self.screened_rows = (screen, rows) if screen is not None and rows > 0 else (None, 0)
-
-    def use_forms(self, forms: Forms) -> None:
-        """Take ``forms`` for the LM head from now on, keeping a packed copy of it only if they use one."""
-        self.forms, copies = taken(forms, [self.lm_head_weight])
-        self._packed = copies.get(id(self.lm_head_weight))
+            return self.norm(self.embed_weight[ids])
 
     @property
     def hidden_size(self) -> int:
@@ -74,18 +60,14 @@ class ClientHead:
     def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """hidden [..., H] (output of the last layer) -> logits [..., V] in float32.
 
-        ``argmax_only`` (a greedy pick reads nothing else): each row's argmax is that of its exact logits, and
-        entries that cannot be it may be -inf instead of their logit (see swarm.models.argmax)."""
+        ``argmax_only`` (a greedy pick reads nothing else): each row's argmax is exact as the backend defines it
+        (HeadKernels.greedy_logits), and entries that cannot be it may be -inf instead of their logit."""
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
         rows = normed.reshape(-1, self.hidden_size)  # [N, H]
-        if argmax_only and self.screen is not None and 0 < rows.shape[0] <= self.screened_rows:
-            return self.screen.logits(rows, self._dense).reshape(*normed.shape[:-1], -1)
-        return self._dense(normed)
-
-    def _dense(self, normed: torch.Tensor) -> torch.Tensor:
-        return linear(normed, self.lm_head_weight, None, self.forms, self._packed).float()
+        out = self.kernels.greedy_logits(rows) if argmax_only else self.kernels.logits(rows)
+        return out.reshape(*normed.shape[:-1], -1)
 
 
 @dataclass(frozen=True)

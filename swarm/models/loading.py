@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from swarm import config as swarm_config
 from swarm.models import checkpoints
+from swarm.models.backends import for_device, held_bytes
 from swarm.models.blocks import BlockRange, family_classes
 from swarm.models.head import ClientHead
 from swarm.models.spec import ModelSpec, dtype_name, torch_dtype
@@ -86,6 +88,7 @@ class ModelSource:
             self.config, name=name, dtype=self._stored_dtype(), weights_hash=digest
         )
         self._prefix = "model."
+        self._held_layer_bytes: dict[tuple[str, str], int] = {}  # by (device, dtype): held_layer_bytes
 
     def __repr__(self) -> str:
         return f"ModelSource({self.spec.name!r}, {self.path})"
@@ -150,18 +153,9 @@ class ModelSource:
         torch_device, torch_type = parse_device(device), torch_dtype(dtype)
         _set_torch_threads()
         began = time.perf_counter()
-        layer_class, _, _ = family_classes(self.spec.model_type)
-        modules = []
-        for layer in range(start, end):
-            prefix = f"{self._prefix}layers.{layer}."
-            names = [n for n in self._files if n.startswith(prefix)]
-            tensors = self.read_tensors(names, torch_device, torch_type)
-            with torch.device("meta"):
-                module = layer_class(self.config, layer_idx=layer)
-            module.load_state_dict(
-                {n[len(prefix) :]: t for n, t in tensors.items()}, strict=True, assign=True
-            )
-            modules.append(module.eval())
+        backend = for_device(torch_device, torch_type)
+        # each layer held in the backend's form as it is read, so a float32 copy of one layer at most is alive
+        modules = [backend.hold(self._layer(layer, torch_device, torch_type)) for layer in range(start, end)]
         logger.info(
             "loaded layers %s of %s on %s (%s) in %.2f s",
             layers,
@@ -173,6 +167,28 @@ class ModelSource:
         return BlockRange(
             self.spec, self.config, modules, layers, cache_tokens, torch_device, torch_type, pack_bytes
         )
+
+    def _layer(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer ``layer`` as its transformers module, reading only its tensors."""
+        layer_class, _, _ = family_classes(self.spec.model_type)
+        prefix = f"{self._prefix}layers.{layer}."
+        names = [n for n in self._files if n.startswith(prefix)]
+        tensors = self.read_tensors(names, device, dtype)
+        with torch.device("meta"):
+            module = layer_class(self.config, layer_idx=layer)
+        module.load_state_dict({n[len(prefix) :]: t for n, t in tensors.items()}, strict=True, assign=True)
+        return module.eval()
+
+    def held_layer_bytes(self, device: str = "cpu", dtype: str = "float32") -> int:
+        """Bytes one decoder layer's weights take as ``device``'s backend holds them (the first layer, loaded
+        and held once): what a memory budget counts per layer (3/16 of float32 for a CPU's 4-bit weights)."""
+        key = (device, dtype)
+        if key not in self._held_layer_bytes:
+            torch_device, torch_type = parse_device(device), torch_dtype(dtype)
+            _set_torch_threads()
+            layer = for_device(torch_device, torch_type).hold(self._layer(0, torch_device, torch_type))
+            self._held_layer_bytes[key] = held_bytes([layer])
+        return self._held_layer_bytes[key]
 
     def load_head(self, device: str = "cpu", dtype: str = "float32") -> ClientHead:
         """Embeddings, final norm and LM head (tied to the embeddings when the config says so)."""

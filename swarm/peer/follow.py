@@ -147,8 +147,9 @@ def assemble_blocks(
     source: ModelSource, held: BlockRange, layers: LayerRange, pack_bytes: int = 0
 ) -> BlockRange:
     """A BlockRange of `layers` with a fresh KV cache, reusing `held`'s modules for the layers it has and
-    loading only the others (run it off the event loop). The modules are read-only at inference, so the old
-    and the new BlockRange can share them while the old one still serves."""
+    loading only the others (run it off the event loop). The modules are read-only at inference and already
+    in the form their backend holds them, so the old and the new BlockRange share them while the old one still
+    serves, and the new one runs as a range loaded at join (``pack_bytes`` as there: see spare_bytes)."""
     layers.check_within(source.spec.num_layers)
     device, dtype = str(held.device), str(held.dtype).removeprefix("torch.")
     modules: list[nn.Module] = []
@@ -161,7 +162,7 @@ def assemble_blocks(
         # A run of layers we do not hold: load it in one go.
         end = held.range.start if layer < held.range.start else layers.end
         end = min(end, layers.end)
-        loaded = source.load_blocks(layer, end, device, dtype, 0)
+        loaded = source.load_blocks(layer, end, device, dtype, cache_tokens=0)
         modules.extend(loaded.layers)
         layer = end
     return BlockRange(
@@ -174,6 +175,14 @@ def assemble_blocks(
         held.dtype,
         pack_bytes,
     )
+
+
+def spare_bytes(source: ModelSource, held: BlockRange, memory_bytes: int, layers: LayerRange) -> int:
+    """BlockRange's ``pack_bytes`` for ``layers`` within a budget of ``memory_bytes``, counted as at join."""
+    device, dtype = str(held.device), str(held.dtype).removeprefix("torch.")
+    weight_bytes = source.held_layer_bytes(device, dtype)
+    cache_tokens = held.cache.cache_tokens
+    return packing_bytes(source.spec, dtype, memory_bytes, cache_tokens, len(layers), weight_bytes)
 
 
 class PlanFollower:
@@ -274,7 +283,9 @@ class PlanFollower:
             return await self._move_in_steps(target, epoch)
         logger.info("plan epoch %d: moving %s -> %s (via %s)", epoch, old, target, transit)
         if transit != old:
-            blocks = await asyncio.to_thread(assemble_blocks, self.source, self._current_blocks(), transit)
+            current = self._current_blocks()
+            spare = spare_bytes(self.source, current, self.peer.identity.memory_bytes, transit)
+            blocks = await asyncio.to_thread(assemble_blocks, self.source, current, transit, spare)
             if transit.covers(old):  # nothing dropped: the open sessions come along
                 await self.peer.carry_over(blocks)
                 await self._announce(transit)
@@ -285,9 +296,9 @@ class PlanFollower:
         if transit != target:
             if not await self._handover(dropped_layers(transit, target), epoch):
                 return False
-            await self._switch(
-                assemble_blocks(self.source, self._current_blocks(), target)
-            )  # no load: inside
+            current = self._current_blocks()
+            spare = spare_bytes(self.source, current, self.peer.identity.memory_bytes, target)
+            await self._switch(assemble_blocks(self.source, current, target, spare))  # no load: inside
         self.moves += 1
         logger.info("plan epoch %d: serving %s after %.1f s", epoch, target, time.monotonic() - began)
         return True
@@ -305,11 +316,12 @@ class PlanFollower:
             return False
         device, dtype = str(old.blocks.device), str(old.blocks.dtype).removeprefix("torch.")
         cache_tokens = old.blocks.cache.cache_tokens
-        identity = self.peer.identity
-        spare = packing_bytes(self.source.spec, dtype, identity.memory_bytes, cache_tokens, len(target))
+        spare = spare_bytes(self.source, old.blocks, self.peer.identity.memory_bytes, target)
         keep = old.range.intersect(target)
         if keep is not None:
-            self.peer.serve(assemble_blocks(self.source, old.blocks, keep))  # shares old's modules
+            keep_spare = spare_bytes(self.source, old.blocks, self.peer.identity.memory_bytes, keep)
+            narrowed = assemble_blocks(self.source, old.blocks, keep, keep_spare)  # shares old's modules
+            self.peer.serve(narrowed)
             await self._announce(keep)
         else:
             old.accepting = False  # nothing to serve meanwhile: no new sessions on layers being given up

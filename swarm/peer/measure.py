@@ -102,21 +102,34 @@ def memory_budget_bytes(device: str, max_memory_gb: float | None) -> int:
         return 4 * 1024**3
 
 
-def _layer_bytes(spec: ModelSpec, dtype: str, cache_tokens: int) -> int:
-    """One layer's weights plus a KV cache of ``cache_tokens``."""
-    return spec.layer_bytes(dtype) + cache_tokens * spec.kv_bytes_per_token(dtype)
+def _layer_bytes(spec: ModelSpec, dtype: str, cache_tokens: int, weight_bytes: int | None) -> int:
+    """One layer's weights (``weight_bytes`` as held, else as loaded in ``dtype``) plus a KV cache of
+    ``cache_tokens``."""
+    weights = spec.layer_bytes(dtype) if weight_bytes is None else weight_bytes
+    return weights + cache_tokens * spec.kv_bytes_per_token(dtype)
 
 
-def max_layers_within(spec: ModelSpec, dtype: str, budget_bytes: int, cache_tokens: int) -> int:
-    """Most layers whose weights plus a KV cache of ``cache_tokens`` per layer fit in ``budget_bytes``."""
-    per_layer = _layer_bytes(spec, dtype, cache_tokens)
+def max_layers_within(
+    spec: ModelSpec, dtype: str, budget_bytes: int, cache_tokens: int, weight_bytes: int | None = None
+) -> int:
+    """Most layers whose weights (``weight_bytes`` a layer as its backend holds them: ModelSource.
+    held_layer_bytes; else the dtype's) plus a KV cache of ``cache_tokens`` per layer fit in ``budget_bytes``."""
+    per_layer = _layer_bytes(spec, dtype, cache_tokens, weight_bytes)
     return max(0, min(spec.num_layers, budget_bytes // max(per_layer, 1)))
 
 
-def packing_bytes(spec: ModelSpec, dtype: str, budget_bytes: int, cache_tokens: int, layers: int) -> int:
-    """What the budget leaves, once ``layers`` layers' weights and KV caches are counted, for packed copies of
-    their weights (BlockRange's ``pack_bytes``): a CPU peer holding fewer layers than fit gets faster batches."""
-    return max(0, budget_bytes - layers * _layer_bytes(spec, dtype, cache_tokens))
+def packing_bytes(
+    spec: ModelSpec,
+    dtype: str,
+    budget_bytes: int,
+    cache_tokens: int,
+    layers: int,
+    weight_bytes: int | None = None,
+) -> int:
+    """What the budget leaves, once ``layers`` layers' held weights and KV caches are counted, for copies of
+    their weights beside them (BlockRange's ``pack_bytes``): the same for a range loaded at join and one a peer
+    moves to."""
+    return max(0, budget_bytes - layers * _layer_bytes(spec, dtype, cache_tokens, weight_bytes))
 
 
 def choose_range(coverage: list[int], max_layers: int) -> LayerRange:

@@ -107,7 +107,8 @@ async def _serve(
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
     directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
     directory = Directory(dht, directory_config, shape=shape)
-    identity = _identity(config, source.spec, dht)
+    weight_bytes = await asyncio.to_thread(source.held_layer_bytes, config.device, config.torch_dtype_name)
+    identity = _identity(config, source.spec, dht, weight_bytes)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     taking_turns = config.executor.prefill_turns and TURNS_SUPPORTED
     turns = DeviceTurns(turns_path(config.device)) if taking_turns else None
@@ -213,9 +214,10 @@ def _faults(config: PeerConfig, name: str) -> OutputFaults | None:
     return OutputFaults(config.faulty_output_rate, seed_of(name), config.faulty_skip_rate)
 
 
-def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT) -> Identity:
+def _identity(config: PeerConfig, spec: ModelSpec, dht: SwarmDHT, weight_bytes: int) -> Identity:
+    """``weight_bytes``: one layer's weights as this device holds them (ModelSource.held_layer_bytes)."""
     budget = memory_budget_bytes(config.device, config.max_memory_gb)
-    max_layers = max_layers_within(spec, config.torch_dtype_name, budget, config.cache_tokens)
+    max_layers = max_layers_within(spec, config.torch_dtype_name, budget, config.cache_tokens, weight_bytes)
     if max_layers == 0:
         raise ValueError(
             f"a memory budget of {budget / 1024**3:.2f} GiB does not fit one layer of {spec.name} with "
@@ -234,9 +236,9 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         identity.max_layers,
         identity.memory_bytes / 1024**3,
     )
-    spare = packing_bytes(
-        spec, config.torch_dtype_name, identity.memory_bytes, config.cache_tokens, len(layers)
-    )
+    dtype = config.torch_dtype_name
+    weight_bytes = source.held_layer_bytes(config.device, dtype)
+    spare = packing_bytes(spec, dtype, identity.memory_bytes, config.cache_tokens, len(layers), weight_bytes)
     blocks = await asyncio.to_thread(
         source.load_blocks,
         layers.start,

@@ -1,11 +1,12 @@
-"""Weights of the form a GGUF Q4_1 checkpoint holds, for tests of swarm.models.int4 on small random models."""
+"""Weights of the form a GGUF Q4_1 checkpoint holds, for tests of the CPU backend's 4-bit weights on small random models."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from swarm.models.int4 import BLOCK, LEVELS
+BLOCK = 32  # weights of a row sharing one scale and minimum
+LEVELS = 15  # q runs 0 .. 15
 
 
 def four_bit(weight: torch.Tensor) -> torch.Tensor:

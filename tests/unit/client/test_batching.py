@@ -14,7 +14,7 @@ import torch
 
 from client.batching import HEAD_THREAD, HeadBatcher, Round
 from client.session import NO_BATCH
-from swarm.models.argmax import SCREENS
+from swarm.models.backends.cpu.argmax import SCREENS, exact_logits
 from swarm.models.head import ClientHead, SamplingParams
 from swarm.models.loading import ModelSource
 from tests.unit.client.test_local_generation import (
@@ -95,7 +95,7 @@ def test_a_round_screens_its_head_call_only_when_every_row_needs_just_the_argmax
 ) -> None:
     inner = tiny_source.load_head()
     kind = next(kind for kind in SCREENS if kind.available(inner.hidden_size))
-    inner.use_screen(kind(inner.lm_head_weight), 8)
+    inner.kernels.use_screen(kind(inner.lm_head_weight), 8)
     head = CountingHead(inner)
     batcher = HeadBatcher(head)
     hiddens = torch.randn(4, tiny_source.spec.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -113,8 +113,10 @@ def test_a_round_screens_its_head_call_only_when_every_row_needs_just_the_argmax
     assert head.argmax_only == [True, False] and head.batch_rows == [4, 4]
     assert not all(bool(torch.isfinite(row).all()) for row in greedy)  # screened: -inf where ruled out
     assert all(bool(torch.isfinite(row).all()) for row in mixed)  # one row wants them all: dense for all
-    for rows in (greedy, mixed):
-        assert [int(r.argmax()) for r in rows] == dense.argmax(-1).tolist()
+    # screened rows: the argmax of the exact logits (argmax.exact_logits); dense rows: of the dense head's
+    exact = torch.stack([exact_logits(row, inner.lm_head_weight) for row in inner.norm(hiddens)])
+    assert [int(r.argmax()) for r in greedy] == exact.argmax(-1).tolist()
+    assert [int(r.argmax()) for r in mixed] == dense.argmax(-1).tolist()
     batcher.close()
 
 

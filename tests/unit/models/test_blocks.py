@@ -10,8 +10,16 @@ import torch
 from client.local import in_process_client
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models import SamplingParams, Step
-from swarm.models import blocks as blocks_module
-from swarm.models.matmul import MAX_FEW_ROWS, PACKED_TIMED_ROWS, PLAIN, Forms, packers, packing_available
+from swarm.models.backends.cpu import range as cpu_range
+from swarm.models.backends.cpu.matmul import (
+    MAX_FEW_ROWS,
+    PACKED_TIMED_ROWS,
+    PLAIN,
+    Forms,
+    packers,
+    packing_available,
+)
+from swarm.models.backends.generic import TorchHead, TorchRange
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,10 +40,13 @@ FORMS = {
 }
 
 
-@pytest.fixture(params=["measured", *FORMS])
-def forms(request) -> Forms | None:  # type: ignore[no-untyped-def]
-    """The matmul forms: what calibration chose on this CPU, the few-columns form for every decode step, or a
-    packed copy of the weights for every input (whichever this machine picks, each must stay exact)."""
+@pytest.fixture(params=["measured", "generic", *FORMS])
+def forms(request) -> Forms | str | None:  # type: ignore[no-untyped-def]
+    """The matmul forms: what calibration chose on this CPU, the generic torch backend (what a GPU runs), the
+    few-columns form for every decode step, or a packed copy of the weights for every input (whichever this
+    machine picks, each must stay exact)."""
+    if request.param == "generic":
+        return "generic"
     chosen = FORMS.get(request.param)
     if chosen is not None and chosen.packer and chosen.packer not in packers():
         pytest.skip(f"this torch has no {chosen.packer} packed weights")
@@ -45,15 +56,19 @@ def forms(request) -> Forms | None:  # type: ignore[no-untyped-def]
 @pytest.fixture()
 def head(tiny_source, forms):  # type: ignore[no-untyped-def]
     part = tiny_source.load_head()
-    if forms is not None:
-        part.use_forms(forms)
+    if forms == "generic":
+        part.kernels = TorchHead(part.lm_head_weight)
+    elif forms is not None:
+        part.kernels.use_forms(forms)
     return part
 
 
-def _blocks(tiny_source, start: int, end: int, forms: Forms | None):  # type: ignore[no-untyped-def]
+def _blocks(tiny_source, start: int, end: int, forms: Forms | str | None):  # type: ignore[no-untyped-def]
     part = tiny_source.load_blocks(start, end, cache_tokens=1000)
-    if forms is not None:
-        part.use_forms(forms)
+    if forms == "generic":
+        part.kernels = TorchRange(list(part.layers), start, part.kernels.shape)
+    elif forms is not None:
+        part.kernels.use_forms(forms)
     return part
 
 
@@ -278,17 +293,19 @@ def test_packed_copies_are_timed_and_kept_only_within_the_memory_given(tiny_sour
         asked.append(packing)
         return Forms(packer=packers()[0], packed_rows=frozenset({3})) if packing else PLAIN
 
-    monkeypatch.setattr(blocks_module, "calibrate", faster_when_packed)
+    monkeypatch.setattr(cpu_range, "calibrate", faster_when_packed)
     weight_bytes = 2 * sum(
         p.numel() * 4 for p in tiny_source.load_blocks(0, 1).layers.parameters() if p.ndim == 2
     )
     tight = tiny_source.load_blocks(0, 2, cache_tokens=100, pack_bytes=weight_bytes - 1)
     roomy = tiny_source.load_blocks(0, 2, cache_tokens=100, pack_bytes=weight_bytes)
     assert asked[-2:] == [False, True]  # a copy it cannot afford is not even timed
-    assert tight._packed == {} and tight.forms == PLAIN
-    assert len(roomy._packed) == 2 * 7 and roomy.forms.packed_rows == {3}  # 7 projections a layer
+    assert tight.kernels._packed == {} and tight.kernels.forms == PLAIN
+    assert len(roomy.kernels._packed) == 2 * 7 and roomy.kernels.forms.packed_rows == {
+        3
+    }  # 7 projections a layer
     bf16 = tiny_source.load_blocks(0, 2, dtype="bfloat16", cache_tokens=100, pack_bytes=2**40)
-    assert bf16._packed == {} and bf16.forms == PLAIN  # packed weights are float32 only
+    assert type(bf16.kernels) is TorchRange  # packed weights are float32 only: plain torch for bfloat16
 
 
 def test_between_layers_is_called_before_each_layer_after_the_first_and_changes_nothing(tiny_source) -> None:  # type: ignore[no-untyped-def]

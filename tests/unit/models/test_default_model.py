@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from client.local import in_process_client
-from swarm.models import SamplingParams, Step, int4, resolve_model
-from swarm.models.matmul import PACKED_TIMED_ROWS, Forms
+from swarm.models import SamplingParams, Step, resolve_model
+from swarm.models.backends.cpu import int4
+from swarm.models.backends.cpu.matmul import PACKED_TIMED_ROWS, Forms
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,7 +24,7 @@ SPLITS = [(0, 10), (10, 20), (20, 30)]
 
 @pytest.fixture(scope="module", params=["measured", "int4"])
 def parts(default_source, request):  # type: ignore[no-untyped-def]
-    """The head and three ranges, multiplying as calibration chose, or through the 4-bit form (swarm.models.int4:
+    """The head and three ranges, multiplying as calibration chose, or through the 4-bit form (swarm.models.backends.cpu.int4:
     the default model's layers are GGUF Q4_1) for every input, prefill included."""
     head = default_source.load_head()
     blocks = [default_source.load_blocks(a, b) for a, b in SPLITS]
@@ -31,10 +32,10 @@ def parts(default_source, request):  # type: ignore[no-untyped-def]
         if not int4.available():
             pytest.skip("no 4-bit kernel here (needs x86-64 AVX2 and a C compiler)")
         for block in blocks:
-            block.use_forms(
+            block.kernels.use_forms(
                 Forms(packer="int4", packed_rows=frozenset(PACKED_TIMED_ROWS), packed_beyond=True)
             )
-            assert block.forms.packer == "int4"  # taken: every weight of the model's layers is 4-bit
+            assert block.kernels.forms.packer == "int4"  # taken: every weight of the model's layers is 4-bit
     return default_source, head, blocks
 
 

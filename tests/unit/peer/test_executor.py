@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from swarm.errors import CapacityError, SessionError
+from swarm.models.backends.cpu.matmul import PLAIN, Forms
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
-from swarm.models.matmul import PLAIN, Forms
 from swarm.peer import turns as turns_module
 from swarm.peer.executor import (
     _ARRIVALS_HORIZON_S,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(60)
 def blocks() -> BlockRange:
     torch.set_num_threads(1)
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
-    blocks.use_forms(PLAIN)  # F.linear for any rows, whatever this CPU's calibration: prefills may ride along
+    blocks.kernels.use_forms(PLAIN)  # F.linear for any rows, whatever this CPU's calibration: prefills may ride along
     return blocks
 
 
@@ -1082,7 +1082,7 @@ def test_a_short_prefill_rides_only_if_the_decode_call_keeps_its_form_of_product
     (as a 4-bit decode call does for a spot-check window), so p goes to the prefill thread. Either way both
     get the outputs each gets alone."""
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
-    blocks.use_forms(Forms(few_rows=few_rows))
+    blocks.kernels.use_forms(Forms(few_rows=few_rows))
     rides = few_rows >= 5
     assert blocks.same_form(1, 4) is rides
     config = ExecutorConfig(

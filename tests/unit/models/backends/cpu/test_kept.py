@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.models.kept import keep, machine, read_kept
+from swarm.models.backends.cpu.kept import keep, machine, read_kept
 
 
 def test_a_measurement_is_kept_only_for_a_cpu_with_the_same_instruction_sets(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The int8 screens: each one's bound holds, so the greedy token is that of the exact float32 logits."""
+"""The int8 screens: each one's bound holds, so the greedy token is that of the exact float32 logits
+(argmax.exact_logits: one fixed order of the sums, the same bits on every x86 CPU and for any subset of rows)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 
 from client.config import ClientConfig
 from client.local import in_process_client
-from swarm.models import SamplingParams, argmax
-from swarm.models.argmax import (
+from swarm.models import SamplingParams
+from swarm.models.backends.cpu import argmax
+from swarm.models.backends.cpu.argmax import (
     LOUD,
     ROWS_TIMED,
     SCREENS,
@@ -24,6 +26,7 @@ from swarm.models.argmax import (
     Int8InputScreen,
     Int8WeightScreen,
     calibrated_screen,
+    exact_logits,
     pick_screen,
 )
 from swarm.models.loading import ModelSource
@@ -41,7 +44,12 @@ class InputScreenFinishedInTorch(Int8InputScreen):
 
 FINISHED_IN_C = Int8InputScreen.available(96) and argmax._finish() is not None
 # every kind of screen this torch can run (each test also runs with a tiny weight of 96 dimensions)
-KINDS = [pytest.param(kind, id=kind.__name__) for kind in SCREENS if kind.available(96)]
+KINDS = [
+    pytest.param(kind, id=kind.__name__)
+    for kind in SCREENS
+    if kind.available(96) and argmax.exact_available()
+]
+needs_exact = pytest.mark.skipif(not argmax.exact_available(), reason="screen.c does not build here")
 if FINISHED_IN_C:
     KINDS.append(pytest.param(InputScreenFinishedInTorch, id="Int8InputScreen-in-torch"))
 
@@ -131,12 +139,14 @@ def test_the_screened_argmax_is_the_exact_one_and_kept_logits_are_exact(
     screen = kind(weight)
     for rows in (1, 3, 8):
         x = _inputs(weight, seed)[:rows]
-        exact = torch.cat([F.linear(row[None], weight) for row in x])  # one row at a time, as a decode step
+        exact = torch.stack([exact_logits(row, weight) for row in x])
         got = screen.logits(x, _dense(weight))
         assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
         kept = torch.isfinite(got)
         assert bool(kept.any(dim=1).all())
-        torch.testing.assert_close(got[kept], exact[kept])  # float32 re-checks: the same dot products
+        assert torch.equal(
+            got[kept], exact[kept]
+        )  # the re-check computes each kept logit as the reference does
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -148,7 +158,31 @@ def test_near_ties_are_both_kept_and_settled_exactly(kind: type[ArgmaxScreen]) -
     x = weight[twin_a : twin_a + 1] * 50
     got = screen.logits(x, _dense(weight))
     assert bool(torch.isfinite(got[0, [twin_a, twin_b]]).all())
-    assert int(got.argmax()) == int(F.linear(x, weight).argmax())
+    exact = exact_logits(x[0], weight)
+    assert torch.equal(got[0, [twin_a, twin_b]], exact[[twin_a, twin_b]])
+    assert int(got.argmax()) == int(exact.argmax())
+
+
+@needs_exact
+def test_exact_logits_are_the_same_bits_for_any_rows_and_f_linears_to_rounding() -> None:
+    """What makes the screened argmax exact on every CPU: a logit of exact_logits does not depend on which other
+    rows are computed with it (F.linear's does, through the kernel it picks for the shape), and it is the dot
+    product to float32 rounding."""
+    weight = _head_weight(4)
+    x = _inputs(weight, 4)[0]
+    whole = exact_logits(x, weight)
+    for rows in (
+        torch.tensor([5]),
+        torch.tensor([6, 5]),
+        torch.arange(3, 2048, 7),
+        torch.arange(2047, -1, -1),
+    ):
+        assert torch.equal(exact_logits(x, weight, rows), whole[rows])
+    true = F.linear(x.double(), weight.double())
+    scale = float(x.double().abs() @ weight.double().abs().T.max(dim=1).values) or 1.0
+    assert float((whole.double() - true).abs().max()) <= weight.shape[1] * 2.0**-23 * scale
+    with pytest.raises(ValueError, match="rows outside"):
+        exact_logits(x, weight, torch.tensor([2048]))
 
 
 @pytest.mark.skipif(not FINISHED_IN_C, reason="no fbgemm, or screen.c cannot be built here")
@@ -185,10 +219,10 @@ def test_rows_that_are_not_finite_get_the_dense_heads_logits_and_the_rest_are_sc
         return F.linear(rows, weight)
 
     got = kind(weight).logits(x, dense)
-    assert calls[0] == 2  # the two rows that are not finite, together
-    exact = F.linear(x, weight)
-    torch.testing.assert_close(got[1:3], exact[1:3], equal_nan=True)
-    assert torch.equal(got[[0, 3]].argmax(dim=1), exact[[0, 3]].argmax(dim=1))
+    assert calls == [2]  # the two rows that are not finite, together
+    torch.testing.assert_close(got[1:3], F.linear(x[1:3], weight), equal_nan=True)
+    exact = torch.stack([exact_logits(x[r], weight) for r in (0, 3)])
+    assert torch.equal(got[[0, 3]].argmax(dim=1), exact.argmax(dim=1))
 
 
 def test_no_weight_only_screen_for_rows_its_kernel_cannot_read_safely() -> None:
@@ -200,7 +234,7 @@ def test_no_weight_only_screen_for_rows_its_kernel_cannot_read_safely() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_flat_row_gets_all_its_logits_from_the_dense_head(kind: type[ArgmaxScreen]) -> None:
+def test_a_flat_row_gets_every_exact_logit(kind: type[ArgmaxScreen]) -> None:
     weight = torch.ones(512, 32)  # every logit ties: nothing can be ruled out
     calls: list[int] = []
 
@@ -209,7 +243,7 @@ def test_a_flat_row_gets_all_its_logits_from_the_dense_head(kind: type[ArgmaxScr
         return F.linear(rows, weight)
 
     got = kind(weight).logits(torch.ones(1, 32), dense)
-    assert calls == [1] and bool(torch.isfinite(got).all())
+    assert calls == [] and torch.equal(got[0], exact_logits(torch.ones(32), weight))
 
 
 def test_a_screen_is_kept_for_the_row_counts_up_to_the_first_not_clearly_faster() -> None:
@@ -286,17 +320,20 @@ def test_the_screen_picked_is_kept_for_the_next_process_and_a_damaged_pick_is_ti
     assert screen is not None and rows == max(ROWS_TIMED)
 
 
+@needs_exact
 def test_the_head_screens_only_argmax_only_calls_within_its_rows(tiny_source: ModelSource) -> None:
     head = tiny_source.load_head()
-    head.use_screen(Int8InputScreen(head.lm_head_weight), 2)
+    head.kernels.use_screen(Int8InputScreen(head.lm_head_weight), 2)  # type: ignore[attr-defined]
     hidden = torch.randn(4, head.hidden_size, generator=torch.Generator().manual_seed(0))
     dense = head.logits(hidden)
     assert bool(torch.isfinite(dense).all())
     assert bool(torch.isfinite(head.logits(hidden, argmax_only=True)).all())  # 4 rows: past the screen's 2
     screened = head.logits(hidden[:2], argmax_only=True)
     assert not bool(torch.isfinite(screened).all())
-    assert torch.equal(screened.argmax(-1), dense[:2].argmax(-1))
-    head.use_screen(None, 8)
+    normed = head.norm(hidden[:2])
+    exact = torch.stack([exact_logits(row, head.lm_head_weight) for row in normed])
+    assert torch.equal(screened.argmax(-1), exact.argmax(-1))
+    head.kernels.use_screen(None, 8)  # type: ignore[attr-defined]
     assert bool(torch.isfinite(head.logits(hidden[:1], argmax_only=True)).all())
 
 
@@ -316,7 +353,7 @@ def test_screened_greedy_generation_of_the_default_model_equals_transformers(
     """Three chat prompts, 40 greedy tokens each, every decode step's head screened (even batched rows)."""
     tokenizer, model = default_source.tokenizer(), default_source.load_reference_model()
     head = default_source.load_head()
-    head.use_screen(kind(head.lm_head_weight), max(ROWS_TIMED))
+    head.kernels.use_screen(kind(head.lm_head_weight), max(ROWS_TIMED))  # type: ignore[attr-defined]
     blocks = {
         "a": default_source.load_blocks(0, 15, cache_tokens=4096),
         "b": default_source.load_blocks(15, 30),

@@ -1,10 +1,9 @@
-/* y[M][N] = x[M][K] @ W^T for weights stored as 4-bit blocks (swarm/models/int4.py), float32 in and out.
+/* y[M][N] = x[M][K] @ W^T for weights stored as 4-bit blocks (swarm/models/backends/cpu/int4.py), float32 in and out.
 
    W[n][k] = d * q + m for the block of 32 holding k, rounded as transformers widens a GGUF Q4_1 block: the
    product d * q, then the sum. The kernel widens with one fused multiply-add, which rounds the same: d is a
    float16 value (11 significant bits) and q < 16 (4 bits), so d * q is exact in float32 and the sum is the only
-   rounding either way (and one step fewer per 8 weights: 10 layers' products of one row 2.45 against 2.8 ms on
-   a Zen 4). Every other step is compiled with -ffp-contract=off. Each weight is thus bit for bit the
+   rounding either way (and one step fewer per 8 weights). Every other step is compiled with -ffp-contract=off. Each weight is thus bit for bit the
    float32 weight it stands for; only the order of the sums over k differs from F.linear.
 
    A packed row of K weights: K/2 bytes of nibbles (byte j of a block holds q[j] low and q[j + 16] high), then
@@ -17,10 +16,8 @@
 
 #define BLOCK 32
 #define FUSED_ROWS 8
-/* Packed rows ahead of the one in use whose bytes are fetched into the cache meanwhile. Without it, inputs of
-   several rows left the core waiting on memory: 10 layers' products of 3 / 4 / 8 rows 4.3 / 5.3 / 10.1 ms
-   against 3.6 / 4.3 / 8.0 with it (Zen 4; the same weights already in cache: 3.4 / 4.0 / 7.4); one row is
-   unchanged. 1, 2, 4 or 8 rows ahead measured alike. */
+/* Packed rows ahead of the one in use whose bytes are fetched into the cache meanwhile: without it, inputs of
+   several rows leave the core waiting on memory (docs/benchmarks.md). */
 #define PREFETCH_AHEAD 2
 #define MAX_HEAD_DIM 512 /* decode_layer's rotary scratch; int4.py's MAX_HEAD_DIM */
 #define LINE_FLOATS 16   /* floats in a 64-byte cache line */
@@ -89,9 +86,8 @@ static inline __attribute__((always_inline)) void fused_rows(const float *x, con
 /* fused_rows for AVX-512 (int4.py compiles it where torch finds AVX-512): a block's 16 possible weights,
    d * q + m for q = 0 .. 15, are one multiply-add of a register, and its 32 weights are two permutes of that
    table by their nibbles, instead of four int-to-float conversions and four multiply-adds (each weight is
-   the same float32 as widen's). Products of 10 layers of the default model for 3 / 4 / 5 rows, inputs on a
-   cache line: 3.12 / 3.64 / 4.41 ms against 3.53 / 4.19 / 5.26 (Zen 4); at 7 and 8 rows, where the inputs'
-   loads bind, fused_rows stays faster (8 rows: 7.7 against 8.3 ms). */
+   the same float32 as widen's). Faster for up to TABLE_ROWS rows; past them, where the inputs' loads bind,
+   fused_rows stays faster (docs/benchmarks.md). */
 #define TABLE_ROWS 6
 static inline __attribute__((always_inline)) void table_rows(const float *x, const int rows, long K,
                                                              const uint8_t *packed, long N, float *y) {
@@ -142,12 +138,10 @@ static void fused(const float *x, long rows, long K, const uint8_t *packed, long
 }
 
 /* Inputs of more rows go FUSED_ROWS at a time: each pass reads the weights once more, which a prefill's many
-   rows would rather not (swarm.models.matmul times the forms and keeps F.linear where it is faster). Each
+   rows would rather not (swarm.models.backends.cpu.matmul times the forms and keeps F.linear where it is faster). Each
    packed row is multiplied by all of a pass's inputs, so a pass's inputs should stay in the L1 data cache: wide
    ones (an MLP's down projection, 1536 columns: 6 KB a row) go at most L1_INPUT_BYTES a pass, unless the pass
-   would leave one or two rows over. A decode layer of the default model, 10 layers of 8 / 7 / 16 rows: 8.5 /
-   7.2 / 16.5 ms in passes of 8 against 7.7 / 7.0 / 15.2 in passes of 4 (Zen 4, alternated; 5 and 6 rows alike
-   in one pass or two). */
+   would leave one or two rows over. */
 #define L1_INPUT_BYTES 24576
 void int4_matmul(const float *x, long M, long K, const uint8_t *packed, long N, float *y) {
     long pass = K > 0 ? L1_INPUT_BYTES / (K * (long)sizeof(float)) : FUSED_ROWS;
@@ -159,9 +153,9 @@ void int4_matmul(const float *x, long M, long K, const uint8_t *packed, long N, 
 
 /* ---- one decoder layer for decode steps (one token per session), all in one call --------------------------
 
-   What swarm.models.blocks runs for a Llama-family layer, written out for rows of one token each, so that a
-   decode step pays no interpreter or dispatch cost per operation: on the Zen 3 those cost more than the layer's
-   products for one row (a 10-layer call of one row: 5.4 ms of 11). Each step rounds as torch does it (products,
+   What swarm.models.backends.generic runs for a Llama-family layer, written out for rows of one token each, so that a
+   decode step pays no interpreter or dispatch cost per operation (on a CPU those cost more than the layer's
+   products for one row). Each step rounds as torch does it (products,
    then sums; -ffp-contract=off), except the sums of a norm and of attention, which are taken in another order
    (as the products are), and exp (exp8, or libm's for the last few of a row). */
 
@@ -232,10 +226,8 @@ static inline __m256 dots8(const float *q, const float *keys, long dim) {
 }
 
 /* out[8 * lanes] = sum over j of p[j] * values[j] (row stride dim), the sums over j in order for each element (as
-   a plain loop adds them) in registers. Written to memory and read back for every key instead, they held decode
-   attention to the store and load ports: a 10-layer decode call of the default model, 4 / 8 sessions of 1024
-   cached tokens, 10.1 / 19.3 ms against 10.9 / 21.2 (Zen 4, alternated in one process; 1% less at 37 tokens).
-   The results are bit for bit the same. `lanes` is a constant once inlined, so the sums stay in registers. */
+   a plain loop adds them) in registers: written to memory and read back for every key instead, they would hold
+   decode attention to the store and load ports. The results are bit for bit the same. `lanes` is a constant once inlined, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void weigh_lanes(const float *p, const float *values, long length,
                                                               long dim, const int lanes, float *out) {
     __m256 acc[8];
@@ -315,8 +307,7 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
     for (long r = 0; r < rows; r++) longest = lengths[r] + 1 > longest ? lengths[r] + 1 : longest;
     if (head_dim > MAX_HEAD_DIM) return -1;
     /* Each part of the scratch starts on a cache line: the products' inputs are read a register at a time,
-       and a 64-byte read across two lines costs two (a 10-layer call's products of 4 rows 4.9 against 3.6 ms
-       from 16 bytes past a line, as malloc may place them; an AVX2 build 4.8 against 4.2). */
+       and a 64-byte read across two lines costs two. */
     long sizes[7] = {rows * hidden, rows * qkv_width, rows * q_width, rows * 2 * intermediate, rows * intermediate,
                      rows * hidden, heads / kv_heads * longest}, starts[7];
     long floats = 0;
@@ -393,4 +384,20 @@ int decode_layers(float *h, long rows, long hidden, long layers, const float *co
         if (failed) return failed;
     }
     return 0;
+}
+
+/* W[N][K] widened to float32 into out (the weights exactly as transformers widens them, see the top): for the
+   products of inputs of more rows than int4_matmul serves best, through a scratch buffer the caller reuses. */
+void int4_widen(const uint8_t *packed, long N, long K, float *out) {
+    const long stride = K / 2 + 8 * (K / BLOCK), blocks = K / BLOCK;
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = packed + n * stride;
+        const float *d = (const float *)(row + K / 2), *m = d + blocks;
+        float *o = out + n * K;
+        for (long b = 0; b < blocks; b++) {
+            __m256 w[4];
+            widen(row + b * (BLOCK / 2), d[b], m[b], w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + b * BLOCK + 8 * i, w[i]);
+        }
+    }
 }

@@ -1,17 +1,22 @@
 """Screens: the greedy token from an int8 copy of the LM head, checked in float32 where it could differ.
 
-A greedy step needs only the argmax of the logits, not all of them. The float32 LM head reads 113 MB per call
-for SmolLM2-135M (49152 x 576): 3 ms of one Zen 5 EPYC core, 12 ms of a Zen 3 one (AVX2), on the client, in
-every decode step, and on the critical path of a session's token. A screen computes every logit from int8
-weights (28 MB) with a proven bound on each one's error; the rows whose bound still lets them reach the top
-(typically under ten) are then computed exactly in float32 from the original weights. The greedy token is the
-argmax of the exact float32 logits, so greedy outputs stay those of transformers (tests/unit/models/test_argmax.py).
+A greedy step needs only the argmax of the logits, not all of them. The float32 LM head is read whole in every
+decode step (113 MB for SmolLM2-135M, 49152 x 576), on the client and on the critical path of a session's token.
+A screen computes every logit from int8 weights (a quarter of the bytes) with a proven bound on each one's error;
+the rows whose bound still lets them reach the top (typically a few) are then computed exactly from the original
+weights.
+
+What "exact" means: the greedy token is the argmax of ``exact_logits``, the float32 dot products of the normed
+row with each row of the head, summed in one fixed order (screen.c's dot_rows). A logit is the same bits whichever
+other rows are computed with it and on every x86 CPU, so the re-check of a screen's candidates and the reference
+agree by construction. F.linear's logits differ from these only by float rounding (its kernel and so its order of
+the sums depend on the CPU and the shape), so greedy outputs stay those of transformers
+(tests/unit/models/backends/cpu/test_argmax.py).
 
 Two screens, for two kinds of CPU (``ClientHead`` times both on its own weights and keeps the faster):
 
-``Int8WeightScreen``: torch's weight-only int8 kernel on bf16 inputs (1.2 ms on a Zen 5 EPYC with AVX512-BF16; 6.5
-ms on an AVX2 Zen 3, which has no bf16 dot products). With x the normed hidden row, xb = bf16(x), w_j row j of
-the head, q_j its int8 copy and s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j),
+``Int8WeightScreen``: torch's weight-only int8 kernel on bf16 inputs (fast where the CPU has bf16 dot products).
+With x the normed hidden row, xb = bf16(x), w_j row j of the head, q_j its int8 copy and s_j its bf16 scale, the kernel returns a_j = bf16(sum_i xb_i q_ij s_j),
 accumulated in float32, and
 
     |x . w_j - a_j| <=  |x - xb|_1 max|w_j|                 (rounding x to bf16)
@@ -20,7 +25,7 @@ accumulated in float32, and
                       + H 2^-22 (|x|_1 + |xb|_1) max|w_j|   (float32 sums: the kernel's, and the reference's own)
                       + 2^-8 |a_j|                          (the bf16 result)
 
-``Int8InputScreen``: fbgemm's int8 x int8 products (2.9 ms on the Zen 3), with the input quantised too. A last
+``Int8InputScreen``: fbgemm's int8 x int8 products (for CPUs without bf16 dot products), with the input quantised too. A last
 hidden state has a few loud dimensions (|x_i| up to ~47 where the median is ~0.9), and one scale for the whole
 row would make every other dimension's step coarse; so the LOUD loudest dimensions of each row are taken apart,
 through a copy of the head laid out by dimension (one 8-bit row per dimension, per-row scale and offset:
@@ -35,11 +40,11 @@ largest error and m_i its largest term (the row's |scale| 255 + |offset|):
                       + 2^-20 (|y_j| + sum_l |x_i| m_i)                 (the kernel's float32 rescaling, the add)
                       + H 2^-23 |x|_1 max|w_j|                          (the reference's own float32 sums)
 
-(the kernel's sums of integers are exact, its float32 rescaling of them off by a few 2^-24 of |y_j|). On real last hidden states of SmolLM2
-the bound keeps a median of 11 rows (p90 53) with LOUD = 32, the weight-only screen's a median of 25.
+(the kernel's sums of integers are exact, its float32 rescaling of them off by a few 2^-24 of |y_j|). On real last
+hidden states of SmolLM2 this bound keeps fewer rows than the weight-only screen's (docs/benchmarks.md).
 
 In both, a row j with a_j + bound_j below max_k (a_k - bound_k) is below that row k exactly, so it is not the
-argmax. The kept rows get their float32 logits; every other entry of the returned row is -inf (only its argmax
+argmax. The kept rows get their exact logits; every other entry of the returned row is -inf (only its argmax
 is meaningful, which is all a greedy pick reads).
 """
 
@@ -58,11 +63,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from swarm.config import cache_dir
-from swarm.models import int4
-from swarm.models.kept import keep, machine, one_at_a_time, read_kept
+from swarm.models.backends.cpu import int4
+from swarm.models.backends.cpu.kept import keep, machine, one_at_a_time, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ class ArgmaxScreen:
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.ndim != 2:
             raise ValueError(f"{type(self).__name__} takes a 2-D float32 CPU weight")
-        if not self.available(weight.shape[1]):
+        if not self.available(weight.shape[1]) or not exact_available():
             raise ValueError(f"no {type(self).__name__} for rows of {weight.shape[1]} on this torch")
         self.weight = weight  # the exact rows the kept candidates are computed from
         self.row_max = weight.abs().amax(dim=1)  # [V]
@@ -99,11 +103,12 @@ class ArgmaxScreen:
         raise NotImplementedError
 
     def logits(self, normed: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """normed [N, H] float32 -> [N, V]: float32 logits at the rows that can be the argmax, -inf elsewhere.
+        """normed [N, H] float32 -> [N, V]: the exact logits (``exact_logits``) at the rows that can be the
+        argmax, -inf elsewhere; so each row's argmax is that of ``exact_logits`` over the whole vocabulary.
 
         A row whose screen keeps too many candidates (a flat distribution), or none (a bound that overflowed),
-        gets all its logits from ``dense`` instead, so screening never costs much more than the dense head, as
-        does a row that is not finite (the input's scale would be NaN)."""
+        gets every exact logit instead; a row that is not finite (the input's scale would be NaN) gets
+        ``dense``'s logits."""
         finite = torch.isfinite(normed).all(dim=1)
         if not bool(finite.all()):
             out = torch.empty(normed.shape[0], self.weight.shape[0])
@@ -115,9 +120,9 @@ class ArgmaxScreen:
         out = torch.full_like(screened, float("-inf"))
         for r, rows in enumerate(kept):
             if rows is None:
-                out[r] = dense(normed[r : r + 1])[0]
-            else:  # one input row at a time, as transformers computes a decode step: the same float32 products
-                out[r, rows] = F.linear(normed[r : r + 1], self.weight.index_select(0, rows))[0]
+                out[r] = exact_logits(normed[r], self.weight)
+            else:  # each candidate's logit computed as the reference computes it, bit for bit
+                out[r, rows] = exact_logits(normed[r], self.weight, rows)
         return out
 
     def candidates(self, normed: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -294,14 +299,22 @@ class Int8InputScreen(ArgmaxScreen):
 
 
 @functools.cache
-def _finish() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """screen.c's ``screen_finish``, or None where this machine cannot build it (AVX2 and FMA, a C compiler)."""
+def _library() -> ctypes.CDLL | None:
+    """screen.c's library, or None where this machine cannot build it (x86-64 with AVX2 and a C compiler)."""
     if int4.unsupported():
         return None
     try:
-        library = int4.load(FINISH_SOURCE)
+        return int4.load(FINISH_SOURCE)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        logger.info("the int8 screen finishes in torch here: %s", e)
+        logger.info("no screens of the LM head here: %s", e)
+        return None
+
+
+@functools.cache
+def _finish() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """screen.c's ``screen_finish``, or None where the library does not build."""
+    library = _library()
+    if library is None:
         return None
     address, count = ctypes.c_void_p, ctypes.c_long
     function = library.screen_finish
@@ -313,6 +326,59 @@ def _finish() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     ]
     function.restype = None
     return function
+
+
+@functools.cache
+def _dot_rows() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    library = _library()
+    if library is None:
+        return None
+    address, count = ctypes.c_void_p, ctypes.c_long
+    function = library.dot_rows
+    function.argtypes = [address, count, address, address, count, address]  # x, K, W, rows, count, out
+    function.restype = None
+    return function
+
+
+def exact_available() -> bool:
+    """Whether ``exact_logits`` runs here (screen.c builds)."""
+    return _dot_rows() is not None
+
+
+def exact_logits(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """What a greedy step's argmax is exact against: x [H] . weight[j] for each vocabulary row j in ``rows``
+    (every row where None), each the float32 sum of float32 products in one fixed order (screen.c's dot_rows).
+
+    A logit is the same bits whichever other rows are computed with it and on every x86 CPU, so a screen's
+    re-check of its candidates gives exactly the logits of the whole row: the argmax a screened greedy step
+    returns is, by construction, the argmax of ``exact_logits(x, weight)``. It differs from F.linear's logits
+    only by the order of the sums (float rounding), as F.linear's own kernels differ between CPUs."""
+    function = _dot_rows()
+    if function is None:
+        raise RuntimeError("the exact logits need screen.c, which does not build here")
+    if x.ndim != 1 or weight.ndim != 2 or x.shape[0] != weight.shape[1]:
+        raise ValueError(f"x [H] and weight [V, H] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError("exact_logits takes float32 x and a contiguous float32 weight")
+    x = x.contiguous()
+    picked = None if rows is None else rows.to(torch.int64).contiguous()
+    if (
+        picked is not None
+        and picked.numel()
+        and (int(picked.min()) < 0 or int(picked.max()) >= weight.shape[0])
+    ):
+        raise ValueError("rows outside the weight")
+    count = weight.shape[0] if picked is None else picked.numel()
+    out = torch.empty(count, dtype=torch.float32)
+    function(
+        x.data_ptr(),
+        x.shape[0],
+        weight.data_ptr(),
+        None if picked is None else picked.data_ptr(),
+        count,
+        out.data_ptr(),
+    )
+    return out
 
 
 SCREENS: tuple[type[ArgmaxScreen], ...] = (Int8WeightScreen, Int8InputScreen)
@@ -329,7 +395,7 @@ def calibrated_screen(
     ``sample`` (``pick_screen``) and kept. Building every kind and timing them takes seconds, which 16 client
     processes starting at once on two cores paid in turn."""
     kinds = {kind.__name__: kind for kind in SCREENS if kind.available(weight.shape[1])}
-    if not kinds:
+    if not kinds or not exact_available():
         return None, 0
     key = json.dumps([machine(), torch.get_num_threads(), *weight.shape])
     kept = _kept_pick(key, kinds, weight)

@@ -1,4 +1,4 @@
-"""swarm.models.int4: exactly 4-bit weights found bit for bit, multiplied to F.linear's result, and greedy tokens
+"""swarm.models.backends.cpu.int4: exactly 4-bit weights found bit for bit, multiplied to F.linear's result, and greedy tokens
 through 4-bit blocks equal to transformers' on a model whose weights are 4-bit."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from client.local import in_process_client
-from swarm.models import SamplingParams, Step, int4, matmul
-from swarm.models.matmul import PACKED_TIMED_ROWS, Forms, NotFourBit, pack, taken
+from swarm.models import SamplingParams, Step
+from swarm.models.backends.cpu import int4, matmul
+from swarm.models.backends.cpu.held import Int4Linear, hold
+from swarm.models.backends.cpu.matmul import PACKED_TIMED_ROWS, Forms, NotFourBit, pack, taken
 from swarm.testing.weights import four_bit, make_four_bit
 
 pytestmark = [
@@ -80,6 +82,43 @@ def test_products_are_f_linears_for_every_row_count(rows: int, columns: int, bui
     )  # any layout
 
 
+@pytest.mark.parametrize("shape", [(96, 64), (7, 32), (3, 1536)])
+def test_widened_weights_are_the_float32_weights_bit_for_bit(shape: tuple[int, int], build: str) -> None:
+    """What a range holding 4-bit weights multiplies by where F.linear is faster: exactly the loaded weights."""
+    weight = _weight(*shape)
+    packed = int4.unpack(weight)
+    assert packed is not None
+    out = torch.full((shape[0] * shape[1],), float("nan"))
+    int4.widen(packed, *shape, out)
+    assert torch.equal(out.view(shape), weight)
+    with pytest.raises(ValueError, match="cannot widen"):
+        int4.widen(packed, shape[0], shape[1], torch.empty(shape[0] * shape[1] - 1))
+
+
+def test_a_layer_held_as_4_bit_gives_the_float32_layers_products(tiny_source) -> None:  # type: ignore[no-untyped-def]
+    """held.hold replaces each exactly 4-bit projection by an Int4Linear (q, k, v and gate, up packed together,
+    each a view of one tensor), which widens back to the same weight and multiplies to F.linear's result."""
+    layer = tiny_source.load_blocks(0, 1).layers[0]
+    make_four_bit(layer)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    owners = {
+        n: layer.self_attn if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+        for n in names
+    }
+    weights = {n: getattr(owners[n], n).weight.detach().clone() for n in names}
+    hold(layer)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))  # as wide as the widest input
+    for name in names:
+        held = getattr(owners[name], name)
+        assert isinstance(held, Int4Linear) and torch.equal(held.widened(), weights[name])
+        torch.testing.assert_close(
+            held(x[:, : held.in_features]), F.linear(x[:, : held.in_features], weights[name])
+        )
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.q_proj.together is attn.k_proj.together is attn.v_proj.together is not None
+    assert mlp.gate_proj.together is mlp.up_proj.together is not None and attn.o_proj.together is None
+
+
 def test_weights_that_are_not_exactly_4_bit_are_left_alone() -> None:
     weight = _weight(16, 64)
     assert int4.unpack(weight) is not None
@@ -128,8 +167,10 @@ def four_bit_model(tiny_source):  # type: ignore[no-untyped-def]
     for start, end in [(0, 2), (2, 4), (4, 6)]:
         block = tiny_source.load_blocks(start, end, cache_tokens=1000)
         make_four_bit(block.layers)
-        block.use_forms(EVERY_ROW_COUNT)
-        assert block.forms == EVERY_ROW_COUNT and block._packed  # taken: every weight of theirs is 4-bit
+        block.kernels.use_forms(EVERY_ROW_COUNT)
+        assert block.kernels.forms == EVERY_ROW_COUNT
+        # held as 4-bit in place of float32: every weight of theirs is 4-bit
+        assert not any(isinstance(m, torch.nn.Linear) for m in block.layers.modules())
         blocks.append(block)
     return reference, blocks
 
@@ -177,15 +218,15 @@ def test_projections_packed_together_are_each_projection_bit_for_bit_and_add_no_
     layer = block.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-        together = block._together[id(group[0].weight)]
+        together = block.kernels._together[id(group[0])]
         start = together.data_ptr()
         for projection in group:  # the copies kept of each are views of the one kept together
-            packed = block._packed[id(projection.weight)]
+            packed = projection.packed
             assert start <= packed.data_ptr() < start + together.numel()
     sessions = ["a", "b", "c"]
     outputs = []
-    for together in (dict(block._together), {}):  # packed together, then one product each
-        block._together = together
+    for together in (dict(block.kernels._together), {}):  # packed together, then one product each
+        block.kernels._together = together
         for i, session in enumerate(sessions):
             block.open_session(session, 20)
             steps = [Step(session, head.embed(torch.tensor(PROMPT[: i + 2])), 2, 4, 0)]
@@ -214,7 +255,7 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     their first cache capacity, in any order."""
     _, blocks = four_bit_model
     block, head = blocks[2], tiny_source.load_head()
-    fused = list(block._fused)
+    fused = list(block.kernels._fused)
     assert all(weights is not None for weights in fused)
     calls: list[tuple[int, int]] = []  # (rows, layers) of each call
     real = int4.decode_layers
@@ -228,7 +269,7 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
     lengths = {s: 1 + 5 * i for i, s in enumerate(sessions)}
     results = {}
     for mode, layers in (("fused", fused), ("written out", [None] * len(fused))):
-        block._fused = layers
+        block.kernels._fused = layers
         rng = torch.Generator().manual_seed(3)
         outputs = []
         for session in sessions:
@@ -255,7 +296,7 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
         )
         for session in sessions:
             block.close_session(session)
-    block._fused = fused
+    block.kernels._fused = fused
     # 9 prompts + 30 steps, each one call of both layers, then none while written out
     assert len(calls) == 39 and {layers for _, layers in calls} == {2}
     assert max(rows for rows, _ in calls) == max(lengths.values())
@@ -320,16 +361,16 @@ def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(
     assert all(
         torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(one_kv, by_layer_kv, strict=True)
     )
-    gathered = block._layer_run(4, 6)
-    assert block._layer_run(4, 6) is gathered
-    fused = list(block._fused)
-    block._fused = [dataclasses.replace(w) for w in fused]  # the same tensors in new objects
+    gathered = block.kernels._layer_run(4, 6)
+    assert block.kernels._layer_run(4, 6) is gathered
+    fused = list(block.kernels._fused)
+    block.kernels._fused = [dataclasses.replace(w) for w in fused]  # the same tensors in new objects
     try:
-        assert block._layer_run(4, 6) is not gathered and block._layer_run(4, 6).of(
-            block._fused[4 - block.range.start : 6 - block.range.start]
+        assert block.kernels._layer_run(4, 6) is not gathered and block.kernels._layer_run(4, 6).of(
+            block.kernels._fused[4 - block.range.start : 6 - block.range.start]
         )
     finally:
-        block._fused = fused
+        block.kernels._fused = fused
 
 
 def _zero_layer(hidden: int = 64, heads: int = 2, kv_heads: int = 1, head_dim: int = 32) -> int4.LayerWeights:
@@ -486,7 +527,7 @@ def test_the_fused_layers_attention_is_the_attention_written_out(head_dim: int, 
 
 def test_a_build_is_named_by_its_flags_and_kept_apart() -> None:
     """built_with switches this module's kernels to another build and back: measurements kept for one build
-    (swarm.models.matmul's forms, by kernel_version) are not taken for another."""
+    (swarm.models.backends.cpu.matmul's forms, by kernel_version) are not taken for another."""
     here = int4.kernel_version()
     with int4.built_with(int4.FLAGS):
         avx2 = int4.kernel_version()

@@ -2,31 +2,24 @@
 
 GGUF checkpoints such as the default model's (Q4_1) keep every run of 32 weights of a row as 4-bit integers q
 with a float16 scale d and minimum m, and transformers widens them to float32 as ``d * q + m``. A decode step
-reads every weight once, so on a CPU it is bound by memory: the projections of 10 layers of SmolLM2-135M are
-142 MB in float32 but 27 MB as nibbles plus float32 d and m per block.
+reads every weight once, so on a CPU it is bound by memory: packed, the weights take 3/16 of their float32 bytes.
 
 `unpack` finds q, d and m in the float32 weights themselves, and keeps them only where ``d * q + m`` gives back
 every weight bit for bit: the kernel then multiplies by exactly the weights transformers has, and only the
-order of the sums differs from ``F.linear`` (as in every form of swarm.models.matmul). Weights that are not of
-this form (a float16 checkpoint, the tiny random test models) are left alone.
+order of the sums differs from ``F.linear``. Weights that are not of this form (a float16 checkpoint, the tiny
+random test models) are left alone. `widen` writes the float32 weights back, bit for bit.
 
 The product is a small C kernel (int4.c), compiled with this machine's C compiler the first time it is needed
-and kept in the cache directory. torch's own 4-bit kernel does not serve: ``_weight_int4pack_mm_for_cpu``
-took 86.6 ms for one row of those 10 layers on an AVX2 Zen 3, where ``F.linear`` took 21.5 ms and this kernel
-7.1 ms. The kernel needs AVX2 and FMA; without them, or without a compiler, the form is not offered. Where torch finds
-AVX-512 it is compiled with it too, and widens the weights of calls of up to 6 rows by a table a block
-(int4.c's table_rows): a 10-layer decode call of the default model for 1 / 2 / 4 / 5 / 8 rows took 2.44 / 3.34
-/ 5.17 / 5.91 / 9.26 ms of CPU against 3.09 / 3.93 / 5.91 / 6.96 / 9.52 compiled for AVX2 alone (Zen 4, the
-two builds alternated in one process, medians of 6 rounds).
+and kept in the cache directory (torch's own 4-bit CPU kernel was far slower than F.linear). The kernel needs
+AVX2 and FMA; without them, or without a compiler, the form is not offered. Where torch finds AVX-512 it is
+compiled with it too, and widens the weights of calls of few rows by a table a block (int4.c's table_rows).
 
 `decode_layers` runs whole Llama-family layers for rows of a token each (decode steps, short prefills) in one
 call of the same library (int4.c's ``decode_layer`` a layer): norms, the packed products, rotary angles, the
-cache writes, attention and the gated MLP. Written out in torch, a decode step's small operations cost more
-than its products: on the Zen 3 a 10-layer call of the default model took 10.6 ms for one row written out and
-takes 6.2 ms in this form (4 rows: 18.0 -> 11.3 ms, 8 rows: 24.5 -> 16.6; ``scripts/bench_matmul.py``,
-"decode_call_ms_by_rows"). Each operation rounds as torch's does except the sums of the norms and of
-attention, and exp (int4.c's exp8, or libm's for the last few of a row): outputs agree to float rounding
-(relative 1e-6).
+cache writes, attention and the gated MLP; written out in torch, a decode step's small operations cost more
+than its products. Each operation rounds as torch's does except the sums of the norms and of attention, and exp
+(int4.c's exp8, or libm's for the last few of a row): outputs agree to float rounding (relative 1e-6).
+Measurements: docs/benchmarks.md (``scripts/bench_matmul.py``).
 """
 
 from __future__ import annotations
@@ -128,6 +121,25 @@ def product(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     out = torch.empty(count, out_features, dtype=torch.float32)
     kernel(rows.data_ptr(), count, columns, packed.data_ptr(), out_features, out.data_ptr())
     return out
+
+
+def widen(packed: torch.Tensor, out_features: int, in_features: int, out: torch.Tensor) -> None:
+    """Write the float32 weight [out_features, in_features] that ``packed`` holds into ``out`` (contiguous,
+    that many floats): each weight bit for bit the one ``unpack`` found."""
+    function = _widen()
+    if function is None:
+        raise RuntimeError("the 4-bit kernel is not available on this machine (see available())")
+    if (
+        in_features % BLOCK
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or tuple(packed.shape) != (out_features, row_bytes(in_features))
+        or out.dtype != torch.float32
+        or not out.is_contiguous()
+        or out.numel() != out_features * in_features
+    ):
+        raise ValueError(f"cannot widen packed weights {tuple(packed.shape)} into {tuple(out.shape)}")
+    function(packed.data_ptr(), out_features, in_features, out.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -234,9 +246,9 @@ def decode_layers(
     caches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, int]]],
 ) -> None:
     """int4.c's ``decode_layer`` through each layer of ``run`` in turn, in one call of the library: caches[i] are the
-    rows' caches in the run's layer i. A 10-layer decode call of the default model paid 0.4 / 0.7 / 1.0 ms of
-    interpreter work for 1 / 4 / 8 rows with a call per layer (Zen 4). If it fails (MemoryError), h holds the
-    layers before the one that failed: the caller drops the step's cache writes (BlockRange._run_fused)."""
+    rows' caches in the run's layer i (one call, not one per layer: each call costs interpreter work). If it fails
+    (MemoryError), h holds the layers before the one that failed: the caller drops the step's cache writes
+    (CpuRange._run_fused)."""
     function = _decode_layers()
     rows = h.shape[0]
     if function is None:
@@ -351,6 +363,11 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.cache
+def _widen() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("int4_widen", [_ADDRESS, _COUNT, _COUNT, _ADDRESS], None)
+
+
+@functools.cache
 def _decode_layers() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     arguments = [
         *(_ADDRESS, _COUNT, _COUNT, _COUNT),  # h, rows, hidden, layers
@@ -379,7 +396,7 @@ def _compiler() -> str | None:
 
 def kernel_version() -> str:
     """What names this build of the kernel: a digest of its source, the compiler and the flags. Measurements
-    that timed the kernel (swarm.models.matmul's kept forms) hold for this version only."""
+    that timed the kernel (swarm.models.backends.cpu.matmul's kept forms) hold for this version only."""
     built = _build()
     return _version(SOURCE, flags() if built is None else built[1])
 
@@ -411,7 +428,7 @@ def built_with(chosen: tuple[str, ...]) -> Iterator[None]:
 
 
 def _forget_build() -> None:
-    for cached in (_build, _kernel, _decode_layers):
+    for cached in (_build, _kernel, _widen, _decode_layers):
         cached.cache_clear()
 
 

@@ -1,5 +1,5 @@
 """Facts of this machine measured once and kept in the cache directory, so a process starting again on the
-same machine does not spend seconds timing them again (swarm.models.matmul's forms, swarm.models.argmax's
+same machine does not spend seconds timing them again (swarm.models.backends.cpu.matmul's forms, swarm.models.backends.cpu.argmax's
 screen). Each file maps a key (the machine, the torch build and the shapes timed) to what was measured; a
 damaged or unreadable file only means measuring again. The processes of one machine measure one at a time
 (``one_at_a_time``): peers and clients started together would otherwise time each other's memory traffic, and
@@ -13,11 +13,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from swarm.models.checkpoints import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +90,3 @@ def keep(path: Path, key: str, value: object) -> None:
         write_json_atomic(path, kept)
     except OSError as e:
         logger.info("could not keep %s: %s", path.name, e)
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write ``data`` to ``path`` whole, then rename it into place: a reader never sees half a file."""
-    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise

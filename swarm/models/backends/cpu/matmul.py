@@ -1,36 +1,22 @@
 """``linear``: ``F.linear``, or the form of the same product this CPU runs faster for the input's row count.
 
-Decoding is bound by reading the weights once per step, so a projection of 1 to 4 rows should cost about one
-pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS, so it is measured, not assumed
-(``calibrate``, once per process and set of weight shapes). On an AMD EPYC (torch 2.13's MKL, one thread) the
-projections of 10 layers of SmolLM2-135M (142 MB, ``scripts/bench_matmul.py``) take 11.9 ms for 1 row and 18.6
-ms for 2 through ``F.linear``, but 9.5 ms for both written as ``weight @ x.T`` (MKL's kernel for a few columns;
-one row goes through it as two, since with one column MKL falls back to the slow kernel), and the LM head 6.3 ms
-instead of 9.8. On an Intel Sapphire Rapids the same products are the other way round: ``F.linear`` takes 10.7 ms
-for 1 row and the few-columns form 24.9 ms. So each ``BlockRange`` and ``ClientHead`` times the forms on its
-own weights when it is made and keeps the number of rows up to which the few-columns form is clearly faster
-(0: never).
+Decoding is bound by reading the weights once per step, so a projection of 1 to 16 rows should cost about one
+pass over them. Whether ``F.linear`` gets there depends on the CPU and its BLAS (the same product is faster one
+way on an AMD EPYC and the other way on an Intel Xeon), so it is measured, not assumed (``calibrate``, once per
+process and set of weight shapes, and kept per machine in the cache directory). The forms:
 
-A third form keeps a packed copy of each weight, laid out for the kernel that reads it (``pack``): oneDNN's
-(``torch.ops.mkldnn``, the kernels torch's inductor calls for frozen CPU models) or MKL's packed GEMM. One copy,
-made for 16 rows, serves any row count. On the AMD EPYC, oneDNN's took 5.0 / 5.4 / 6.4 / 8.8 / 74.6 ms for 1 / 3 /
-7 / 16 / 256 rows of those 10 layers, against 8.6 / 15.7 / 16.7 / 20.2 / 174.6 through ``F.linear``: MKL's
-kernel is slow on that CPU at every size, prefill included. On the Intel host MKL's packed weights took 12.3 /
-14.7 / 15.8 ms for 4 / 8 / 16 rows against 14.3 / 19.5 / 18.4, but 8.3 against 7.5 for one row. The copy
-doubles the weights' memory, so its owner decides whether it can afford it (``BlockRange``'s ``pack_bytes``);
-calibration then times each packing for 1 to 16 rows and for 64 (a prefill chunk), keeps the one that saves
-the most, and says for which row counts it pays (``Forms``): speeds jump about between row counts (MKL's
-F.linear took 20.3 ms for 16 rows but 29.5 for 15 on the Intel host).
-
-A fourth form is for weights that are exactly 4-bit (a GGUF Q4_1 checkpoint such as the default model's): the
-"int4" packer keeps them as nibbles with a scale and minimum per block of 32 (swarm.models.int4), 3/16 of the
-float32 bytes, which is what bounds a decode step. On the Zen 3 its kernel took 7.1 / 8.2 / 10.3 / 17.7 / 28.9 ms
-for 1 / 2 / 4 / 8 / 16 rows of those 10 layers against 17.7 / 29.4 / 30.7 / 35.9 / 43.4 through ``F.linear``,
-but 99 against 91 for 64 rows, so a prefill keeps ``F.linear``.
+- few columns: ``weight @ x.T``, MKL's kernel for a few columns (one row goes through it as two);
+- a packed copy beside the float32 weight, laid out for the kernel that reads it (``pack``): oneDNN's or MKL's.
+  It doubles the weights' memory, so its owner decides whether it can afford it (BlockRange's ``pack_bytes``);
+  calibration then times it for 1 to 16 rows and for 64 and says for which row counts it pays (speeds jump about
+  between row counts);
+- 4-bit: weights that are exactly 4-bit (a GGUF Q4_1 checkpoint such as the default model's) held as nibbles
+  with a scale and minimum per block of 32 (int4.py, held.py), in place of the float32 weight. ``calibrate_held``
+  keeps the 4-bit kernel for every row count except where F.linear over the widened weight is clearly faster.
 
 Only the summation order differs from ``F.linear`` in any form (each output is the same dot product), so outputs
 agree with transformers' to float rounding and greedy tokens are those of transformers (the exactness tests).
-GPUs and other dtypes use ``F.linear`` itself.
+GPUs and other dtypes never come here. Measurements: docs/benchmarks.md (``scripts/bench_matmul.py``).
 """
 
 from __future__ import annotations
@@ -49,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import cache_dir
-from swarm.models import int4
-from swarm.models.kept import keep, machine, one_at_a_time, read_kept
+from swarm.models.backends.cpu import int4
+from swarm.models.backends.cpu.held import Int4Linear
+from swarm.models.backends.cpu.kept import keep, machine, one_at_a_time, read_kept
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +97,14 @@ def _has_mkl() -> bool:
 @functools.cache
 def packers() -> tuple[str, ...]:
     """The packed-weight kernels this machine has: oneDNN's (x86 and Arm builds of torch), MKL's (x86 builds),
-    and the 4-bit one (swarm.models.int4, for weights that are exactly 4-bit; x86 with AVX2 and a C compiler)."""
+    and the 4-bit one (swarm.models.backends.cpu.int4, for weights that are exactly 4-bit; x86 with AVX2 and a C compiler)."""
     return tuple(
         name for name, has in (("onednn", _has_onednn), ("mkl", _has_mkl), ("int4", int4.available)) if has()
     )
 
 
 class NotFourBit(ValueError):
-    """A weight asked to be packed as 4-bit is not exactly 4-bit (swarm.models.int4)."""
+    """A weight asked to be packed as 4-bit is not exactly 4-bit (swarm.models.backends.cpu.int4)."""
 
 
 def packing_available() -> bool:
@@ -218,39 +205,6 @@ def linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def packed_together(
-    forms: Forms, packed: dict[int, torch.Tensor], weights: Sequence[torch.Tensor]
-) -> torch.Tensor | None:
-    """One packed copy of ``weights``, their rows one after another, for products of one input through all of
-    them in one call (``linear_together``); the copies ``packed`` keeps of them become views of it, so no memory
-    is added. Only 4-bit copies, packed row by row: each output is the dot product it was, bit for bit, and one
-    call instead of three (a decode step's q, k and v) or two (the MLP's gate and up) saves each call's fixed
-    cost (on the Zen 3, one row of a layer's q, k, v: 245 us in three calls, 143 in one). None otherwise."""
-    if forms.packer != "int4" or len(weights) < 2 or any(id(w) not in packed for w in weights):
-        return None
-    together = torch.cat([packed[id(w)] for w in weights])
-    start = 0
-    for w in weights:
-        packed[id(w)] = together[start : start + w.shape[0]]
-        start += w.shape[0]
-    return together
-
-
-def linear_together(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], forms: Forms, together: torch.Tensor | None
-) -> list[torch.Tensor] | None:
-    """``[F.linear(x, w) for w in weights]`` as one product through ``together`` (``packed_together``), where
-    ``forms`` packs x's rows; None where it does not (the caller takes each product on its own)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if together is None or not forms.packs(rows) or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    sizes = [w.shape[0] for w in weights]
-    out = int4.product(x.reshape(rows, x.shape[-1]), together, sum(sizes))
-    return [
-        part.reshape(*x.shape[:-1], size) for part, size in zip(out.split(sizes, dim=1), sizes, strict=True)
-    ]
-
-
 def project(
     x: torch.Tensor, layer: torch.nn.Linear, forms: Forms = PLAIN, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -282,7 +236,7 @@ def few_rows_limit(seconds_by_rows: dict[int, tuple[float, float]]) -> int:
     return limit
 
 
-_calibrated: dict[tuple[object, ...], Forms] = {}
+_calibrated_by_key: dict[tuple[object, ...], Forms] = {}
 _calibration_lock = threading.Lock()
 
 
@@ -293,48 +247,80 @@ def calibrate(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Forms:
-    """The forms worth taking for products with these weights on this CPU; packed weights are timed only if
-    ``packing`` (the caller could afford a packed copy), with each packer this torch has.
+    """The forms worth taking for products with these float32 weights on this CPU; packed copies are timed only
+    if ``packing`` (the caller could afford a copy beside the weights), with each packer this torch has.
 
     Times one pass over a sample of the weights (each shape once, then more up to CALIBRATION_BYTES) per form and
     row count, best of ``repeats``. The answer is a fact of the machine and the weight shapes, so it is kept per
     process and set of shapes (every layer of a model has the same set, so a peer that re-loads other layers of
     its model or a test that makes many ranges pays for it once), and in the cache directory (STORE_NAME) per
-    CPU, torch build, set of shapes and build of the 4-bit kernel: timing the packed forms takes seconds, which a
-    client or peer starting again on the same machine does not pay twice. Delete that file to measure again."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    CPU, torch build, set of shapes and build of the 4-bit kernel. Delete that file to measure again."""
     weights = [w.detach() for w in weights]
     if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.ndim != 2 for w in weights):
         return PLAIN
     offered = _offered(weights) if packing else ()
+    shapes = sorted({tuple(w.shape) for w in weights})
+    return _calibrated(shapes, offered, lambda: _sample(weights), repeats, clock)
+
+
+def calibrate_held(
+    linears: Sequence[Int4Linear], *, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> Forms:
+    """The forms for weights held as 4-bit (swarm.models.backends.cpu.held): the 4-bit kernel for every row
+    count, except those at which F.linear over the widened weights was clearly faster (each call then widens
+    its weights into a scratch buffer first). Timed on widened copies of the first weights, as ``calibrate``."""
+    if not linears or not int4.available():
+        return PLAIN
+    shapes = sorted({(m.out_features, m.in_features) for m in linears})
+
+    def sample() -> list[torch.Tensor]:
+        widened, size = [], 0
+        for linear in linears:
+            if size >= CALIBRATION_BYTES:
+                break
+            widened.append(linear.widened())
+            size += widened[-1].numel() * 4
+        return _sample(widened)
+
+    return _calibrated(shapes, (HELD,), sample, repeats, clock)
+
+
+HELD = "int4 held"  # calibration of weights held as 4-bit (calibrate_held), named apart from a copy's
+
+
+def _calibrated(
+    shapes: Sequence[tuple[int, ...]],
+    offered: tuple[str, ...],
+    sample: Callable[[], list[torch.Tensor]],
+    repeats: int,
+    clock: Callable[[], float],
+) -> Forms:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     # a faster or slower build of the 4-bit kernel may change what is fastest: measure it again
-    kernels = (f"int4 {int4.kernel_version()}",) if "int4" in offered else ()
-    key = (torch.get_num_threads(), offered, *sorted({tuple(w.shape) for w in weights}), *kernels)
-    known = _calibrated.get(key)
+    kernels = (f"int4 {int4.kernel_version()}",) if {"int4", HELD} & set(offered) else ()
+    key = (torch.get_num_threads(), offered, *shapes, *kernels)
+    known = _calibrated_by_key.get(key)
     if known is not None:
         return known
     with _calibration_lock:  # two loaders at once would time each other's memory traffic
-        if key not in _calibrated:
+        if key not in _calibrated_by_key:
             stored_key = json.dumps([machine(), *key])
             forms, how = _stored(stored_key), "kept from an earlier run on this machine"
             if forms is None:
                 with one_at_a_time(_store_path()):
                     forms = _stored(stored_key)  # measured by the process we waited for, or not
                     if forms is None:
-                        forms, how = (
-                            _measure(_sample(weights), offered, repeats, clock),
-                            "measured on this CPU",
-                        )
+                        forms, how = _measure(sample(), offered, repeats, clock), "measured on this CPU"
                         _store(stored_key, forms)
-            _calibrated[key] = forms
+            _calibrated_by_key[key] = forms
             logger.info(
                 "matmul forms %s: few-columns for %s, packed weights %s",
                 how,
                 f"up to {forms.few_rows} rows" if forms.few_rows else "no row count",
                 _packed_text(forms, bool(offered)),
             )
-        return _calibrated[key]
+        return _calibrated_by_key[key]
 
 
 def _offered(weights: Sequence[torch.Tensor]) -> tuple[str, ...]:
@@ -348,7 +334,12 @@ def _offered(weights: Sequence[torch.Tensor]) -> tuple[str, ...]:
 def _measure(
     sample: list[torch.Tensor], offered: Sequence[str], repeats: int, clock: Callable[[], float]
 ) -> Forms:
-    """The forms calibration keeps, timed on ``sample`` (packed copies with each packer ``offered``)."""
+    """The forms calibration keeps, timed on ``sample`` (packed copies with each packer ``offered``; for HELD,
+    the 4-bit kernel at every row count where F.linear over the widened weights is not clearly faster)."""
+    if offered == (HELD,):
+        seconds = _time_packed(sample, "int4", repeats, clock)
+        kept = frozenset(r for r, (plain, four) in seconds.items() if not plain <= CLEARLY_FASTER * four)
+        return Forms(0, "int4", kept - {LONG_ROWS}, LONG_ROWS in kept)
     few_seconds = _time_forms(sample, range(1, MAX_FEW_ROWS + 1), _few_columns, repeats, clock)
     few = few_rows_limit(few_seconds)
     forms, most_saved = Forms(few), 0.0

@@ -1,4 +1,4 @@
-"""swarm.models.matmul: F.linear's result (to float rounding) whatever the rows, the form and the input's shape, and
+"""swarm.models.backends.cpu.matmul: F.linear's result (to float rounding) whatever the rows, the form and the input's shape, and
 forms measured per machine and set of weight shapes."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.models import int4, matmul
-from swarm.models.matmul import (
+from swarm.models.backends.cpu import int4, matmul
+from swarm.models.backends.cpu.matmul import (
     LONG_ROWS,
     MAX_FEW_ROWS,
     PACKED_ROWS,
@@ -43,7 +43,7 @@ needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch h
 def fresh_calibrations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Each test measures for itself, however often it runs: nothing kept in this process or on disk. Returns
     where calibrations are kept."""
-    monkeypatch.setattr(matmul, "_calibrated", {})
+    monkeypatch.setattr(matmul, "_calibrated_by_key", {})
     store = tmp_path / "forms.json"
     monkeypatch.setattr(matmul, "_store_path", lambda: store)
     return store
@@ -289,12 +289,12 @@ def test_a_calibration_is_kept_on_disk_for_the_next_process(fresh_calibrations: 
     weights = [torch.randn(24, 8), torch.randn(8, 24)]
     measured = calibrate(weights, clock=clock)
     assert measured.few_rows == MAX_FEW_ROWS
-    matmul._calibrated.clear()  # as a new process would start
+    matmul._calibrated_by_key.clear()  # as a new process would start
     assert calibrate(weights, clock=_never_timed) == measured
     assert calibrate(weights, repeats=1, clock=_never_timed) == measured  # repeats are how, not what
     other_shapes = [torch.randn(16, 8)]
     assert calibrate(other_shapes, clock=paced_clock(1.0, 2.0)[0]) == PLAIN  # kept beside the first
-    matmul._calibrated.clear()
+    matmul._calibrated_by_key.clear()
     assert calibrate(weights, clock=_never_timed) == measured
     assert len(json.loads(fresh_calibrations.read_text())) == 2
 
@@ -306,14 +306,14 @@ def test_a_calibration_that_timed_the_4_bit_kernel_holds_for_that_build_of_it_on
     weights = [four_bit(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.05)]
     measured = calibrate(weights, packing=True, repeats=1)
     assert "int4" in matmul._offered(weights)
-    matmul._calibrated.clear()
+    matmul._calibrated_by_key.clear()
     assert calibrate(weights, packing=True, clock=_never_timed) == measured  # kept for the same build
     monkeypatch.setattr(int4, "kernel_version", lambda: "another build")
-    matmul._calibrated.clear()
+    matmul._calibrated_by_key.clear()
     with pytest.raises(AssertionError, match="timed the forms again"):
         calibrate(weights, packing=True, clock=_never_timed)
     unpacked = calibrate(weights)  # no packed form offered: its key names no kernel build
-    matmul._calibrated.clear()
+    matmul._calibrated_by_key.clear()
     monkeypatch.setattr(int4, "kernel_version", lambda: "a third build")
     assert calibrate(weights, clock=_never_timed) == unpacked
 
@@ -340,7 +340,7 @@ def test_a_damaged_store_is_measured_again_and_rewritten(fresh_calibrations: Pat
         fresh_calibrations.write_text(json.dumps(kept))
     else:
         fresh_calibrations.write_text(damage)
-    matmul._calibrated.clear()
+    matmul._calibrated_by_key.clear()
     assert calibrate(weights, clock=paced_clock(2.0, 1.0)[0]).few_rows == MAX_FEW_ROWS  # timed again
     assert json.loads(fresh_calibrations.read_text())[key]["few_rows"] == MAX_FEW_ROWS
 
@@ -356,7 +356,7 @@ def test_calibration_works_where_nothing_can_be_kept(
 
 _MEASURER = """
 import sys, torch
-from swarm.models import matmul
+from swarm.models.backends.cpu import matmul
 torch.set_num_threads(int(sys.argv[1]))
 reads, now = [0], [0.0]
 def clock():  # a pass of F.linear takes 2 s, of the few-columns form 1 s; the first read waits for the test
@@ -407,7 +407,7 @@ def test_a_calibration_waits_for_another_process_measuring_and_takes_what_it_kep
 
 _THREAD_PROBE = """
 import os, threading, torch
-from swarm.models import matmul
+from swarm.models.backends.cpu import matmul
 from swarm.testing.weights import four_bit
 torch.set_num_threads(1)
 weight = four_bit(torch.randn(512, 64)) if {packer!r} == "int4" else torch.randn(512, 64)

@@ -1,4 +1,4 @@
-/* The end of Int8InputScreen's step (swarm/models/argmax.py): one pass over the vocabulary per input row, and a
+/* The end of Int8InputScreen's step (swarm/models/backends/cpu/argmax.py): one pass over the vocabulary per input row, and a
 second that lists the rows kept.
 
 After fbgemm's int8 product, torch took about as long again for the rest: the loud dimensions through
@@ -108,5 +108,24 @@ void screen_finish(float *y, long rows, long vocab, const uint8_t *by_dimension,
             }
         }
         counts[n] = count;
+    }
+}
+
+/* out[i] = x . W[rows[i]] (all V rows where rows is NULL), each the float32 sum of float32 products in one fixed
+   order: DOT_LANES running sums over k = lane (mod DOT_LANES), then those added from the first to the last.
+   Compiled with -ffp-contract=off and no reassociation, so a logit is the same bits on every x86 CPU and
+   whichever other rows are computed with it: the greedy head's exact logits (swarm/models/backends/cpu/argmax.py). */
+#define DOT_LANES 16
+void dot_rows(const float *x, long K, const float *W, const int64_t *rows, long count, float *out) {
+    for (long i = 0; i < count; i++) {
+        const float *w = W + (rows ? rows[i] : i) * K;
+        float lanes[DOT_LANES] = {0};
+        long k = 0;
+        for (; k + DOT_LANES <= K; k += DOT_LANES)
+            for (int l = 0; l < DOT_LANES; l++) lanes[l] += x[k + l] * w[k + l];
+        for (int l = 0; k < K; k++, l++) lanes[l] += x[k] * w[k];
+        float sum = 0.0f;
+        for (int l = 0; l < DOT_LANES; l++) sum += lanes[l];
+        out[i] = sum;
     }
 }
