@@ -38,7 +38,9 @@ pytestmark = pytest.mark.timeout(60)
 def blocks() -> BlockRange:
     torch.set_num_threads(1)
     blocks = resolve_model("tiny").load_blocks(0, 2, cache_tokens=512)
-    blocks.kernels.use_forms(PLAIN)  # F.linear for any rows, whatever this CPU's calibration: prefills may ride along
+    blocks.kernels.use_forms(
+        PLAIN
+    )  # F.linear for any rows, whatever this CPU's calibration: prefills may ride along
     return blocks
 
 
