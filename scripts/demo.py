@@ -2,7 +2,7 @@
 """The demo's main job (called by ./scripts/demo after set-up): a real local swarm and its web face.
 
 Starts three `swarm-peer join` processes of the default model (SmolLM2-135M-Instruct, layers 0:10, 10:20,
-20:30) on 127.0.0.1, each limited to 0.33 GB so the elected planner must split the model across them, then
+20:30) on 127.0.0.1, each limited to 0.18 GB so the elected planner must split the model across them, then
 `swarm-chat` in front of them; asks one question through the OpenAI-compatible API and prints the streamed
 answer, prints the chat and status URLs, and serves until Ctrl-C. Everything it started is stopped on the way
 out (each child leads its own process group, so DHT children and p2pd daemons go with it).
@@ -31,7 +31,7 @@ QUESTION = "What is the capital of France?"
 LAYERS = ("0:10", "10:20", "20:30")
 # Each peer plays a small consumer GPU that holds at most 12 of the 30 layers (weights plus KV cache), so
 # the planner must split the model and hidden states really hop from peer to peer.
-PEER_ARGS = ["--max-memory-gb", "0.33"]
+PEER_ARGS = ["--max-memory-gb", "0.18"]
 
 
 def say(text: str) -> None:
