@@ -59,8 +59,25 @@ logger = logging.getLogger(__name__)
 DECODE_THREAD = "swarm-decode"
 PREFILL_THREAD = "swarm-prefill"
 _T = TypeVar("_T")
-_MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
-__all__ = ["DECODE_THREAD", "PREFILL_THREAD", "Executor", "ExecutorConfig", "Group", "StepResult"]
+__all__ = [
+    "DECODE_THREAD",
+    "PREFILL_THREAD",
+    "Executor",
+    "ExecutorConfig",
+    "Group",
+    "SessionSteps",
+    "StepResult",
+]
+
+
+@dataclass(eq=False)
+class SessionSteps:
+    """The executor's bookkeeping of one session, held by the session itself (swarm/peer/session.py), so it
+    goes when the session closes."""
+
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one job of the session at a time, both lanes
+    waiting: int = 0  # jobs waiting for the turn or holding it
+    failed: int | None = None  # the position of its last step that failed here
 
 
 @dataclass(frozen=True)
@@ -146,16 +163,15 @@ class Executor:
         # calls the decode lane took, waiting for their turn. Unbounded, though out of the lane's bounded queue: every
         # open holds a session slot first (SessionConfig.max_open, per-remote caps), a hand-over one per session
         self._calls: asyncio.Queue[_Job] = asyncio.Queue()
-        self._turns: dict[
-            str, tuple[asyncio.Lock, int]
-        ] = {}  # session -> (its lock, steps holding or waiting)
+        # the bookkeeping of sessions stepped by callers without a SessionSteps of their own (tests, tools), kept
+        # while one of their steps is here: session -> (its steps, the forward calls holding it)
+        self._transient: dict[str, tuple[SessionSteps, int]] = {}
         self.batches_run = 0
         self.steps_run = 0
         # seconds spent in forward calls, both lanes (the "computing" share of the log line)
         self.compute_s = 0.0
         self.batch_waits = 0  # how many batches waited for steps they expected (for tests)
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
-        self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
         # set whenever a job is queued: a batch waiting for the steps it expects looks again
         self._arrived = asyncio.Event()
         # the decode lane's forward call running now, set once it has ended (_yield_to_decode)
@@ -223,7 +239,13 @@ class Executor:
             logger.debug("executor shut down; nothing to release")
 
     async def forward(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None = None,
+        onward: str = "",
+        paced: bool = True,
+        session: SessionSteps | None = None,
     ) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
@@ -236,33 +258,58 @@ class Executor:
         A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
         runs as consecutive chunks, each its own job (Schedule.chunk_tokens): other sessions' steps queued
         meanwhile run between two chunks, or with one, instead of waiting for the whole prompt. Each chunk extends
-        the session's cache from where the last one ended, so the output is the whole step's."""
+        the session's cache from where the last one ended, so the output is the whole step's.
+
+        ``session`` is the session's own bookkeeping (its turn, its failed step), which a Peer's sessions hold;
+        without it, one is kept here while the session's steps are."""
         sid = step.session_id
         if sid is None:
             return await self._forward_job(
-                _Job(None, step, blocks, asyncio.get_running_loop().create_future())
+                _Job(None, step, blocks, asyncio.get_running_loop().create_future()), None
             )
+        if session is not None:
+            return await self._forward_step(blocks, step, group, onward, paced, session)
+        transient, holders = self._transient.get(sid) or (SessionSteps(), 0)
+        self._transient[sid] = (transient, holders + 1)
+        try:
+            return await self._forward_step(blocks, step, group, onward, paced, transient)
+        finally:
+            transient, holders = self._transient[sid]
+            if holders == 1:
+                del self._transient[sid]
+            else:
+                self._transient[sid] = (transient, holders - 1)
+
+    async def _forward_step(
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None,
+        onward: str,
+        paced: bool,
+        session: SessionSteps,
+    ) -> StepResult:
+        sid = step.session_id
+        assert sid is not None
         tokens = step.hidden.shape[0]
         if tokens != 1:
             group = None  # only decode steps wait for each other
         # a client's lone session at its first hop: nothing else lines its steps up with others'
         paced = paced and group is None and tokens == 1
         self.schedule.arrived(sid, tokens, paced, self.clock())
-        await self._in_order(blocks, step)
-        if self._failed.get(sid, -1) >= step.position:
-            del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
+        await self._in_order(blocks, step, session)
+        if session.failed is not None and session.failed >= step.position:
+            session.failed = None  # the failed step is being replayed: the steps after it may wait again
         try:
             job = _Job(None, step, blocks, asyncio.get_running_loop().create_future(), group, onward, paced)
-            result = await self._forward_chunks(job)
+            result = await self._forward_chunks(job, session)
         except BaseException:
-            self._failed[sid] = step.position
-            while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
-                del self._failed[next(iter(self._failed))]
+            session.failed = step.position
             self._stepped.set()
             raise
         return result
 
-    async def _in_order(self, blocks: BlockRange, step: Step) -> None:
+    async def _in_order(self, blocks: BlockRange, step: Step, session: SessionSteps) -> None:
         """Return once the session's cache on the step's layers reaches ``step.position``: every earlier step
         has run, or is running its last layer (then this one waits for the session's turn, see ``_turn``).
         SessionError when an earlier step of the session failed here; the caller's deadline bounds
@@ -273,7 +320,7 @@ class Executor:
             length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
             if length >= step.position:
                 return
-            failed = self._failed.get(sid)
+            failed = session.failed
             if failed is not None and failed < step.position:
                 raise SessionError(
                     f"session {sid[:16]}: the step at position {failed} failed here, so the step at "
@@ -282,14 +329,14 @@ class Executor:
             self._stepped.clear()
             await self._stepped.wait()
 
-    async def _forward_chunks(self, job: _Job) -> StepResult:
+    async def _forward_chunks(self, job: _Job, session: SessionSteps) -> StepResult:
         """``job``'s step as consecutive jobs of at most ``Schedule.chunk_tokens`` tokens each, chosen as each is
         queued (a chunk is a prefill: no group, not paced, not sent on as a group)."""
         step, blocks = job.step, job.blocks
         assert step is not None and blocks is not None
         tokens = step.hidden.shape[0]
         if self.schedule.runs_whole(tokens, self.clock()):
-            return await self._forward_job(job)
+            return await self._forward_job(job, session)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
@@ -299,16 +346,16 @@ class Executor:
             chunk = Step(step.session_id, hidden, step.start, step.end, step.position + offset)
             future = asyncio.get_running_loop().create_future()
             chunk_job = _Job(None, chunk, blocks, future, long_prefill=True, yields_to_device=long)
-            part = await self._forward_job(chunk_job)
+            part = await self._forward_job(chunk_job, session)
             parts.append(part.hidden)
             offset += hidden.shape[0]
             queue_s, compute_s = queue_s + part.queue_s, compute_s + part.compute_s
         return StepResult(torch.cat(parts), queue_s, compute_s)
 
-    async def _forward_job(self, job: _Job) -> StepResult:
+    async def _forward_job(self, job: _Job, session: SessionSteps | None) -> StepResult:
         # its queue time starts here, after the waits for its session's order
         job.submitted = time.perf_counter()
-        async with self._turn(job.session_id):
+        async with self._turn(session):
             try:
                 result: StepResult = await self._submit(job)
             except asyncio.CancelledError:
@@ -320,23 +367,18 @@ class Executor:
         return result
 
     @contextlib.asynccontextmanager
-    async def _turn(self, session_id: str | None) -> AsyncIterator[None]:
+    async def _turn(self, session: SessionSteps | None) -> AsyncIterator[None]:
         """One job of a session at a time, across both lanes: a replayed prefill must not rewrite a cache that
         a stale decode step of the same session is appending to on the other thread."""
-        if session_id is None:
+        if session is None:
             yield
             return
-        lock, users = self._turns.get(session_id) or (asyncio.Lock(), 0)
-        self._turns[session_id] = (lock, users + 1)
+        session.waiting += 1
         try:
-            async with lock:
+            async with session.turn:
                 yield
         finally:
-            lock, users = self._turns[session_id]
-            if users == 1:
-                del self._turns[session_id]
-            else:
-                self._turns[session_id] = (lock, users - 1)
+            session.waiting -= 1
 
     def forget(self, session_id: str) -> None:
         """Session ``session_id`` closed here: no batch waits for its steps any more."""

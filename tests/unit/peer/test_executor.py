@@ -24,6 +24,7 @@ from swarm.peer.executor import (
     PREFILL_THREAD,
     Executor,
     ExecutorConfig,
+    SessionSteps,
     StepResult,
     _Job,
     _onward_groups,
@@ -563,17 +564,18 @@ def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_for
     monkeypatch.setattr(blocks, "forward", gated)
 
     async def body() -> None:
+        session = SessionSteps()  # the session's own bookkeeping, as a Peer's session holds it
         await executor.call(lambda: blocks.open_session("gave-up", 16))
         chunk = asyncio.ensure_future(
-            executor.forward(blocks, Step("gave-up", _hidden(blocks, 8, 1), 0, 2, 0))
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 8, 1), 0, 2, 0), session=session)
         )
         assert await asyncio.to_thread(entered.wait, 30)
         chunk.cancel()
         replay = asyncio.ensure_future(
-            executor.forward(blocks, Step("gave-up", _hidden(blocks, 1, 2), 0, 2, 0))
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 1, 2), 0, 2, 0), session=session)
         )
         # until the replay either waits for the session's turn (held for the running forward) or has run
-        while executor._turns.get("gave-up", (None, 0))[1] < 2 and len(calls) < 2:
+        while session.waiting < 2 and len(calls) < 2:
             await asyncio.sleep(0.001)
         assert calls == [8], "the replay ran beside the forward it replaces"
         release.set()
