@@ -185,13 +185,8 @@ class PlannerConfig:
     check_interval_s: float = setting(5.0, "how often to look for membership or measurement changes")
     solve_time_limit_s: float = setting(20.0, "MILP time limit per solve")
     method: str = setting("milp", "swarm.planner.solve method", choices=PLANNER_METHODS)
-    # The publish margin. Improvements start from the published plan, so an unchanged swarm never yields a
-    # worse candidate (no solver-noise thrash); the margin guards against noise in measured peer speeds and
-    # makes each move pay. Measured on helix24 (scripts/bench_churn.py, each node leaving in turn, 3 s solves):
-    # the 2-move epochs after an L4 or T4 leave gained 7-12% each and are kept at 5%; after an A100 leave the
-    # best 2 moves gained 0-3.9% per epoch (e.g. 1549 -> 1592 -> 1646 tokens/s with no margin), gains that
-    # speed-measurement noise can fake, and are refused. Petals' 1.33x guards one server's unpriced, uncapped
-    # move of all its blocks; ours are capped and priced, so a smaller margin suffices.
+    # Improvements start from the published plan, so an unchanged swarm never yields a worse candidate; the
+    # margin guards against noise in measured peer speeds and makes each move pay (docs/notes-peer.md).
     improve_fraction: float = setting(
         0.05, "publish a working plan's replacement only when its max flow is this much higher"
     )
@@ -199,11 +194,8 @@ class PlannerConfig:
     # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
     # hold instead of swapping ranges for nothing.
     reload_cost_tokens_s: float = setting(0.1, "objective charged per layer a peer must load anew")
-    # Local branching: one leave of helix24 (24 nodes) is repaired with 0 moves (every layer has 2+ holders),
-    # then each periodic improvement moves at most this many. bench_churn.py, 6 leaves (A100, L4s, T4s), 3
-    # epochs, flow kept vs a from-scratch re-solve (which moves ~21): cap 1 stalls at 0.84 (0.5 moves in all);
-    # cap 2 reaches 0.91 (2.0 moves); cap 4 reaches 0.90 (2.5 moves, all in one epoch). 2 keeps 22 of 24 peers
-    # untouched per epoch at no loss of flow against 4.
+    # Local branching: a repair moves what it must, then each periodic improvement moves at most this many,
+    # which keeps most peers untouched per epoch (docs/notes-peer.md).
     max_moves: int = setting(2, "most peers one re-plan may move off their layers (a repair may need more)")
     move_cost_fraction: float = setting(
         0.01, "objective charged per peer whose layers change, as a fraction of the current max flow"
