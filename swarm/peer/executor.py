@@ -98,9 +98,8 @@ class _Job:
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
     onward: str = ""  # the next hop it goes on to, if any (its forward call's steps for it go as a group)
-    paced: bool = (
-        False  # a lone decode step at its route's first hop: its batch may wait for sessions due here
-    )
+    # a lone decode step at its route's first hop: its batch may wait for sessions due here
+    paced: bool = False
     long_prefill: bool = False  # a chunk of a prefill cut into chunks (it takes this device's turns)
     # a chunk of a prompt longer than one idle chunk (prefill_chunk_tokens): it waits for the device's decode calls
     yields_to_device: bool = False
