@@ -370,13 +370,11 @@ class SharedDevice:
         if mode == "off" or not TURNS_SUPPORTED:
             return cls("off")
         path = turns_path(device, directory)
-        peers = None
-        if mode == "auto":
-            try:
-                peers = DevicePeers(peers_folder(path))
-            except OSError as e:
-                logger.warning("cannot tell whether another peer shares %s (%s): taken as alone", device, e)
-                return cls("off")
+        try:  # "on" joins the device's peers too, so that "auto" peers beside it see it
+            peers = DevicePeers(peers_folder(path))
+        except OSError as e:
+            logger.warning("cannot tell whether another peer shares %s (%s): taken as alone", device, e)
+            return cls("off") if mode == "auto" else cls(mode)
         return cls(mode, DeviceTurns(path), DecodeCalls(decode_calls_path(path), DEVICE_DECODE_WAIT_S), peers)
 
     def refresh(self) -> bool:

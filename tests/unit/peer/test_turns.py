@@ -225,7 +225,11 @@ def test_the_shared_device_component_is_on_only_while_another_peer_holds_the_dev
         assert not lone.refresh()
     finally:
         lone.close()
-    assert SharedDevice.for_device("cpu", "on", tmp_path).active
+    always = SharedDevice.for_device("cpu", "on", tmp_path)
+    watching = SharedDevice.for_device("cpu", "auto", tmp_path)
+    assert always.active and watching.active, "a peer with it on counts as a peer of the device"
+    watching.close()
+    always.close()
     off = SharedDevice.for_device("cpu", "off", tmp_path)
     assert not off.active and off.turns is None and off.decode_calls is None
     with pytest.raises(ValueError, match="shared device mode"):
