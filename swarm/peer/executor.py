@@ -266,18 +266,22 @@ class Executor:
             return await self._forward_job(
                 _Job(None, step, blocks, asyncio.get_running_loop().create_future()), None
             )
-        if session is not None:
-            return await self._forward_step(blocks, step, group, onward, paced, session)
-        transient, holders = self._transient.get(sid) or (SessionSteps(), 0)
-        self._transient[sid] = (transient, holders + 1)
+        transient = session is None  # a caller outside a Peer: this session's bookkeeping is kept here
+        if session is None:
+            session, holders = self._transient.get(sid) or (SessionSteps(), 0)
+            self._transient[sid] = (session, holders + 1)
         try:
-            return await self._forward_step(blocks, step, group, onward, paced, transient)
+            return await self._forward_step(blocks, step, group, onward, paced, session)
         finally:
-            transient, holders = self._transient[sid]
-            if holders == 1:
-                del self._transient[sid]
-            else:
-                self._transient[sid] = (transient, holders - 1)
+            if transient:
+                self._let_go(sid)
+
+    def _let_go(self, sid: str) -> None:
+        session, holders = self._transient[sid]
+        if holders == 1:
+            del self._transient[sid]
+        else:
+            self._transient[sid] = (session, holders - 1)
 
     async def _forward_step(
         self,
