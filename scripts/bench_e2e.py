@@ -36,7 +36,7 @@ it). A swarm that is not measured idles. It reports per setting and level the ag
 and their median, and per level B / A of each round and its median.
 
     .venv/bin/python scripts/bench_e2e.py --ab "--executor-ride-along-tokens 0" --rounds 6 --json ab.json
-    .venv/bin/python scripts/bench_e2e.py --ab=--executor-no-prefill-turns   # one flag alone: with "="
+    .venv/bin/python scripts/bench_e2e.py --ab="--executor-shared-device off"   # a flag with "=" when it starts the value
 """
 
 from __future__ import annotations

@@ -1,51 +1,33 @@
-"""The two threads per device that run torch, fed by bounded queues, batching concurrent decode steps.
+"""The two threads per device that run torch, fed by bounded queues, batching concurrent steps.
 
 The event loop never runs torch: the peer submits jobs and awaits their futures. A step names the BlockRange it
 runs on (a peer serves one range, or two while it moves). Each thread serves its own lane: one-token (decode)
-steps and plain calls on one, prefill chunks on the other, at a lower OS priority (``prefill_nice``). Prefill
-is compute-bound and decode latency-bound (Sarathi, Splitwise): when every peer of a pipelined long prompt
-computes at once on fewer cores than that, a decode step still gets a core at once instead of a share of it
-behind the chunks. Niceness does not give it the GIL, the caches or the hand-offs around the step, so a chunk
-also waits between two of its layers for the decode call running beside it (a long prompt's chunk, with
-``device_decode_wait_s``, for those of the other peers on the device too), and while others decode here the
-peers of one device take turns for their chunks (swarm/peer/turns.py; ``busy_prefill_share`` can add pauses).
-A long prefill runs as chunks, small ones while other sessions decode here (on a GPU the decode kernels still
-queue behind a chunk's). Each lane takes its oldest job and gathers the queued steps of *other* sessions on the
-*same* BlockRange into one ``BlockRange.forward`` call, within a budget of steps and tokens (the prefill lane's
-tokens held to one small chunk's while others decode): continuous batching at step granularity. A short prefill
-(``ride_along_tokens``: a spot-check's window) that comes while others decode here (a decode step within the
-wait it would have) goes on the decode lane instead and waits there for their next forward call (one period of
-the decode calls here plus ``batch_window_s``, ``ride_wait_s`` at most), which takes it as a few more rows of the
-same products: on a CPU a forward call's cost is mostly reading the weights, and a call of its own on the
-prefill thread read them all once more. If no decode call comes, it goes to the prefill thread: alone on the
-decode lane it would hold back the steps that come just after it. Nor does it ride where its rows would move
-the call to another form of products (here a decode call of the default model, 4-bit, goes to F.linear with a
-16-token window). A full queue is a CapacityError at once, not a backlog.
+steps and plain calls on one, prefill chunks on the other. Prefill is compute-bound and decode latency-bound
+(Sarathi, Splitwise), so a chunk waits between two of its layers for the decode call running beside it.
 
-A batch of decode steps waits a moment for the steps it expects: the rest of a group (``group_window_s``: a
-client's sessions of one round, or the steps one forward call of the hop before sent here, StepRequest.batch_id),
-and the lone sessions due here within ``batch_window_s``. A session decoding at a steady pace comes back one
-period after its last step here (the time its step takes around the route and through its client); sessions of
-separate clients arrive out of step, and an idle executor would start each alone (a client's own sessions come
-as its groups, not tracked by pace). Waiting for the ones due lines them up, and once batched they travel the
-route together as a group and come back together: on a CPU, where a decode step's cost is reading the weights,
-a forward call of 8 decode steps costs about 1.6 of one. Only a route's first hop sees lone sessions (later
-hops get groups), so only it waits by pace. A session that stops coming (it ended, or waits for its user) is no
-longer due once it is a window late.
+What each forward call runs, and what waits, is decided by the pure policy in swarm/peer/schedule.py: the runner
+here tells it what arrived and what ran, asks it, and does the waiting and the device calls. In short: a lane
+takes its oldest job and gathers queued steps of *other* sessions on the *same* BlockRange into one
+``BlockRange.forward`` call within a budget of steps and tokens (continuous batching at step granularity); a
+long prefill runs as chunks, small ones while other sessions decode here; a short prefill that comes while others
+decode rides in the decode lane's next call as a few more rows of the same products (if no decode call comes, it
+goes to the prefill thread: alone on the decode lane it would hold back the steps just after it); a batch of
+decode steps waits a moment for the rest of its client's group and for lone sessions due by their pace. A full
+queue is a CapacityError at once, not a backlog.
 
-Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a
-KV cache is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever
-lane they run on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued
-after it go on meanwhile: clients open sessions all the time (every spot-check opens some), and a call waiting
-in line held every decode step behind it until the chunk ended (traced: decode steps queued 45-125 ms behind a
-session open while a 128-token chunk ran). The BlockRange's own admission check (free cache tokens) turns into
-a CapacityError.
+Where other peers share the device, ``SharedDevice`` (swarm/peer/turns.py) adds their turns, the prefill thread's
+lower priority and waits for their decode calls; for a lone peer it is off and costs nothing per call.
 
-Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt
-as consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the
-way. ``forward`` holds a step whose position is past the session's cached length until the earlier steps have
-run; if one of them fails here, the steps waiting behind it fail at once (SessionError) instead of at their
-deadline, so the client's failover starts without delay.
+Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a KV cache
+is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever lane they run
+on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued after it go on
+meanwhile. The BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+
+Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt as
+consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the way.
+``forward`` holds a step whose position is past the session's cached length until the earlier steps have run;
+if one of them fails here, the steps waiting behind it fail at once (SessionError) instead of at their deadline,
+so the client's failover starts without delay.
 """
 
 from __future__ import annotations
@@ -53,13 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -70,7 +50,8 @@ from swarm.errors import CapacityError, SessionError, SwarmError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.threads import name_os_thread
 from swarm.peer.config import ExecutorConfig
-from swarm.peer.turns import DecodeCalls, DeviceTurns
+from swarm.peer.schedule import Group, Lane, Schedule, Turn
+from swarm.peer.turns import SharedDevice, lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +59,25 @@ logger = logging.getLogger(__name__)
 DECODE_THREAD = "swarm-decode"
 PREFILL_THREAD = "swarm-prefill"
 _T = TypeVar("_T")
-_MAX_FAILED_SESSIONS = 4096  # failed-step marks kept for steps waiting behind them
-_ARRIVALS_HORIZON_S = 5.0  # a session whose decode steps stopped this long ago is forgotten (_Arrivals)
-Group = tuple[str, int]  # (key, size): a client's decode steps of one round (StepRequest.batch_id/batch_size)
+__all__ = [
+    "DECODE_THREAD",
+    "PREFILL_THREAD",
+    "Executor",
+    "ExecutorConfig",
+    "Group",
+    "SessionSteps",
+    "StepResult",
+]
+
+
+@dataclass(eq=False)
+class SessionSteps:
+    """The executor's bookkeeping of one session, held by the session itself (swarm/peer/session.py), so it
+    goes when the session closes."""
+
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one job of the session at a time, both lanes
+    waiting: int = 0  # jobs waiting for the turn or holding it
+    failed: int | None = None  # the position of its last step that failed here
 
 
 @dataclass(frozen=True)
@@ -101,10 +98,9 @@ class _Job:
     future: asyncio.Future[Any]
     group: Group | None = None  # the client's decode steps sent together with this one
     onward: str = ""  # the next hop it goes on to, if any (its forward call's steps for it go as a group)
-    paced: bool = (
-        False  # a lone decode step at its route's first hop: its batch may wait for sessions due here
-    )
-    long_prefill: bool = False  # a chunk of a prefill longer than one chunk (it takes this device's turns)
+    # a lone decode step at its route's first hop: its batch may wait for sessions due here
+    paced: bool = False
+    long_prefill: bool = False  # a chunk of a prefill cut into chunks (it takes this device's turns)
     # a chunk of a prompt longer than one idle chunk (prefill_chunk_tokens): it waits for the device's decode calls
     yields_to_device: bool = False
     submitted: float = field(default_factory=time.perf_counter)
@@ -124,56 +120,9 @@ class _Job:
 class _Lane:
     """One torch thread and the queue of jobs it serves."""
 
+    name: Lane
     queue: asyncio.Queue[_Job]
     thread: ThreadPoolExecutor
-
-
-class _Arrivals:
-    """When each session's decode steps reached the executor, to tell which sessions are due soon."""
-
-    def __init__(self) -> None:
-        # session -> (its last decode step's arrival, the time since the one before, or inf); oldest first
-        self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def note(self, session_id: str, now: float) -> None:
-        last, _ = self._seen.pop(session_id, (None, math.inf))
-        period = now - last if last is not None and now - last < _ARRIVALS_HORIZON_S else math.inf
-        self._seen[session_id] = (now, period)
-        while self._seen and next(iter(self._seen.values()))[0] < now - _ARRIVALS_HORIZON_S:  # gone quiet
-            self._seen.popitem(last=False)
-
-    def forget(self, session_id: str) -> None:
-        self._seen.pop(session_id, None)
-
-    def pacing(self, now: float, late_s: float) -> int:
-        """Sessions stepping here by their pace now: seen within the horizon, and not more than ``late_s`` past
-        their next step's due time (one seen once has no pace yet, and counts until it goes quiet)."""
-        return sum(1 for last, period in self._seen.values() if last + period >= now - late_s)
-
-    def due(self, present: set[str | None], now: float, late_s: float, within_s: float) -> bool:
-        """Whether a session other than ``present`` is due within ``within_s`` (its last arrival plus its last
-        period), and not already more than ``late_s`` late."""
-        return any(
-            now - late_s <= last + period <= now + within_s
-            for sid, (last, period) in self._seen.items()
-            if sid not in present
-        )
-
-
-def _start_prefill_thread(nice: int, idle: bool) -> None:
-    """Name the calling (prefill) thread, run it ``nice`` steps nicer than it is (Linux sets niceness per
-    thread) and, with ``idle``, under the idle scheduling policy (see ExecutorConfig.prefill_idle)."""
-    name_os_thread(PREFILL_THREAD)
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
-    except (AttributeError, OSError) as e:  # not Linux, or not allowed: prefill just competes as an equal
-        logger.info("prefill thread keeps its priority (%s)", e)
-    if idle:
-        try:
-            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError) as e:  # not Linux: its niceness alone
-            logger.info("prefill thread keeps the normal scheduling policy (%s)", e)
 
 
 class Executor:
@@ -184,55 +133,44 @@ class Executor:
         config: ExecutorConfig | None = None,
         name: str = "torch",
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        turns: DeviceTurns | None = None,
-        decode_calls: DecodeCalls | None = None,
+        shared: SharedDevice | None = None,
     ) -> None:
         self.config = config or ExecutorConfig()
-        self.turns = turns  # this device's prefill turns (swarm/peer/turns.py), if taken
-        self.decode_calls = decode_calls  # this device's decode calls, which long chunks wait for (turns.py)
-        # when decode steps arrive: whether others decode now (_chunk_tokens), which sessions are due (_Arrivals)
-        self.clock = clock
-        self.sleep = sleep  # the prefill lane's pauses while others decode (busy_prefill_share)
-        self._last_decode_s = -math.inf  # when a one-token step of a session was last submitted
-        # when the decode lane's last two forward calls with a decode step began: their period (_ride_wait_s)
-        self._decode_calls = (-math.inf, -math.inf)
-        self._decode_rows = 1  # how many decode steps the decode lane's last such call ran (_rides_along)
+        self.schedule = Schedule(self.config)  # what each forward call runs (swarm/peer/schedule.py)
+        self.clock = clock  # the policy's clock: when steps arrive, who is due, whether others decode
+        self.shared = shared  # what peers sharing this device do for each other, if any (swarm/peer/turns.py)
+        self._prefill_lowered = False  # the prefill thread runs at the shared device's lower priority
         self._decode = _Lane(
+            "decode",
+            asyncio.Queue(self.config.queue_jobs),
+            ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=name, initializer=name_os_thread, initargs=(DECODE_THREAD,)
+            ),
+        )
+        self._prefill = _Lane(
+            "prefill",
             asyncio.Queue(self.config.queue_jobs),
             ThreadPoolExecutor(
                 max_workers=1,
-                thread_name_prefix=name,
+                thread_name_prefix=f"{name}-prefill",
                 initializer=name_os_thread,
-                initargs=(DECODE_THREAD,),
+                initargs=(PREFILL_THREAD,),
             ),
         )
-        prefill_thread = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix=f"{name}-prefill",
-            initializer=_start_prefill_thread,
-            initargs=(self.config.prefill_nice, self.config.prefill_idle),
-        )
-        self._prefill = _Lane(asyncio.Queue(self.config.queue_jobs), prefill_thread)
         # held while a prefill chunk or a plain call runs: calls (open, close, moves) change caches and ranges
         self._calls_apart = asyncio.Lock()
         # calls the decode lane took, waiting for their turn. Unbounded, though out of the lane's bounded queue: every
         # open holds a session slot first (SessionConfig.max_open, per-remote caps), a hand-over one per session
         self._calls: asyncio.Queue[_Job] = asyncio.Queue()
-        self._turns: dict[
-            str, tuple[asyncio.Lock, int]
-        ] = {}  # session -> (its lock, steps holding or waiting)
+        # the bookkeeping of sessions stepped by callers without a SessionSteps of their own (tests, tools), kept
+        # while one of their steps is here: session -> (its steps, the forward calls holding it)
+        self._transient: dict[str, tuple[SessionSteps, int]] = {}
         self.batches_run = 0
         self.steps_run = 0
         # seconds spent in forward calls, both lanes (the "computing" share of the log line)
         self.compute_s = 0.0
+        self.batch_waits = 0  # how many batches waited for steps they expected (for tests)
         self._stepped = asyncio.Event()  # set after every forward job: steps waiting for their turn re-check
-        self._failed: dict[str, int] = {}  # session -> position of its last step that failed here
-        # when each lone session's decode steps came (see ExecutorConfig.batch_window_s)
-        self._arrivals = _Arrivals()
-        # group -> its steps that ran here already: a group bigger than max_batch runs in parts, and the later
-        # parts must not wait for steps that went with an earlier one
-        self._group_ran: OrderedDict[Group, int] = OrderedDict()
         # set whenever a job is queued: a batch waiting for the steps it expects looks again
         self._arrived = asyncio.Event()
         # the decode lane's forward call running now, set once it has ended (_yield_to_decode)
@@ -253,25 +191,14 @@ class Executor:
         return job.future
 
     def _rides_along(self, job: _Job) -> bool:
-        """Whether prefill ``job`` joins the decode lane's next forward call (``ride_along_tokens``): only while
-        a decode step came here within the wait it would have (``_ride_wait_s``), so one more is likely within
-        it (a user's quick next turn after their own answer ended would wait the whole of it for nobody), and
-        only if its rows leave that call's products in the form they take without it. A decode call through
-        the 4-bit kernel (swarm/models/int4.py) that takes a 16-token spot-check window goes through F.linear
-        instead: traced on the default model, 2 decode steps took 45-56 ms of CPU in such a call against 14
-        alone, at every hop, while the window's own call on the prefill thread runs beside the decode steps."""
-        short = job.tokens <= self.config.ride_along_tokens and not job.long_prefill
-        if not short or job.step is None or job.blocks is None:
+        """Whether prefill ``job`` joins the decode lane's next forward call (Schedule.rides_along), if its rows
+        leave that call's products in the form they take without it (a 4-bit decode call that took a 16-token
+        window would go through F.linear instead, at every hop)."""
+        if job.step is None or job.blocks is None:
             return False
-        recent = self.clock() - self._last_decode_s < self._ride_wait_s()
-        return recent and job.blocks.same_form(self._decode_rows, job.tokens)
-
-    def _ride_wait_s(self) -> float:
-        """How long a prefill riding along waits for a decode call: the decode calls' last period here plus
-        ``batch_window_s`` (just the window before two calls), ``ride_wait_s`` at most."""
-        previous, last = self._decode_calls
-        period = last - previous if previous > -math.inf else 0.0
-        return min(self.config.ride_wait_s, period + self.config.batch_window_s)
+        if not self.schedule.rides_along(job.tokens, job.long_prefill, self.clock()):
+            return False
+        return job.blocks.same_form(self.schedule.decode_rows, job.tokens)
 
     def _off_the_decode_lane(self, riders: list[_Job]) -> list[_Job]:
         """Prefills that rode along for nothing go to the prefill thread; those it has no room for stay."""
@@ -311,7 +238,13 @@ class Executor:
             logger.debug("executor shut down; nothing to release")
 
     async def forward(
-        self, blocks: BlockRange, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None = None,
+        onward: str = "",
+        paced: bool = True,
+        session: SessionSteps | None = None,
     ) -> StepResult:
         """Run one step on ``blocks`` (possibly batched with others) and return its output with its timings.
 
@@ -319,41 +252,67 @@ class Executor:
         same hop get one ``onward_group``, and the hop waits for all of them to batch them again (they reach it
         one message each, ~1 ms apart). Lone sessions are waited for by their pace (``batch_window_s``) only
         where they come lone, at the first hop (``paced``; False for a step another hop sent): a later hop that
-        waited for a session due by its pace could be waiting for one held at another hop, itself waiting
-        (traced with 80 ms windows).
+        waited for a session due by its pace could be waiting for one held at another hop, itself waiting.
 
         A session's step waits for the session's earlier steps first (see the module doc). A longer prefill
-        runs as consecutive chunks, each its own job (see _chunk_tokens): other sessions' steps queued meanwhile
-        run between two chunks, or with one, instead of waiting for the whole prompt. Each chunk extends the
-        session's cache from where the last one ended, so the output is the whole step's."""
+        runs as consecutive chunks, each its own job (Schedule.chunk_tokens): other sessions' steps queued
+        meanwhile run between two chunks, or with one, instead of waiting for the whole prompt. Each chunk extends
+        the session's cache from where the last one ended, so the output is the whole step's.
+
+        ``session`` is the session's own bookkeeping (its turn, its failed step), which a Peer's sessions hold;
+        without it, one is kept here while the session's steps are."""
         sid = step.session_id
         if sid is None:
             return await self._forward_job(
-                _Job(None, step, blocks, asyncio.get_running_loop().create_future())
+                _Job(None, step, blocks, asyncio.get_running_loop().create_future()), None
             )
-        if step.hidden.shape[0] != 1:
+        transient = session is None  # a caller outside a Peer: this session's bookkeeping is kept here
+        if session is None:
+            session, holders = self._transient.get(sid) or (SessionSteps(), 0)
+            self._transient[sid] = (session, holders + 1)
+        try:
+            return await self._forward_step(blocks, step, group, onward, paced, session)
+        finally:
+            if transient:
+                self._let_go(sid)
+
+    def _let_go(self, sid: str) -> None:
+        session, holders = self._transient[sid]
+        if holders == 1:
+            del self._transient[sid]
+        else:
+            self._transient[sid] = (session, holders - 1)
+
+    async def _forward_step(
+        self,
+        blocks: BlockRange,
+        step: Step,
+        group: Group | None,
+        onward: str,
+        paced: bool,
+        session: SessionSteps,
+    ) -> StepResult:
+        sid = step.session_id
+        assert sid is not None
+        tokens = step.hidden.shape[0]
+        if tokens != 1:
             group = None  # only decode steps wait for each other
         # a client's lone session at its first hop: nothing else lines its steps up with others'
-        paced = paced and group is None and step.hidden.shape[0] == 1
-        if step.hidden.shape[0] == 1:
-            self._last_decode_s = self.clock()
-            if paced:
-                self._arrivals.note(sid, self._last_decode_s)
-        await self._in_order(blocks, step)
-        if self._failed.get(sid, -1) >= step.position:
-            del self._failed[sid]  # the failed step is being replayed: the steps after it may wait again
+        paced = paced and group is None and tokens == 1
+        self.schedule.arrived(sid, tokens, paced, self.clock())
+        await self._in_order(blocks, step, session)
+        if session.failed is not None and session.failed >= step.position:
+            session.failed = None  # the failed step is being replayed: the steps after it may wait again
         try:
             job = _Job(None, step, blocks, asyncio.get_running_loop().create_future(), group, onward, paced)
-            result = await self._forward_chunks(job)
+            result = await self._forward_chunks(job, session)
         except BaseException:
-            self._failed[sid] = step.position
-            while len(self._failed) > _MAX_FAILED_SESSIONS:  # forget the oldest: only waiters need them
-                del self._failed[next(iter(self._failed))]
+            session.failed = step.position
             self._stepped.set()
             raise
         return result
 
-    async def _in_order(self, blocks: BlockRange, step: Step) -> None:
+    async def _in_order(self, blocks: BlockRange, step: Step, session: SessionSteps) -> None:
         """Return once the session's cache on the step's layers reaches ``step.position``: every earlier step
         has run, or is running its last layer (then this one waits for the session's turn, see ``_turn``).
         SessionError when an earlier step of the session failed here; the caller's deadline bounds
@@ -364,7 +323,7 @@ class Executor:
             length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
             if length >= step.position:
                 return
-            failed = self._failed.get(sid)
+            failed = session.failed
             if failed is not None and failed < step.position:
                 raise SessionError(
                     f"session {sid[:16]}: the step at position {failed} failed here, so the step at "
@@ -373,57 +332,33 @@ class Executor:
             self._stepped.clear()
             await self._stepped.wait()
 
-    async def _forward_chunks(self, job: _Job) -> StepResult:
-        """``job``'s step as consecutive jobs of at most ``_chunk_tokens()`` tokens each, chosen as each is
+    async def _forward_chunks(self, job: _Job, session: SessionSteps) -> StepResult:
+        """``job``'s step as consecutive jobs of at most ``Schedule.chunk_tokens`` tokens each, chosen as each is
         queued (a chunk is a prefill: no group, not paced, not sent on as a group)."""
         step, blocks = job.step, job.blocks
         assert step is not None and blocks is not None
         tokens = step.hidden.shape[0]
-        if tokens <= self._whole_tokens(self._chunk_tokens()):
-            return await self._forward_job(job)
+        if self.schedule.runs_whole(tokens, self.clock()):
+            return await self._forward_job(job, session)
         parts: list[torch.Tensor] = []
         queue_s = compute_s = 0.0
         offset = 0
-        long = tokens > self.config.prefill_chunk_tokens  # not a chat prompt cut only because others decode
+        long = self.schedule.is_long(tokens)
         while offset < tokens:
-            hidden = step.hidden[offset : offset + self._chunk_tokens()]  # [<=chunk, H]
+            hidden = step.hidden[offset : offset + self.schedule.chunk_tokens(self.clock())]  # [<=chunk, H]
             chunk = Step(step.session_id, hidden, step.start, step.end, step.position + offset)
-            part = await self._forward_job(
-                _Job(
-                    None,
-                    chunk,
-                    blocks,
-                    asyncio.get_running_loop().create_future(),
-                    long_prefill=True,
-                    yields_to_device=long,
-                )
-            )
+            future = asyncio.get_running_loop().create_future()
+            chunk_job = _Job(None, chunk, blocks, future, long_prefill=True, yields_to_device=long)
+            part = await self._forward_job(chunk_job, session)
             parts.append(part.hidden)
             offset += hidden.shape[0]
             queue_s, compute_s = queue_s + part.queue_s, compute_s + part.compute_s
         return StepResult(torch.cat(parts), queue_s, compute_s)
 
-    def _decoding(self) -> bool:
-        """Whether other sessions decode here now (a one-token step within ``decode_recent_s``)."""
-        return self.clock() - self._last_decode_s < self.config.decode_recent_s
-
-    def _chunk_tokens(self) -> int:
-        """Small chunks while other sessions decode here (on a GPU their kernels queue behind the chunk's, and
-        calls wait for it), big ones otherwise (less overhead per token)."""
-        config = self.config
-        if self._decoding():
-            return min(config.busy_chunk_tokens, config.prefill_chunk_tokens)
-        return config.prefill_chunk_tokens
-
-    def _whole_tokens(self, chunk: int) -> int:
-        """The longest prompt that runs whole, given the chunk size now (``_chunk_tokens()``): one idle chunk,
-        or while others decode here a short prompt (busy_prompt_tokens; a longer one goes in busy chunks)."""
-        return max(chunk, min(self.config.busy_prompt_tokens, self.config.prefill_chunk_tokens))
-
-    async def _forward_job(self, job: _Job) -> StepResult:
+    async def _forward_job(self, job: _Job, session: SessionSteps | None) -> StepResult:
         # its queue time starts here, after the waits for its session's order
         job.submitted = time.perf_counter()
-        async with self._turn(job.session_id):
+        async with self._turn(session):
             try:
                 result: StepResult = await self._submit(job)
             except asyncio.CancelledError:
@@ -435,23 +370,22 @@ class Executor:
         return result
 
     @contextlib.asynccontextmanager
-    async def _turn(self, session_id: str | None) -> AsyncIterator[None]:
+    async def _turn(self, session: SessionSteps | None) -> AsyncIterator[None]:
         """One job of a session at a time, across both lanes: a replayed prefill must not rewrite a cache that
         a stale decode step of the same session is appending to on the other thread."""
-        if session_id is None:
+        if session is None:
             yield
             return
-        lock, users = self._turns.get(session_id) or (asyncio.Lock(), 0)
-        self._turns[session_id] = (lock, users + 1)
+        session.waiting += 1
         try:
-            async with lock:
+            async with session.turn:
                 yield
         finally:
-            lock, users = self._turns[session_id]
-            if users == 1:
-                del self._turns[session_id]
-            else:
-                self._turns[session_id] = (lock, users - 1)
+            session.waiting -= 1
+
+    def forget(self, session_id: str) -> None:
+        """Session ``session_id`` closed here: no batch waits for its steps any more."""
+        self.schedule.forget(session_id)
 
     async def run(self) -> None:
         """Serve both lanes until cancelled; jobs still queued then fail with CapacityError."""
@@ -486,10 +420,8 @@ class Executor:
                 self._stepped.set()
                 continue
             async with self._calls_apart:  # a chunk and a plain call never run together
-                started = time.perf_counter()
                 await self._execute(loop, lane, batch)
             self._stepped.set()
-            await self._pause_prefill(time.perf_counter() - started)
 
     async def _serve_calls(self) -> None:
         """Run the calls the decode lane took, in order, on its thread, each while no chunk runs."""
@@ -500,39 +432,26 @@ class Executor:
                 await self._execute(loop, self._decode, [job])
             self._stepped.set()  # a call may extend a cache (a hand-over's chunk): steps waiting for it look again
 
-    async def _pause_prefill(self, chunk_s: float) -> None:
-        """After a chunk that took ``chunk_s``, leave the machine to decoding sessions for a while, if any
-        decode here (busy_prefill_share)."""
-        share = self.config.busy_prefill_share
-        if share < 1 and self._decoding():
-            await self.sleep(chunk_s * (1 / share - 1))
-
     async def _wait_for_due(self, lane: _Lane, batch: list[_Job]) -> list[_Job]:
-        """A batch of decode steps, grown by the queued steps it expects: the rest of its steps' groups (sent
-        together by their client, for at most ``group_window_s``), and the sessions due here within
-        ``batch_window_s`` (for at most that), taking whatever else arrives meanwhile. A client naming a group
-        bigger than it sends delays only the steps batched with its own, by the window at most. Short prefills
-        riding along first wait for a decode step to join (``_ride_wait_s``), then go to the prefill lane."""
+        """A batch of decode steps, grown by the queued steps it expects (Schedule.wait_s), taking whatever else
+        arrives meanwhile. Short prefills riding along first wait for a decode step to join
+        (Schedule.riders_wait_s), then go to the prefill lane. The waits are bounded in real time, so they end
+        even under a test's frozen clock."""
         if lane is self._prefill or any(job.step is None for job in batch):
             return batch  # prefill chunks and plain calls never wait
         started = time.monotonic()
-        # only short prefills riding along: wait for a decode step to run with
-        while not any(job.tokens == 1 for job in batch):
-            left = started + self._ride_wait_s() - time.monotonic()
+        while not any(job.tokens == 1 for job in batch):  # only short prefills riding along
+            left = self.schedule.riders_wait_s(time.monotonic() - started)
             if left <= 0:
                 return self._off_the_decode_lane(batch)  # nobody decodes after all
             await self._next_arrival(left)
             batch = self._take_batch(lane, batch[0], batch[1:])
         started = time.monotonic()
-        while len(batch) < self.config.max_batch:
-            grouped = self._group_incomplete(batch)  # a group's steps are known to come; due ones only may
-            window = self.config.group_window_s if grouped else self.config.batch_window_s
-            left = started + window - time.monotonic()
-            paced = any(job.paced for job in batch)  # later hops get groups (see forward)
-            in_batch = sum(job.paced for job in batch)
-            waits = paced and in_batch < self._paced_group(in_batch) and self._due(batch, left)
-            if left <= 0 or not (grouped or waits):
-                break
+        waited = False
+        while (left := self.schedule.wait_s(batch, time.monotonic() - started, self.clock())) > 0:
+            if not waited:
+                self.batch_waits += 1
+                waited = True
             await self._next_arrival(left)
             batch = self._take_batch(lane, batch[0], batch[1:])
         return batch
@@ -544,80 +463,17 @@ class Executor:
             async with asyncio.timeout(within_s):
                 await self._arrived.wait()
 
-    def forget(self, session_id: str) -> None:
-        """Session ``session_id`` closed here: no batch waits for its steps any more."""
-        self._arrivals.forget(session_id)
-
-    def _due(self, batch: list[_Job], within_s: float) -> bool:
-        # Due by self.clock (time.monotonic outside tests); the wait itself is bounded in real time, so it ends
-        # even under a test's frozen clock.
-        present = {job.session_id for job in batch}
-        return self._arrivals.due(present, self.clock(), late_s=self.config.batch_window_s, within_s=within_s)
-
-    def _paced_group(self, present: int) -> int:
-        """The most lone sessions batched by their pace in one call: those pacing here (or, when this peer is
-        behind, the ``present`` ones, queued or in the batch) in ``paced_groups`` groups, so that while one
-        group is on the next hop another computes here (ExecutorConfig)."""
-        pacing = max(present, self._arrivals.pacing(self.clock(), late_s=self.config.batch_window_s))
-        return max(1, math.ceil(pacing / self.config.paced_groups))
-
-    def _group_incomplete(self, batch: list[_Job]) -> bool:
-        groups = Counter(job.group for job in batch if job.group is not None)
-        return any(count + self._group_ran.get(group, 0) < group[1] for group, count in groups.items())
-
-    def _remember_groups(self, jobs: list[_Job]) -> None:
-        for group, count in Counter(job.group for job in jobs if job.group is not None).items():
-            self._group_ran[group] = self._group_ran.get(group, 0) + count
-            self._group_ran.move_to_end(group)
-        while len(self._group_ran) > _MAX_FAILED_SESSIONS:  # forget the oldest: a round's steps come together
-            self._group_ran.popitem(last=False)
-
     def _take_batch(self, lane: _Lane, first: _Job, taken: list[_Job] | None = None) -> list[_Job]:
-        """``first`` (and the jobs ``taken`` with it already) plus queued steps of other sessions on the same
-        blocks on this lane (decode steps, or prefills) within ``max_batch`` steps and ``max_batch_tokens``
-        tokens (a long prompt's chunk, and prefills riding on the decode lane: ``_chunk_tokens()``; whole prompts:
-        ``_whole_tokens``); the rest of the queue keeps its order, and no step is taken past an earlier one of
-        its own session."""
+        """``first`` (and the jobs ``taken`` with it already) plus the queued jobs the policy adds
+        (Schedule.take); the rest go back to the queue in their order."""
         if first.session_id is None:
             return [first]
-        batch, kept = [first, *(taken or [])], []
-        tokens = sum(job.tokens for job in batch)
-        # the per-call token budget: a prefill lane's call with a long prompt's chunk is held to one chunk while
-        # others decode (Sarathi's budget), or three sessions' 32-token chunks would run beside decode steps as
-        # 96 tokens; whole short prompts share a call up to _whole_tokens (ExecutorConfig.busy_prompt_tokens)
-        budget, chunk = self.config.max_batch_tokens, self._chunk_tokens()
-        if lane is self._prefill:
-            budget = min(budget, chunk if first.long_prefill else self._whole_tokens(chunk))
-        # prefills riding on the decode lane (its only jobs of several tokens) share that same chunk's budget,
-        # so a flood of short prompts cannot make the decode steps' calls long prefill calls
-        riding = sum(job.tokens for job in batch if job.tokens > 1)
-        # in the batch, or skipped: later steps of theirs must not overtake
-        sessions = {job.session_id for job in batch}
         queued = []
         while not lane.queue.empty():
             job = lane.queue.get_nowait()
             if not job.future.cancelled():
                 queued.append(job)
-        paced = sum(job.paced for job in batch)
-        paced_group = self._paced_group(paced + sum(job.paced for job in queued)) if first.paced else 0
-        for job in queued:
-            sid = job.session_id
-            rides = job.tokens > 1 and lane is self._decode
-            fits = len(batch) < self.config.max_batch and tokens + job.tokens <= budget
-            fits &= not rides or riding + job.tokens <= chunk
-            fits &= not job.long_prefill or tokens + job.tokens <= chunk  # a chunk's call stays one chunk
-            fits &= (
-                not (first.paced and job.paced) or paced < paced_group
-            )  # the next group goes in the next call
-            if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
-                batch.append(job)
-                tokens += job.tokens
-                riding += job.tokens if rides else 0
-                paced += job.paced
-            else:
-                kept.append(job)
-            if sid is not None:
-                sessions.add(sid)
+        batch, kept = self.schedule.take(first, taken or [], queued, lane.name, self.clock())
         for job in kept:  # put back what we skipped, in order (the queue had room for them a moment ago)
             lane.queue.put_nowait(job)
         return batch
@@ -647,17 +503,12 @@ class Executor:
         assert blocks is not None  # a step job always names its blocks
         try:
             if lane is self._decode:
-                decoding = sum(job.tokens == 1 for job in jobs)
-                if decoding:
-                    self._decode_calls = (self._decode_calls[1], self.clock())
-                    self._decode_rows = decoding
+                self.schedule.decode_call(sum(job.tokens == 1 for job in jobs), self.clock())
                 outputs = await loop.run_in_executor(lane.thread, self._decode_forward, blocks, steps)
             else:
-                # while others decode here: None, no turn; False, a shared one; True, alone
-                alone = any(job.long_prefill for job in jobs) if self._decoding() else None
-                device = bool(alone) and any(job.yields_to_device for job in jobs)
+                turn, device = self.schedule.prefill_turn(jobs, self.clock())
                 outputs = await loop.run_in_executor(
-                    lane.thread, self._prefill_forward, blocks, steps, alone, device
+                    lane.thread, self._prefill_forward, blocks, steps, turn, device
                 )
         except Exception as e:
             if len(jobs) == 1:
@@ -671,7 +522,7 @@ class Executor:
                 await self._execute(loop, lane, [job])
             return
         compute_s = time.perf_counter() - started
-        self._remember_groups(jobs)
+        self.schedule.ran(jobs, self.clock())
         self.batches_run += 1
         self.steps_run += len(jobs)
         self.compute_s += compute_s
@@ -683,29 +534,36 @@ class Executor:
                 )
 
     def _decode_forward(self, blocks: BlockRange, steps: list[Step]) -> list[torch.Tensor]:
-        """``blocks.forward(steps)`` on the decode thread, marked as running for the prefill thread."""
+        """``blocks.forward(steps)`` on the decode thread, marked as running for the prefill threads: this
+        peer's always, the device's other peers' while it is shared."""
         running = threading.Event()
         self._decode_call = running
+        shared = self.shared
         try:
-            with self.decode_calls.running() if self.decode_calls else contextlib.nullcontext():
+            if shared is None or not shared.active or shared.decode_calls is None:
+                return blocks.forward(steps)
+            with shared.decode_calls.running():
                 return blocks.forward(steps)
         finally:
             running.set()
 
     def _prefill_forward(
-        self, blocks: BlockRange, steps: list[Step], alone: bool | None, device: bool = False
+        self, blocks: BlockRange, steps: list[Step], turn: Turn, device: bool = False
     ) -> list[torch.Tensor]:
-        """``blocks.forward(steps)`` on the prefill thread, giving way to decode steps between layers, and in
-        this device's turn (``self.turns``) unless ``alone`` is None (nobody decodes here): alone for a long
-        prefill's chunk, shared for short prefills. Short ones (spot-check windows) sharing their turns with each
-        other matter: at 8 client processes, with spot-checks, every prefill call alone cost 5 % of the decode
-        throughput (100.5 against 105.8 tok/s, alternated runs), while beside a long prompt's chunks they slowed
-        decode steps as much as the chunks do (decode p99 84-86 against 67-71 ms). With ``device``, a long
-        prompt's chunk waits for the decode calls of the device's other peers too (``_yield_to_device``)."""
+        """``blocks.forward(steps)`` on the prefill thread, giving way to this peer's decode call between layers.
+        While the device is shared: at the prefill thread's lower priority, in the device's turn unless
+        ``turn`` is None (nobody decodes here), and with ``device``, waiting for the other peers' decode calls
+        too (``_yield_to_device``)."""
+        shared = self.shared
+        if shared is None or not shared.active:
+            return blocks.forward(steps, self._yield_to_decode)
+        if not self._prefill_lowered:
+            lower_thread_priority()
+            self._prefill_lowered = True
         between_layers = self._yield_to_device if device else self._yield_to_decode
-        if alone is None or self.turns is None:
+        if turn is None or shared.turns is None:
             return blocks.forward(steps, between_layers)
-        with self.turns.turn(alone):
+        with shared.turns.turn(turn):
             return blocks.forward(steps, between_layers)
 
     def _yield_to_decode(self) -> None:
@@ -718,14 +576,13 @@ class Executor:
 
     def _yield_to_device(self) -> None:
         """``_yield_to_decode``, then (a chunk of a prompt longer than ``prefill_chunk_tokens``, while others
-        decode here) the decode calls of the other peers on this device, which share its cores (``decode_calls``,
-        at most ``device_decode_wait_s``). Shorter prefills wait only for this peer's: a chat prompt (37 tokens
-        here) is cut into chunks while others decode, and when it waited for the whole device's decoding too,
-        the first tokens of 8 generations one client started at once came so late that they reached 29.7-32.5
-        against 48.1-59.5 tok/s (paired, 4 rounds); a spot-check's window is one call."""
+        decode here) the decode calls of the other peers on this device, which share its cores. Shorter
+        prefills wait only for this peer's: a chat prompt is cut into chunks while others decode, and its first
+        token would come late if it waited for the whole device's decoding too."""
         self._yield_to_decode()
-        if self.decode_calls is not None:
-            self.decode_calls.wait()
+        shared = self.shared
+        if shared is not None and shared.decode_calls is not None:
+            shared.decode_calls.wait()
 
     async def _call(
         self, loop: asyncio.AbstractEventLoop, lane: _Lane, job: _Job, call: Callable[[], Any]

@@ -2,12 +2,10 @@
 
 The executor runs the decode steps of several sessions as one forward call, and their handlers all resume in the
 same turn of the event loop, each with a step for its session's next hop. Sent one by one, every step costs a
-message and its acknowledgement through both p2pd daemons and both event loops: at 8 client processes on 3
-peers, a middle peer's event loop spent about 1.5 ms of CPU per step (py-spy), mostly on messages, more than
-the step's own share of a forward call of 4; and the next hop waited ~4 ms for the group's last message before
-computing it (traced; 0.3 ms once they came as one). The ``Forwarder`` holds the steps bound for one peer until
-the loop's next turn and sends them together; the next hop runs each as its own step (its own deadline, session
-and errors) and answers one outcome per step.
+message and its acknowledgement through both p2pd daemons and both event loops, and the next hop waits for the
+group's last message before computing it (docs/notes-peer.md has the traced costs). The ``Forwarder`` holds
+the steps bound for one peer until the loop's next turn and sends them together; the next hop runs each as its
+own step (its own deadline, session and errors) and answers one outcome per step.
 
 Which steps. The reply to a message comes when its last step is answered, so the steps of one message share
 their slowest one's delay. Only one-token ``wait_result`` steps are held (not resends), and only with steps

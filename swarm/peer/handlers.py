@@ -200,9 +200,12 @@ class PeerHandlers:
     async def _compute(
         self, served: Served, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
     ) -> StepResult:
+        key = step.session_id or ""
+        session = served.sessions.get(key)  # everything this peer keeps of it (swarm/peer/session.py)
+        steps = session.steps if session is not None else None
         try:
-            async with self.handover.step(step.session_id or ""):  # waits while the session is handed over
-                result = await self.peer.executor.forward(served.blocks, step, group, onward, paced)
+            async with self.handover.step(key, session):  # waits while the session is handed over
+                result = await self.peer.executor.forward(served.blocks, step, group, onward, paced, steps)
         finally:
             self.peer.touch(step.session_id or "")
         if self.faults is not None:

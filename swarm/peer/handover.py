@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from hivemind.p2p import P2P
 from swarm.dht import PeerRecord
 from swarm.errors import ProtocolError, SessionError, SessionMoved
 from swarm.models.blocks import BlockRange
+from swarm.peer.session import Incoming, Session
 from swarm.peer.state import Peer, Served, Status, session_key
 from swarm.transport.calls import call_handover
 from swarm.types import LayerRange
@@ -43,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # keys + values of one chunk: well under the 4 MiB a unary message may carry
 CHUNK_TIMEOUT_S = 10.0
-MAX_MOVED = (
-    4096  # moved sessions remembered (a peer that stays, after a move, answers SessionMoved that long)
-)
 HANDOVER_LINGER_S = 5.0  # a leaving peer waits up to this for each moved session's client to step (and learn)
 
 
@@ -61,26 +58,17 @@ class Snapshot:
     values: list[torch.Tensor]
 
 
-@dataclass
-class _Incoming:
-    served: Served
-    layers: LayerRange
-    position: int
-    layer: int  # the chunk expected next
-    token: int
-
-
 class Handovers:
-    """Both sides of hand-over for one peer: freezing and moving its sessions, installing others'."""
+    """Both sides of hand-over for one peer: freezing and moving its sessions, installing others'. A session's
+    own hand-over state is on its Session (swarm/peer/session.py); here are only the sessions gone from here."""
 
     def __init__(self, peer: Peer, p2p: P2P) -> None:
         self.peer = peer
         self.p2p = p2p
-        self.moved: dict[str, str] = {}  # session key -> successor peer id
-        self._frozen: dict[str, asyncio.Future[None]] = {}
-        self._in_flight: Counter[str] = Counter()
+        # sessions handed over, no longer here: key -> (successor peer id, when). A client steps within the idle
+        # timeout or its session would have expired here anyway, so each is kept that long.
+        self.moved: dict[str, tuple[str, float]] = {}
         self._idle = asyncio.Condition()
-        self._incoming: dict[str, _Incoming] = {}
         self._told: set[str] = set()  # moved sessions whose step got SessionMoved
         self._all_told = asyncio.Event()
 
@@ -88,30 +76,34 @@ class Handovers:
 
     def check_moved(self, key: str) -> None:
         """SessionMoved if session ``key`` was handed over (before looking it up: it is closed here)."""
-        successor = self.moved.get(key)
-        if successor is not None:
+        moved = self.moved.get(key)
+        if moved is not None:
             self._told.add(key)
             if self._told >= set(self.moved):
                 self._all_told.set()
-            raise SessionMoved(f"session {key[:16]} moved to {successor[-8:]}", successor)
+            raise SessionMoved(f"session {key[:16]} moved to {moved[0][-8:]}", moved[0])
 
     @asynccontextmanager
-    async def step(self, key: str) -> AsyncIterator[None]:
-        """Around a step's compute: waits while the session is frozen, SessionMoved once it has moved."""
-        frozen = self._frozen.get(key)
-        if frozen is not None:
-            await asyncio.shield(frozen)
+    async def step(self, key: str, session: Session | None) -> AsyncIterator[None]:
+        """Around a step's compute of session ``key`` (``session``, if still open here): waits while the session
+        is frozen, SessionMoved once it has moved."""
+        if session is not None and session.handover.frozen is not None:
+            await asyncio.shield(session.handover.frozen)
         self.check_moved(key)
-        self._in_flight[key] += 1
+        if session is None:
+            yield
+            return
+        state = session.handover
+        state.in_flight += 1
         try:
             yield
         finally:
-            self._in_flight[key] -= 1
-            if not self._in_flight[key]:
-                del self._in_flight[key]
-                if key in self._frozen:  # only a hand-over waits for a session's steps to end (rare)
-                    async with self._idle:
-                        self._idle.notify_all()
+            state.in_flight -= 1
+            if (
+                not state.in_flight and state.frozen is not None
+            ):  # a hand-over waits for its steps to end (rare)
+                async with self._idle:
+                    self._idle.notify_all()
 
     async def hand_over_all(self, ranges: Iterable[Served], records: dict[str, PeerRecord]) -> int:
         """Hand every session of ``ranges`` to a successor; how many moved (the others stay, unchanged)."""
@@ -126,10 +118,14 @@ class Handovers:
 
     async def hand_over(self, served: Served, key: str, records: dict[str, PeerRecord]) -> bool:
         """Move session ``key`` of ``served``; False if it has nothing to move or no successor fits."""
-        frozen = self._frozen[key] = asyncio.get_running_loop().create_future()
+        session = served.sessions.get(key)
+        if session is None:
+            return False
+        state = session.handover
+        frozen = state.frozen = asyncio.get_running_loop().create_future()
         try:
             async with self._idle:  # the step already computing finishes first
-                await self._idle.wait_for(lambda: not self._in_flight[key])
+                await self._idle.wait_for(lambda: not state.in_flight)
             snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key))
             if snapshot is None:
                 return False
@@ -148,11 +144,7 @@ class Handovers:
                 )
             if not installed:
                 raise ProtocolError(f"{successor.peer_id[-8:]} did not confirm the hand-over")
-            self.moved[key] = successor.peer_id
-            while len(self.moved) > MAX_MOVED:
-                oldest = next(iter(self.moved))
-                del self.moved[oldest]
-                self._told.discard(oldest)
+            self._remember_moved(key, successor.peer_id)
             logger.info(
                 "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
                 key[:8],
@@ -162,10 +154,19 @@ class Handovers:
                 time.perf_counter() - began,
             )
         finally:
-            del self._frozen[key]
+            state.frozen = None
             frozen.set_result(None)
         await self.peer.close(key)
         return True
+
+    def _remember_moved(self, key: str, successor: str) -> None:
+        now = self.peer.clock()
+        self.moved.pop(key, None)
+        self.moved[key] = (successor, now)
+        horizon = now - self.peer.config.idle_timeout_s
+        while (oldest := next(iter(self.moved))) != key and self.moved[oldest][1] < horizon:
+            del self.moved[oldest]
+            self._told.discard(oldest)
 
     async def wait_told(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, until every moved session's client was told where it went (a client
@@ -185,28 +186,29 @@ class Handovers:
         key = session_key(request.origin, request.session_id)
         self.peer.check_request(request.model_hash, layers, self.peer.spec.hidden_size)
         first = request.layer == request.start and request.token_start == 0
-        incoming = self._incoming.get(key)
-        if incoming is not None and self.peer.find(key) is None:  # a half-sent session expired (the reaper)
-            del self._incoming[key]
-            incoming = None
+        # a half-sent session that expired (the reaper) is gone with its Session, incoming state and all
+        served = self.peer.find(key)
+        session = served.sessions[key] if served is not None else None
         if first:
-            if incoming is not None or self.peer.find(key) is not None:
+            if session is not None:
                 raise SessionError(f"session {key[:16]} is already open here")
             if self.peer.status not in (Status.SERVING, Status.MOVING):
                 raise SessionError("this peer is not serving: it takes no hand-over")
             # Opens like a first step: caps checked, counted against the sender's share (CapacityError).
             served = await self.peer.session_for(key, remote_id, layers, 0, request.max_length_tokens)
-            incoming = self._incoming[key] = _Incoming(served, layers, request.position, request.start, 0)
-        elif incoming is None:
+            session = served.sessions[key]
+            session.handover.incoming = Incoming(layers, request.position, request.start, 0)
+        if served is None or session is None or session.handover.incoming is None:
             raise SessionError(f"no hand-over of session {key[:16]} under way here: send its first chunk")
+        incoming = session.handover.incoming
         try:
             self._check_chunk(incoming, request)
-            chunk_keys = request.keys.to(incoming.served.blocks.dtype)
-            chunk_values = request.values.to(incoming.served.blocks.dtype)
-            cache = incoming.served.blocks.cache.get(key)
+            chunk_keys = request.keys.to(served.blocks.dtype)
+            chunk_values = request.values.to(served.blocks.dtype)
+            cache = served.blocks.cache.get(key)
             await self.peer.executor.call(lambda: cache.append(request.layer, chunk_keys, chunk_values))
         except BaseException:
-            del self._incoming[key]
+            session.handover.incoming = None
             await self.peer.close(key)
             raise
         incoming.token += request.keys.shape[1]
@@ -215,12 +217,12 @@ class Handovers:
         if incoming.layer + 1 < layers.end:
             incoming.layer, incoming.token = incoming.layer + 1, 0
             return HandoverReply(False)
-        del self._incoming[key]
+        session.handover.incoming = None
         self.peer.touch(key)
         logger.info("installed session %s (%d tokens) from %s", key[:8], incoming.position, remote_id[-8:])
         return HandoverReply(True)
 
-    def _check_chunk(self, incoming: _Incoming, request: HandoverRequest) -> None:
+    def _check_chunk(self, incoming: Incoming, request: HandoverRequest) -> None:
         spec = self.peer.spec
         if (request.start, request.end, request.position) != (
             incoming.layers.start,

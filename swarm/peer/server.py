@@ -52,7 +52,7 @@ from swarm.peer.measure import (
 )
 from swarm.peer.planner_service import PlannerService
 from swarm.peer.state import Identity, Peer, Served
-from swarm.peer.turns import TURNS_SUPPORTED, DecodeCalls, DeviceTurns, decode_calls_path, turns_path
+from swarm.peer.turns import SharedDevice
 from swarm.planner import ModelInfo
 from swarm.transport import call_probe, serve
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -110,17 +110,8 @@ async def _serve(
     weight_bytes = await asyncio.to_thread(source.held_layer_bytes, config.device, config.torch_dtype_name)
     identity = _identity(config, source.spec, dht, weight_bytes)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
-    taking_turns = config.executor.prefill_turns and TURNS_SUPPORTED
-    turns = DeviceTurns(turns_path(config.device)) if taking_turns else None
-    seeing_decodes = config.executor.device_decode_wait_s > 0 and TURNS_SUPPORTED
-    decode_calls = (
-        DecodeCalls(decode_calls_path(turns_path(config.device)), config.executor.device_decode_wait_s)
-        if seeing_decodes
-        else None
-    )
-    executor = Executor(
-        config.executor, name=f"torch-{config.device}", turns=turns, decode_calls=decode_calls
-    )
+    shared = SharedDevice.for_device(config.device, config.executor.shared_device)
+    executor = Executor(config.executor, name=f"torch-{config.device}", shared=shared)
     peer = Peer(identity, source.spec, executor, config.sessions, read_live=directory.read_peers)
     announcer = Announcer(directory, peer.record)
     links = LinkMonitor(
@@ -129,6 +120,7 @@ async def _serve(
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
+            tg.create_task(shared.run())
             await _load_and_measure(config, source, peer, layers)
             handlers = PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name))
             await serve(p2p, handlers)

@@ -1,7 +1,8 @@
 """The peer's state and its one owner, ``Peer``: status, the block ranges it serves, the sessions on each.
 
     status:   joining -> serving <-> moving -> draining -> leaving
-    ranges:   usually one ``Served`` (a BlockRange with its own KV cache and its sessions); two while the peer
+    ranges:   usually one ``Served`` (a BlockRange with its own KV cache and its sessions, each a ``Session``
+              that holds everything of it, swarm/peer/session.py); two while the peer
               moves (make before break): the newest range takes new sessions, an older one keeps serving the
               sessions it opened until they end, then it is dropped (both are in the record meanwhile). A
               session stays on the range it opened on, unless that range grows (carry_over): a new range that
@@ -30,12 +31,11 @@ from swarm.peer.config import SessionConfig
 from swarm.peer.executor import Executor
 from swarm.peer.live import LiveView
 from swarm.peer.measure import ComputeMeasure
-from swarm.peer.outputs import OutputLog
+from swarm.peer.session import Session
 from swarm.types import LayerRange
 from swarm.wire import Hop
 
 logger = logging.getLogger(__name__)
-_MAX_FAILED_OPENS = 4096  # failed opens remembered for the later steps of their attempt
 
 
 class Status(enum.StrEnum):
@@ -65,15 +65,6 @@ class Identity:
     maddrs: tuple[str, ...]
     memory_bytes: int  # memory budget
     max_layers: int  # most layers that fit in it with the KV cache
-
-
-@dataclass
-class Session:
-    owner: str  # the remote peer that opened it here: a client, or the previous hop of its route
-    max_length_tokens: int
-    opened_s: float  # the Peer's clock
-    last_used_s: float
-    sent: OutputLog = field(default_factory=OutputLog)  # what it sent on, for a failover's resend
 
 
 def session_key(origin: str, session_id: str) -> str:
@@ -129,7 +120,8 @@ class Peer:
         self.changed = asyncio.Event()  # set when the record changed in a way worth announcing at once
         self._sessions_changed = asyncio.Event()  # a session opened, began opening, or closed
         self._opening: dict[str, asyncio.Future[None]] = {}  # sessions whose first step is opening them
-        self._open_failed: dict[str, float] = {}  # sessions whose first step just failed here -> when
+        # sessions whose first step just failed here -> when (kept for order_wait_s, for the attempt's later steps)
+        self._open_failed: dict[str, float] = {}
 
     @property
     def peer_id(self) -> str:
@@ -304,6 +296,11 @@ class Peer:
         if served is not None:
             served.sessions[key].last_used_s = self.clock()
 
+    def session(self, key: str) -> Session | None:
+        """Session ``key`` (see session_key) if it is open here."""
+        served = self.find(key)
+        return served.sessions[key] if served is not None else None
+
     async def _open(self, key: str, owner: str, layers: LayerRange, max_length_tokens: int) -> Served:
         # Later steps of the session that overtook this first one wait on `opening` (_wait_opened).
         self._open_failed.pop(key, None)
@@ -315,8 +312,10 @@ class Peer:
         except BaseException as e:
             _settle(opening, SessionError(f"session {key[:16]}: its first step failed here ({e!r})"))
             # Steps of this attempt still on their way fail at once too; the replay's first step clears it.
-            self._open_failed[key] = self.clock()
-            while len(self._open_failed) > _MAX_FAILED_OPENS:
+            now = self._open_failed[key] = self.clock()
+            while (
+                next(iter(self._open_failed.values())) < now - self.config.order_wait_s
+            ):  # their steps failed
                 del self._open_failed[next(iter(self._open_failed))]
             raise
         finally:

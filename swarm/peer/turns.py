@@ -1,41 +1,39 @@
-"""Prefill chunks of the peers that share one device take turns while sessions decode on it.
+"""What peers sharing one device do for each other's decode steps, on only while another peer shares it.
 
 Several peers on one machine (a demo, a CPU host, a GPU shared by two peers) each run their own prefill thread.
-A pipelined long prompt (HPipe) keeps every peer of its route prefilling at once: on the 2-core benchmark
-machine three chunks then ran beside every decode step, and each hop of a decode round, its forward call, its
-hand-offs between threads and processes, and the client's head, slowed at once (decode p99 while a 2048-token
-prompt was prefilled: 85-96 ms, 2.0-2.2x the p50 alone; taking turns: 67-73 ms, 1.5-1.7x, with the prompt's
-prefill 12-30 % slower; scripts/bench_e2e.py). Turns are taken only while sessions decode on the peer: a prompt
-on an idle swarm keeps its pipeline's peers computing together. A chunk of a long prefill takes its turn alone;
-short prefills (a spot-check's window, a chat's next message: one call each) share theirs, so they wait for a
-long prompt's chunk but not for each other (see Executor._prefill_forward).
+A pipelined long prompt keeps every peer of its route prefilling at once, and each hop of a decode round (its
+forward call, its hand-offs between threads and processes, the client's head) slows at once. ``SharedDevice``
+is the one component for that case, and a lone peer has it off: no lock per decode call, no turns, its prefill
+thread at its normal priority. It is on while another peer holds the same device (``DevicePeers``: each peer
+holds a lock on a file of its own in the device's folder for its life), or always / never by a flag
+(ExecutorConfig.shared_device). While on:
 
-Taking a turn alone has the priority: shared turns overlapping one another (spot-checks of many clients, the
-next messages of many chats) would otherwise keep a long prompt's chunk from its turn for good (a ``flock``
-waiting to be held alone does not hold up new shared holders). So a turn goes through a gate first, a second
-``flock`` taken alone by a turn that will be alone and shared by a shared one, and let go once the turn is had:
-a chunk waiting for its turn holds the gate, and shared turns asked for meanwhile wait behind it.
+- the prefill thread runs nicer than the decode thread, under the idle scheduling policy (Linux SCHED_IDLE), so a
+  waking decode thread of any peer gets a core at once (``lower_thread_priority``);
+- prefill chunks take turns across the device while sessions decode on it (``DeviceTurns``): a long prompt's
+  chunk alone, short prefills (a spot-check's window, a chat's next message) shared with each other;
+- a long prompt's chunk waits between two layers for the decode calls of the other peers (``DecodeCalls``),
+  at most ``DEVICE_DECODE_WAIT_S`` a layer.
 
-A turn is a ``flock`` on a file per device in the cache directory: the kernel drops it with the process, so a
-peer that dies never holds it. A peer that hangs holding it (stopped, or its device stuck) would hold up every
-other peer's prefills: a turn not had within ``wait_s`` (a chunk takes well under a second) is gone without,
-and so is every turn for ``skip_s`` after that. Peers of other users, or of another cache directory, do not see
-the file.
+Taking a turn alone has the priority: shared turns overlapping one another would otherwise keep a long prompt's
+chunk from its turn for good (a ``flock`` waiting to be held alone does not hold up new shared holders). So a turn
+goes through a gate first, a second ``flock`` taken alone by a turn that will be alone and shared by a shared one,
+and let go once the turn is had.
 
-Decode calls are seen across the device too (``DecodeCalls``, ``device_decode_wait_s``; its figures are in
-swarm/peer/config.py): a chunk waits between two layers for the decode call of its own peer running
-beside it (swarm/peer/executor.py), and a long prompt's chunk then for those of the other peers on the device,
-which share its cores (traced on 2 cores: decode calls waited 10-70 ms in the run queue while another peer's
-chunk ran). Each decode call holds a shared ``flock`` on a second file per device; a chunk between two
-layers looks whether it could take that file alone, and if not looks again after a millisecond, for at most
-``wait_s``: a chunk behind back-to-back decode calls of three peers still runs a layer per ``wait_s``.
+Every lock is a ``flock`` on a file per device in the cache directory: the kernel drops it with the process, so
+a peer that dies never holds it. A peer that hangs holding a turn would hold up every other peer's prefills: a
+turn not had within ``wait_s`` is gone without, and so is every turn for ``skip_s`` after that. Peers of other
+users, or of another cache directory, do not see the files. Measured effects are in docs/notes-peer.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +43,7 @@ from typing import IO
 import torch
 
 from swarm.config import cache_dir
+from swarm.peer.config import SHARED_DEVICE_MODES
 
 try:
     import fcntl
@@ -53,6 +52,9 @@ except ImportError:  # not POSIX (Windows): peers go without turns
 
 logger = logging.getLogger(__name__)
 TURNS_SUPPORTED = fcntl is not None
+DEVICE_DECODE_WAIT_S = 0.02  # most a long prompt's chunk waits, per layer, for other peers' decode calls
+PREFILL_NICE = 10  # how much nicer than the decode thread a prefill thread runs on a shared device
+SHARED_CHECK_S = 5.0  # how often a peer looks whether another peer holds its device
 
 
 def _gpu_uuid(index: int) -> str | None:
@@ -271,3 +273,134 @@ class _Wait:
     def _close(self) -> None:
         self.gate.close()
         self.file.close()
+
+
+def peers_folder(turns: Path) -> Path:
+    """The folder of a device's peers (``DevicePeers``), beside its turns' file (``turns_path``)."""
+    return turns.with_name(turns.name.replace("prefill-turns-", "device-peers-", 1).removesuffix(".lock"))
+
+
+class DevicePeers:
+    """This peer's file in its device's folder, locked for the peer's life, and a count of the other live ones.
+
+    A file is named ``*.peer`` only once it is locked (created under another name, then renamed), so a file of
+    that name that nobody holds is one whose peer has gone: it is removed when seen."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        joining = folder / f".{name}.joining"
+        self._own: IO[bytes] | None = open(joining, "a+b")  # noqa: SIM115 (held for the peer's life)
+        fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = folder / f"{name}.peer"
+        joining.rename(self.path)
+
+    def others(self) -> int:
+        """How many other peers hold this device now."""
+        count = 0
+        for path in self.folder.glob("*.peer"):
+            if path == self.path:
+                continue
+            try:
+                file = open(path, "rb")  # noqa: SIM115 (closed below)
+            except OSError:  # removed meanwhile
+                continue
+            with file:
+                try:
+                    fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    count += 1
+                    continue
+                except OSError:
+                    continue
+                fcntl.flock(file, fcntl.LOCK_UN)
+            path.unlink(missing_ok=True)  # nobody holds it: its peer has gone
+        return count
+
+    def close(self) -> None:
+        if self._own is not None:
+            self.path.unlink(missing_ok=True)
+            self._own.close()
+            self._own = None
+
+
+def lower_thread_priority(nice: int = PREFILL_NICE, idle: bool = True) -> None:
+    """Run the calling thread ``nice`` steps nicer (Linux sets niceness per thread) and, with ``idle``, under the
+    idle scheduling policy. Not undone: the OS lets a thread lower its priority, not raise it back."""
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: prefill just competes as an equal
+        logger.info("prefill thread keeps its priority (%s)", e)
+    if idle:
+        try:
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError) as e:  # not Linux: its niceness alone
+            logger.info("prefill thread keeps the normal scheduling policy (%s)", e)
+
+
+class SharedDevice:
+    """The mechanisms for peers sharing one device (see the module doc), on while ``active``.
+
+    ``mode`` "on" and "off" fix it; "auto" looks every ``SHARED_CHECK_S`` (``run``) whether another peer holds
+    the device. The executor reads ``active`` once per forward call and does nothing more while it is off."""
+
+    def __init__(
+        self,
+        mode: str,
+        turns: DeviceTurns | None = None,
+        decode_calls: DecodeCalls | None = None,
+        peers: DevicePeers | None = None,
+        check_s: float = SHARED_CHECK_S,
+    ) -> None:
+        if mode not in SHARED_DEVICE_MODES:
+            raise ValueError(f"shared device mode must be one of {SHARED_DEVICE_MODES}, got {mode!r}")
+        self.mode = mode
+        self.turns = turns
+        self.decode_calls = decode_calls
+        self.peers = peers
+        self.check_s = check_s
+        self.active = mode == "on"
+        self.refresh()
+
+    @classmethod
+    def for_device(cls, device: str, mode: str, directory: Path | None = None) -> SharedDevice:
+        """The component of a peer on ``device`` ("cpu", "cuda:1", ...): its files in the cache directory."""
+        if mode == "off" or not TURNS_SUPPORTED:
+            return cls("off")
+        path = turns_path(device, directory)
+        try:  # "on" joins the device's peers too, so that "auto" peers beside it see it
+            peers = DevicePeers(peers_folder(path))
+        except OSError as e:
+            logger.warning("cannot tell whether another peer shares %s (%s): taken as alone", device, e)
+            return cls("off") if mode == "auto" else cls(mode)
+        return cls(mode, DeviceTurns(path), DecodeCalls(decode_calls_path(path), DEVICE_DECODE_WAIT_S), peers)
+
+    def refresh(self) -> bool:
+        """Look again whether another peer holds the device ("auto"); whether the component is on now."""
+        if self.mode == "auto" and self.peers is not None:
+            try:
+                active = self.peers.others() > 0
+            except OSError as e:
+                logger.warning("cannot list the peers of this device (%s): taken as alone", e)
+                active = False
+            if active != self.active:
+                logger.info("device %s by another peer", "shared" if active else "no longer shared")
+            self.active = active
+        return self.active
+
+    async def run(self) -> None:
+        """Look again every ``check_s`` until cancelled; then let this peer's files go."""
+        try:
+            while True:
+                await asyncio.sleep(self.check_s)
+                self.refresh()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+        if self.decode_calls is not None:
+            self.decode_calls.close()

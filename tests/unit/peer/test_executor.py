@@ -7,7 +7,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,16 +20,23 @@ from swarm.models.blocks import BlockRange, Step
 from swarm.models.loading import resolve_model
 from swarm.peer import turns as turns_module
 from swarm.peer.executor import (
-    _ARRIVALS_HORIZON_S,
     DECODE_THREAD,
     PREFILL_THREAD,
     Executor,
     ExecutorConfig,
-    _Arrivals,
+    SessionSteps,
+    StepResult,
     _Job,
     _onward_groups,
 )
-from swarm.peer.turns import DecodeCalls, DeviceTurns, decode_calls_path, turns_path
+from swarm.peer.turns import (
+    PREFILL_NICE,
+    DecodeCalls,
+    DeviceTurns,
+    SharedDevice,
+    decode_calls_path,
+    turns_path,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,16 +228,17 @@ def test_a_job_whose_caller_gave_up_while_queued_is_skipped(blocks: BlockRange) 
     assert ran == ["kept"]
 
 
-@pytest.mark.parametrize("idle", [True, False])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared device", "lone peer"])
 def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_lower_priority(
-    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, idle: bool
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
     """The chunk's forward blocks until the decode step's result is back: with one torch thread this could
-    never finish. Each thread's niceness, scheduling policy and OS name are read inside its forward: the chunk's
-    niceness is prefill_nice higher, its policy the idle one with prefill_idle, and each lane's thread carries
-    its name (per-thread CPU tells the lanes apart)."""
-    config = ExecutorConfig(prefill_nice=5, prefill_idle=idle, ride_along_tokens=0)  # an 8-token chunk
-    executor = Executor(config)
+    never finish. Each thread's niceness, scheduling policy and OS name are read inside its forward: on a device
+    another peer shares, the chunk's niceness is PREFILL_NICE higher and its policy the idle one; a lone peer's
+    prefill thread keeps the decode thread's. Each lane's thread carries its name (per-thread CPU tells the
+    lanes apart)."""
+    config = ExecutorConfig(ride_along_tokens=0)  # an 8-token chunk
+    executor = Executor(config, shared=SharedDevice("on") if shared else None)
     decoded = threading.Event()
     nice: dict[int, int] = {}
     policy: dict[int, int] = {}
@@ -259,8 +267,8 @@ def test_a_decode_step_runs_while_a_prefill_chunk_holds_the_prefill_thread_at_a_
             await executor.call(lambda s=sid: blocks.close_session(s))
 
     asyncio.run(_with_executor(executor, body))
-    assert nice[8] == min(19, nice[1] + 5)
-    assert policy == {1: os.SCHED_OTHER, 8: os.SCHED_IDLE if idle else os.SCHED_OTHER}
+    assert nice[8] == (min(19, nice[1] + PREFILL_NICE) if shared else nice[1])
+    assert policy == {1: os.SCHED_OTHER, 8: os.SCHED_IDLE if shared else os.SCHED_OTHER}
     assert names == {1: DECODE_THREAD, 8: PREFILL_THREAD}
 
 
@@ -435,53 +443,58 @@ def test_lone_sessions_batched_by_their_pace_go_in_paced_groups(
         torch.testing.assert_close(output, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_a_session_is_due_one_period_after_its_last_step_until_a_window_late() -> None:
-    """Steps at t=0 and t=1: due at 2, so within 25 ms of it, not half a period early, and not once it is
-    more than a window late; never for a batch it is already in; forgotten once closed or quiet too long."""
-    arrivals = _Arrivals()
-    window = 0.025
+async def _ran_without_waiting(
+    executor: Executor, monkeypatch: pytest.MonkeyPatch, step: Awaitable[StepResult]
+) -> bool:
+    """Whether ``step`` ran before its batch began to wait for steps it expects: its end and the wait's start
+    are both events, so a step that would wait its long window fails the test at once instead of timing out."""
+    waiting = asyncio.Event()
+    real_next_arrival = executor._next_arrival
 
-    def due(now: float, present: set[str | None] | None = None) -> bool:
-        return arrivals.due(present or set(), now, late_s=window, within_s=window)
+    async def noted(within_s: float) -> None:
+        waiting.set()
+        await real_next_arrival(within_s)
 
-    arrivals.note("a", 0.0)
-    assert not due(0.99)  # one step: no pace yet
-    arrivals.note("a", 1.0)
-    assert [due(t) for t in (1.5, 1.98, 2.0, 2.02, 2.03)] == [False, True, True, True, False]
-    assert not due(1.98, present={"a"})
-    arrivals.forget("a")
-    assert not due(1.98)
-    arrivals.note("b", 10.0)
-    arrivals.note("b", 11.0)
-    arrivals.note("c", 11.0 + _ARRIVALS_HORIZON_S + 1)  # b has been quiet past the horizon: forgotten
-    arrivals.note("c", 12.0 + _ARRIVALS_HORIZON_S + 1)
-    assert not due(12.0)
-    assert due(13.0 + _ARRIVALS_HORIZON_S + 1)  # c's own pace
+    monkeypatch.setattr(executor, "_next_arrival", noted)
+    stepped, waited = asyncio.ensure_future(step), asyncio.ensure_future(waiting.wait())
+    await asyncio.wait({stepped, waited}, return_when=asyncio.FIRST_COMPLETED)
+    waited.cancel()
+    ran = stepped.done() and not waiting.is_set()
+    if not stepped.done():
+        stepped.cancel()
+    return ran
 
 
-def test_sessions_a_client_sends_as_groups_are_not_waited_for_by_their_pace(blocks: BlockRange) -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["sent as groups", "lone (control)"])
+def test_sessions_a_client_sends_as_groups_are_not_waited_for_by_their_pace(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, grouped: bool
+) -> None:
     """Two sessions of one client step once a second as a group (their client lines them up itself). At t=2
-    they are due, but a lone session's step waits for nobody (the window is long, so a wait would hang)."""
+    they are due, but a lone session's step waits for nobody. The control: the same two stepping as lone
+    sessions are due by their pace, and the step waits for them."""
     now = [0.0]
     executor = Executor(
         ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=600.0), clock=lambda: now[0]
     )
 
-    async def body() -> None:
-        for sid in ("g1", "g2", "x"):
+    g1, g2, x = (f"{name}-{grouped}" for name in ("g1", "g2", "x"))  # the fixture's blocks outlive the test
+
+    async def body() -> bool:
+        for sid in (g1, g2, x):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
         for position in (0, 1):
             now[0] = float(position)
-            group = (f"client/round{position}", 2)
+            group = (f"client/round{position}", 2) if grouped else None
             await asyncio.gather(
                 *(executor.forward(blocks, Step(s, _hidden(blocks, 1, position), 0, 2, position), group)
-                  for s in ("g1", "g2"))
+                  for s in (g1, g2))
             )  # fmt: skip
         now[0] = 2.0
-        async with asyncio.timeout(30):
-            await executor.forward(blocks, Step("x", _hidden(blocks, 1, 9), 0, 2, 0))
+        step = executor.forward(blocks, Step(x, _hidden(blocks, 1, 9), 0, 2, 0))
+        return await _ran_without_waiting(executor, monkeypatch, step)
 
-    asyncio.run(_with_executor(executor, body))
+    assert asyncio.run(_with_executor(executor, body)) is grouped
+    assert executor.batch_waits == (0 if grouped else 1)
 
 
 def test_decode_steps_a_client_sent_together_wait_for_each_other_and_run_as_one_batch(
@@ -533,39 +546,6 @@ def test_a_group_bigger_than_a_batch_runs_in_parts_and_no_part_waits_for_steps_t
     asyncio.run(_with_executor(executor, body))
 
 
-def test_prefill_chunks_pause_between_them_only_while_other_sessions_decode(blocks: BlockRange) -> None:
-    """busy_prefill_share=0.25: after each chunk the prefill lane pauses (3x the chunk's time) while someone
-    decodes here, and not at all once nobody has for decode_recent_s. The pauses go through the injected sleep."""
-    clock = _Clock()
-    pauses: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        pauses.append(seconds)
-        await asyncio.sleep(0)
-
-    config = ExecutorConfig(
-        prefill_chunk_tokens=8, busy_chunk_tokens=8, decode_recent_s=1.0, busy_prefill_share=0.25
-    )
-    executor = Executor(config, clock=clock, sleep=sleep)
-
-    async def body() -> list[int]:
-        for sid in ("pace-d", "pace-a", "pace-b"):
-            await executor.call(lambda s=sid: blocks.open_session(s, 64))
-        await executor.forward(blocks, Step("pace-d", _hidden(blocks, 1, 1), 0, 2, 0))  # someone decodes
-        counts = []
-        for sid in ("pace-a", "pace-b"):
-            before = len(pauses)
-            await executor.forward(blocks, Step(sid, _hidden(blocks, 24, 2), 0, 2, 0))  # 3 chunks
-            counts.append(len(pauses) - before)
-            clock.now += 2.0  # nobody decoded for longer than decode_recent_s
-        for sid in ("pace-d", "pace-a", "pace-b"):
-            await executor.call(lambda s=sid: blocks.close_session(s))
-        return counts
-
-    assert asyncio.run(_with_executor(executor, body)) == [3, 0]
-    assert all(pause > 0 for pause in pauses)
-
-
 def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_forward_ends(
     blocks: BlockRange, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -586,17 +566,18 @@ def test_a_step_whose_caller_gave_up_mid_forward_keeps_its_session_until_the_for
     monkeypatch.setattr(blocks, "forward", gated)
 
     async def body() -> None:
+        session = SessionSteps()  # the session's own bookkeeping, as a Peer's session holds it
         await executor.call(lambda: blocks.open_session("gave-up", 16))
         chunk = asyncio.ensure_future(
-            executor.forward(blocks, Step("gave-up", _hidden(blocks, 8, 1), 0, 2, 0))
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 8, 1), 0, 2, 0), session=session)
         )
         assert await asyncio.to_thread(entered.wait, 30)
         chunk.cancel()
         replay = asyncio.ensure_future(
-            executor.forward(blocks, Step("gave-up", _hidden(blocks, 1, 2), 0, 2, 0))
+            executor.forward(blocks, Step("gave-up", _hidden(blocks, 1, 2), 0, 2, 0), session=session)
         )
         # until the replay either waits for the session's turn (held for the running forward) or has run
-        while executor._turns.get("gave-up", (None, 0))[1] < 2 and len(calls) < 2:
+        while session.waiting < 2 and len(calls) < 2:
             await asyncio.sleep(0.001)
         assert calls == [8], "the replay ran beside the forward it replaces"
         release.set()
@@ -692,28 +673,35 @@ def test_an_onward_group_counts_only_the_steps_whose_callers_still_wait(blocks: 
     assert sorted(groups.values()) == [(next(iter(groups.values()))[0], 2)] * 2 and len(groups) == 2
 
 
-def test_a_step_another_hop_sent_never_waits_for_sessions_by_their_pace(blocks: BlockRange) -> None:
+@pytest.mark.parametrize("paced", [False, True], ids=["sent by another hop", "first hop (control)"])
+def test_a_step_another_hop_sent_never_waits_for_sessions_by_their_pace(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, paced: bool
+) -> None:
     """Sessions p and q step once a second, sent on by another hop (not paced). At t=2 q is due, but p's step
-    does not wait for it (the window is long, so a wait would hang past the test's timeout)."""
+    does not wait for it. The control: at a route's first hop (paced) p's step waits for q."""
     now = [0.0]
     executor = Executor(
-        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0), clock=lambda: now[0]
+        ExecutorConfig(max_batch=8, batch_window_s=600.0, group_window_s=0.0, paced_groups=1),
+        clock=lambda: now[0],
     )
 
-    async def body() -> None:
-        for sid in ("p", "q"):
+    p, q = f"p-{paced}", f"q-{paced}"  # the fixture's blocks outlive the test
+
+    async def body() -> bool:
+        for sid in (p, q):
             await executor.call(lambda s=sid: blocks.open_session(s, 16))
         for position in (0, 1):
             now[0] = float(position)
-            for sid in ("p", "q"):
-                await executor.forward(
-                    blocks, Step(sid, _hidden(blocks, 1, position), 0, 2, position), paced=False
-                )
+            await asyncio.gather(
+                *(executor.forward(blocks, Step(s, _hidden(blocks, 1, position), 0, 2, position), paced=paced)
+                  for s in (p, q))
+            )  # fmt: skip
         now[0] = 2.0
-        async with asyncio.timeout(30):
-            await executor.forward(blocks, Step("p", _hidden(blocks, 1, 9), 0, 2, 2), paced=False)
+        step = executor.forward(blocks, Step(p, _hidden(blocks, 1, 9), 0, 2, 2), paced=paced)
+        return await _ran_without_waiting(executor, monkeypatch, step)
 
-    asyncio.run(_with_executor(executor, body))
+    assert asyncio.run(_with_executor(executor, body)) is not paced
+    assert executor.batch_waits == int(paced)
 
 
 def _gate_forward(
@@ -759,7 +747,9 @@ def test_prefills_of_two_peers_on_one_device_take_turns_while_others_decode(
     config = ExecutorConfig(
         busy_chunk_tokens=2, busy_prompt_tokens=2, decode_recent_s=60.0, ride_along_tokens=0
     )
-    first, second = (Executor(config, turns=DeviceTurns(turns, wait_s=60.0)) for _ in range(2))
+    first, second = (
+        Executor(config, shared=SharedDevice("on", turns=DeviceTurns(turns, wait_s=60.0))) for _ in range(2)
+    )
     free_now: list[bool] = []  # what each try for a turn found, a's first
     b_tried = threading.Event()
     real_now = turns_module._Wait.now
@@ -889,14 +879,15 @@ def test_a_long_prompts_chunks_wait_between_their_layers_for_another_peers_decod
     config = ExecutorConfig(
         ride_along_tokens=0, busy_chunk_tokens=2, busy_prompt_tokens=2, prefill_chunk_tokens=idle_chunk
     )
-    peer_a = Executor(config, decode_calls=DecodeCalls(path, wait_s=30))
+    peer_a = Executor(config, shared=SharedDevice("on", decode_calls=DecodeCalls(path, wait_s=30)))
     polled = threading.Event()  # B found the device's file held by a decode call and looks again
 
     def poll(seconds: float) -> None:
         polled.set()
         time.sleep(seconds)
 
-    peer_b = Executor(config, clock=lambda: 0.0, decode_calls=DecodeCalls(path, wait_s=30, sleep=poll))
+    peer_b_calls = DecodeCalls(path, wait_s=30, sleep=poll)
+    peer_b = Executor(config, clock=lambda: 0.0, shared=SharedDevice("on", decode_calls=peer_b_calls))
     sessions = ("device-d", "device-b", "device-s", "device-p")
 
     async def body() -> None:
@@ -1240,3 +1231,54 @@ def test_prefills_riding_in_one_decode_call_share_one_busy_chunks_tokens(
         [("share-a", 12), ("share-b", 12), ("share-d", 1)],
         [("share-c", 12), ("share-d", 1)],
     ]
+
+
+def test_a_lone_peer_takes_no_device_lock_per_call_and_a_peer_sharing_its_device_does(
+    blocks: BlockRange, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With the shared-device component on auto, a lone peer's decode calls hold no lock on the device's
+    decode-calls file and its prefills take no turn; once another peer holds the device, each does."""
+    held: list[str] = []
+    real_running, real_turn = DecodeCalls.running, DeviceTurns.turn
+
+    def running(calls: DecodeCalls):  # type: ignore[no-untyped-def]
+        held.append("decode lock")
+        return real_running(calls)
+
+    def turn(turns: DeviceTurns, alone: bool):  # type: ignore[no-untyped-def]
+        held.append("turn")
+        return real_turn(turns, alone)
+
+    monkeypatch.setattr(DecodeCalls, "running", running)
+    monkeypatch.setattr(DeviceTurns, "turn", turn)
+    shared = SharedDevice.for_device("cpu", "auto", tmp_path)
+    executor = Executor(ExecutorConfig(ride_along_tokens=0, decode_recent_s=60.0), shared=shared)
+
+    async def decode_and_prefill(sid: str) -> list[str]:
+        await executor.call(lambda: blocks.open_session(sid, 16))
+        await executor.forward(blocks, Step(sid, _hidden(blocks, 1, 1), 0, 2, 0))
+        await executor.forward(blocks, Step(f"{sid}-p", _hidden(blocks, 4, 2), 0, 2, 0))
+        await executor.call(lambda: blocks.close_session(sid))
+        await executor.call(lambda: blocks.close_session(f"{sid}-p"))
+        taken = held[:]
+        held.clear()
+        return taken
+
+    async def body() -> tuple[list[str], list[str]]:
+        for sid in ("solo", "solo-p", "duo", "duo-p"):
+            if sid.endswith("-p"):
+                await executor.call(lambda s=sid: blocks.open_session(s, 16))
+        lone = await decode_and_prefill("solo")
+        other = SharedDevice.for_device("cpu", "auto", tmp_path)  # a second peer joins the device
+        try:
+            assert shared.refresh()
+            return lone, await decode_and_prefill("duo")
+        finally:
+            other.close()
+
+    try:
+        lone, sharing = asyncio.run(_with_executor(executor, body))
+    finally:
+        shared.close()
+    assert lone == []
+    assert sharing == ["decode lock", "turn"]

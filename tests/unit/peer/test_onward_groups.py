@@ -49,9 +49,9 @@ def test_steps_computed_together_reach_the_next_hop_as_one_group_it_runs_togethe
     forward = a.peer.executor.forward
 
     async def a_forward(
-        blocks: Any, step: Step, group: Any = None, onward: str = "", paced: bool = True
+        blocks: Any, step: Step, group: Any = None, onward: str = "", paced: bool = True, session: Any = None
     ) -> StepResult:
-        result = await forward(blocks, step, group, onward, paced)
+        result = await forward(blocks, step, group, onward, paced, session)
         decode = step.hidden.shape[0] == 1
         return replace(result, onward_group=("fromA", 2)) if decode and onward == "QmB" else result
 

@@ -46,10 +46,15 @@ class Swarm:
         forward = self.a.peer.executor.forward
 
         async def spy(
-            blocks: Any, step: Step, group: Any = None, onward: str = "", paced: bool = True
+            blocks: Any,
+            step: Step,
+            group: Any = None,
+            onward: str = "",
+            paced: bool = True,
+            session: Any = None,
         ) -> StepResult:
             self.a_steps.append((step.position, step.hidden.shape[0]))
-            return await forward(blocks, step, group, onward, paced)
+            return await forward(blocks, step, group, onward, paced, session)
 
         async def to_b(p2p: Any, peer_id: str, request: StepRequest, **_: Any) -> StepAck:
             assert peer_id == "QmB"

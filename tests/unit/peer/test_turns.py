@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from swarm.peer import turns as turns_module
-from swarm.peer.turns import DecodeCalls, DeviceTurns, decode_calls_path, turns_path
+from swarm.peer.turns import (
+    DecodeCalls,
+    DevicePeers,
+    DeviceTurns,
+    SharedDevice,
+    decode_calls_path,
+    turns_path,
+)
 
 
 def test_each_device_has_its_own_turns_file_and_cuda_is_gpu_0(tmp_path: Path) -> None:
@@ -183,3 +192,67 @@ def test_decode_calls_go_without_a_file_where_none_can_be_made(tmp_path: Path) -
     with calls.running():
         calls.wait()
     assert calls.waited == 0
+
+
+def test_a_peer_sees_the_other_live_peers_of_its_device_and_clears_the_files_of_gone_ones(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "device-peers-cpu0"
+    first = DevicePeers(folder)
+    assert first.others() == 0
+    second = DevicePeers(folder)
+    assert (first.others(), second.others()) == (1, 1)
+    gone = folder / "12345-dead.peer"  # a peer that died: its file, held by nobody
+    gone.touch()
+    assert first.others() == 1 and not gone.exists()
+    second.close()
+    assert first.others() == 0
+    first.close()
+    assert not list(folder.iterdir())
+
+
+def test_the_shared_device_component_is_on_only_while_another_peer_holds_the_device(tmp_path: Path) -> None:
+    """auto: off for a lone peer, on once a second peer joins the device (at the next look), off once it left;
+    on and off are fixed. A lone peer's component takes no decode-call lock: the device's decode-calls file
+    stays free for a chunk that looks."""
+    lone = SharedDevice.for_device("cpu", "auto", tmp_path)
+    try:
+        assert not lone.active and lone.turns is not None and lone.decode_calls is not None
+        other = SharedDevice.for_device("cpu", "auto", tmp_path)
+        assert other.active, "the second peer sees the first at once"
+        assert lone.refresh(), "the first sees the second at its next look"
+        other.close()
+        assert not lone.refresh()
+    finally:
+        lone.close()
+    always = SharedDevice.for_device("cpu", "on", tmp_path)
+    watching = SharedDevice.for_device("cpu", "auto", tmp_path)
+    assert always.active and watching.active, "a peer with it on counts as a peer of the device"
+    watching.close()
+    always.close()
+    off = SharedDevice.for_device("cpu", "off", tmp_path)
+    assert not off.active and off.turns is None and off.decode_calls is None
+    with pytest.raises(ValueError, match="shared device mode"):
+        SharedDevice("sometimes")
+
+
+def test_a_device_shared_with_a_peer_that_died_is_alone_again(tmp_path: Path) -> None:
+    """A peer process killed holds nothing: its file's lock went with it."""
+    folder = turns_module.peers_folder(turns_path("cpu", tmp_path))
+    folder.mkdir(parents=True)
+    script = (
+        "import sys, time; from pathlib import Path; from swarm.peer.turns import DevicePeers; "
+        "held = DevicePeers(Path(sys.argv[1])); print('joined', flush=True); time.sleep(600)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"joined"
+        shared = SharedDevice.for_device("cpu", "auto", tmp_path)
+        assert shared.active
+        child.kill()
+        child.wait(30)
+        assert not shared.refresh()
+        shared.close()
+    finally:
+        child.kill()
+        child.wait(30)
