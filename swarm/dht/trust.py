@@ -9,7 +9,7 @@ reader saw before; Directory applies them to every read:
   (`LeaseWitness`): nobody can back-date a claim further than that, so a fresh key writing `held_since=0`
   cannot displace a holder that has held the lease for longer than a lease period in the reader's sight.
   The lease-period allowance keeps split-brain healing symmetric: two claims made within a lease period of
-  the reunion compare by their true times on every side (longer splits are a known limit, see README). Ties are broken by sha256(peer id,
+  the reunion compare by their true times on every side (longer splits are a known limit, see docs/security.md). Ties are broken by sha256(peer id,
   model hash) (`tie_rank`): grinding a winning rank costs one RSA key generation per try and must be redone
   for every model, where the old "smallest id" could be ground once for all swarms.
 * Plans. Only the lease holder's plan is used, and only if it places peers the snapshot knows, each within

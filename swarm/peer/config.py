@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.dht import P2PD_THREADS, ElectionConfig, ReachabilityConfig
+from swarm.dht import P2PD_THREADS, DirectoryConfig, ElectionConfig, ReachabilityConfig
+from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
+from swarm.planner import TIME_LIMIT_S
+from swarm.planner.replan import ReplanConfig
 from swarm.settings import component, positive, setting
 from swarm.types import DTYPE_BYTES, LayerRange
 
@@ -183,35 +186,44 @@ class PlannerConfig:
 
     period_s: float = setting(60.0, "re-solve at least this often")
     check_interval_s: float = setting(5.0, "how often to look for membership or measurement changes")
-    solve_time_limit_s: float = setting(20.0, "MILP time limit per solve")
-    method: str = setting("milp", "swarm.planner.solve method", choices=PLANNER_METHODS)
+    solve_time_limit_s: float = setting(TIME_LIMIT_S, "MILP time limit per solve")
+    method: str = setting(ReplanConfig.method, "swarm.planner.solve method", choices=PLANNER_METHODS)
     # Improvements start from the published plan, so an unchanged swarm never yields a worse candidate; the
     # margin guards against noise in measured peer speeds and makes each move pay (docs/notes-peer.md).
     improve_fraction: float = setting(
-        0.05, "publish a working plan's replacement only when its max flow is this much higher"
+        ReplanConfig.gain_fraction,
+        "publish a working plan's replacement only when its max flow is this much higher",
     )
     change_fraction: float = setting(0.20, "a measured speed or memory change this large triggers a re-solve")
     # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
     # hold instead of swapping ranges for nothing.
-    reload_cost_tokens_s: float = setting(0.1, "objective charged per layer a peer must load anew")
+    reload_cost_tokens_s: float = setting(
+        ReplanConfig.reload_cost_tokens_s, "objective charged per layer a peer must load anew"
+    )
     # Local branching: a repair moves what it must, then each periodic improvement moves at most this many,
     # which keeps most peers untouched per epoch (docs/notes-peer.md).
-    max_moves: int = setting(2, "most peers one re-plan may move off their layers (a repair may need more)")
+    max_moves: int = setting(
+        ReplanConfig.max_moves, "most peers one re-plan may move off their layers (a repair may need more)"
+    )
     move_cost_fraction: float = setting(
-        0.01, "objective charged per peer whose layers change, as a fraction of the current max flow"
+        ReplanConfig.move_cost_fraction,
+        "objective charged per peer whose layers change, as a fraction of the current max flow",
     )
     spare_replicas: int = setting(
-        1, "holders per layer beyond the first, where memory allows without losing flow"
+        ReplanConfig.spare_replicas,
+        "holders per layer beyond the first, where memory allows without losing flow",
     )
     client_bandwidth_bytes_s: float = setting(12.5e6, "client <-> peer bandwidth (unmeasured; 100 Mbit/s)")
     client_latency_s: float = setting(0.02, "client <-> peer latency (unmeasured)")
     unmeasured_bandwidth_bytes_s: float | None = setting(12.5e6, "bandwidth of peer pairs with no probe yet")
     # Plausibility caps on what peers announce: anyone can write a record, and one absurd number would pull
     # the whole plan's flow through its writer.
-    max_layer_tokens_s: float = setting(1e6, "announced decode tokens/s per layer above this count as this")
+    max_layer_tokens_s: float = setting(
+        MAX_LAYER_TOKENS_S, "announced decode tokens/s per layer above this count as this"
+    )
     max_link_bandwidth_bytes_s: float = setting(12.5e9, "announced link bandwidth above this counts as this")
     min_reporters: int = setting(
-        2, "leave out peers reported for wrong outputs by this many reporters (0: never)"
+        MIN_REPORTERS, "leave out peers reported for wrong outputs by this many reporters (0: never)"
     )
 
     def __post_init__(self) -> None:
@@ -250,7 +262,9 @@ class PeerConfig:
         None, "persistent peer identity key", flag="--identity", metavar="KEYFILE"
     )
     maddr_file: str | None = setting(None, "write our multiaddrs here once serving", metavar="FILE")
-    record_ttl_s: float = setting(30.0, "our DHT record expires this long after we stop refreshing it")
+    record_ttl_s: float = setting(
+        DirectoryConfig.ttl_s, "our DHT record expires this long after we stop refreshing it"
+    )
     shutdown_grace_s: float = setting(10.0, "on SIGINT/SIGTERM, how long open sessions may finish")
     plan: bool = setting(True, "never stand for planner", flag="--no-plan")
     follow_plan: bool = setting(True, "keep our layers whatever the plan says", flag="--no-follow-plan")

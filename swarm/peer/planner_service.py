@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
+from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
 from swarm.peer.solver_process import InThread, SolverProcess
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 PLANNED_STATES = ("loading", "serving")  # a loading peer is following the plan: keep it in the cluster
 
 
-def planned_peers(snapshot: SwarmSnapshot, min_reporters: int = 2) -> dict[str, PeerRecord]:
+def planned_peers(snapshot: SwarmSnapshot, min_reporters: int = MIN_REPORTERS) -> dict[str, PeerRecord]:
     """Peers the planner may place layers on: loading or serving, with a measured speed and some room, and
     not reported by `min_reporters` distinct reporters."""
     excluded = excluded_peers(snapshot.reports, min_reporters)
