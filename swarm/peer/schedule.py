@@ -217,6 +217,8 @@ class Schedule:
         # prefills riding on the decode lane share one chunk's tokens: a flood of short prompts cannot make the
         # decode steps' calls long prefill calls
         riding = sum(job.tokens for job in batch if job.tokens > 1)
+        # a call holding a long prompt's chunk stays one chunk's tokens, whichever job came first
+        chunked = any(job.long_prefill for job in batch)
         sessions = {
             job.session_id for job in batch
         }  # in the batch, or skipped: later steps must not overtake
@@ -227,12 +229,13 @@ class Schedule:
             rides = job.tokens > 1 and lane == "decode"
             fits = len(batch) < config.max_batch and tokens + job.tokens <= budget
             fits &= not rides or riding + job.tokens <= chunk
-            fits &= not job.long_prefill or tokens + job.tokens <= chunk  # a chunk's call stays one chunk
+            fits &= not (chunked or job.long_prefill) or tokens + job.tokens <= chunk
             fits &= not (first.paced and job.paced) or paced < paced_group  # the next group: the next call
             if sid is not None and sid not in sessions and job.blocks is first.blocks and fits:
                 batch.append(job)
                 tokens += job.tokens
                 riding += job.tokens if rides else 0
+                chunked |= job.long_prefill
                 paced += job.paced
             else:
                 kept.append(job)
