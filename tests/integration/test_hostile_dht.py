@@ -79,7 +79,7 @@ class Harness:
 
         self.run(loop())
 
-    def wait_until(self, condition: Callable[[], Any], timeout_s: float = 30.0) -> None:
+    def wait_until(self, condition: Callable[[], Any], timeout_s: float = 120.0) -> None:
         self.run(_wait(condition, timeout_s))
 
     def assert_unmoved(self, snapshot: SwarmSnapshot) -> None:
