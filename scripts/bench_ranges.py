@@ -131,14 +131,19 @@ def follows_plan(snapshot: SwarmSnapshot, peer_ids: Sequence[str]) -> bool:
 
 
 async def wait_for_plan(
-    initial_peers: Sequence[str], model_hash: str, names: Mapping[str, str], timeout_s: float, settle_s: float
+    initial_peers: Sequence[str],
+    model_hash: str,
+    names: Mapping[str, str],
+    started: Sequence[str],
+    timeout_s: float,
+    settle_s: float,
 ) -> dict[str, Any]:
     """Poll the DHT until every peer follows the plan and the ranges held still for `settle_s` (or the timeout
-    passed): the ranges by peer name, every distinct range each announced, and whether it settled."""
+    passed): each peer's last announced range (by name), every distinct range each announced, and whether it
+    settled. `started`: the peers' ranges at join, in name order, for a peer never seen serving."""
     seen: dict[str, list[str]] = {name: [] for name in names.values()}
     began = time.monotonic()
     still: tuple[dict[str, str], float] | None = None  # (ranges, since) while every peer follows the plan
-    ranges: dict[str, str] = {}
     async with swarm_client(initial_peers, model_hash) as (_dht, directory, _p2p):
         while True:
             snapshot = await directory.snapshot()
@@ -159,7 +164,10 @@ async def wait_for_plan(
             settled = still is not None and now - still[1] >= settle_s
             if settled or now - began > timeout_s:
                 return {
-                    "ranges": [ranges.get(name, "none") for name in sorted(seen)],
+                    "ranges": [
+                        seen[name][-1] if seen[name] else start
+                        for name, start in zip(sorted(seen), started, strict=True)
+                    ],
                     "ranges_seen": seen,
                     "settled": settled,
                     "settle_s": round(now - began, 1),
@@ -202,7 +210,9 @@ def run_layout(
             names = {peer.peer_id: peer.name for peer in swarm.peers}
             log(f"{layout}: peers serving {list(ranges)}; waiting for them to follow the plan")
             moved = asyncio.run(
-                wait_for_plan(swarm.initial_peers, model_hash, names, args.move_timeout_s, args.settle_s)
+                wait_for_plan(
+                    swarm.initial_peers, model_hash, names, ranges, args.move_timeout_s, args.settle_s
+                )
             )
             result.update(moved)
             if not moved["settled"]:
