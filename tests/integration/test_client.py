@@ -63,8 +63,9 @@ def default_swarm(
 
 @pytest.fixture(scope="module")
 def client(default_swarm: LocalSwarm) -> Iterator[SwarmClient]:
-    # route_wait_s: when every holder of 10:20 is gone (the last test but one), wait 5 s for one, not 60
-    settings = dict(step_timeout_s=20.0, route_wait_s=5.0)
+    # route_wait_s: when every holder of 10:20 is gone (the last test but one), wait 5 s for one, not 60;
+    # probe_timeout_s: a live peer on a busy machine may take a while to answer a probe
+    settings = dict(step_timeout_s=20.0, route_wait_s=5.0, probe_timeout_s=10.0)
     with SwarmClient(default_swarm.initial_peers, model="default", **settings) as swarm_client:
         yield swarm_client
 
