@@ -8,6 +8,7 @@ other weights is refused with ModelMismatch.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import random
 import subprocess
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from client import SwarmClient
+from client import AsyncSwarmClient, SwarmClient
 from swarm.errors import ModelMismatch, NoRouteError
 from swarm.models import ModelSource, SamplingParams
 from swarm.testing import REPO, LocalSwarm
@@ -62,8 +63,9 @@ def default_swarm(
 
 @pytest.fixture(scope="module")
 def client(default_swarm: LocalSwarm) -> Iterator[SwarmClient]:
-    # route_wait_s: when every holder of 10:20 is gone (the last test but one), wait 5 s for one, not 60
-    settings = dict(step_timeout_s=20.0, route_wait_s=5.0)
+    # route_wait_s: when every holder of 10:20 is gone (the last test but one), wait 5 s for one, not 60;
+    # probe_timeout_s: a live peer on a busy machine may take a while to answer a probe
+    settings = dict(step_timeout_s=20.0, route_wait_s=5.0, probe_timeout_s=10.0)
     with SwarmClient(default_swarm.initial_peers, model="default", **settings) as swarm_client:
         yield swarm_client
 
@@ -122,6 +124,21 @@ def test_two_clients_generate_concurrently(
     assert results == {"one": expected_answer, "two": alone[1]}
 
 
+async def _lockstep(aclient: AsyncSwarmClient, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of `rows`, every session's decode step of a token sent in the same tick (EOS ignored)."""
+    sessions = [aclient.new_session(len(row) + new_tokens) for row in rows]
+    try:
+        logits = await asyncio.gather(*(s.forward(row) for s, row in zip(sessions, rows, strict=True)))
+        tokens = [[int(each.argmax())] for each in logits]
+        for _ in range(new_tokens - 1):
+            logits = await asyncio.gather(*(s.forward(t[-1:]) for s, t in zip(sessions, tokens, strict=True)))
+            for got, each in zip(tokens, logits, strict=True):
+                got.append(int(each.argmax()))
+    finally:
+        await asyncio.gather(*(s.close() for s in sessions))
+    return tokens
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_one_client_generating_many_at_once_sends_their_steps_together_and_stays_exact(
@@ -129,21 +146,32 @@ def test_one_client_generating_many_at_once_sends_their_steps_together_and_stays
 ) -> None:
     """Five generations at once in one client: each round's decode steps of a lane go out together (the peers
     batch them as one forward call per hop, StepRequest.batch_id); every row is still local transformers'
-    answer. With 2 lanes (ClientConfig's default) each lane holds half the sessions, and half the rows a call."""
+    answer. With 2 lanes (ClientConfig's default) each lane holds half the sessions, and half the rows a call.
+
+    How many rows a round of generate_ids_batch gets depends on when the prompts' prefills end, so the batching
+    is counted on decode steps sent together, with the round's wait for a reply long enough that only a missing
+    reply, never a slow one, could split a round: then each token is one head call per lane."""
     rng = random.Random(7)
     rows = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
     new_tokens = 12
+    model = default_source.load_reference_model()
+    wanted = [greedy_tokens(model, prompt, new_tokens) for prompt in rows]
     with SwarmClient(default_swarm.initial_peers, model="default", batch_lanes=lanes) as client:
         got = client.generate_ids_batch(rows, new_tokens, SamplingParams())
         head, eos = client.aclient.batcher, client.aclient.eos_ids
-    model = default_source.load_reference_model()
-    for prompt, tokens in zip(rows, got, strict=True):
-        want = greedy_tokens(model, prompt, new_tokens)
-        assert tokens == want[: len(tokens)] and (len(tokens) == new_tokens or want[len(tokens)] in eos)
-    # Sessions start decoding as their prompts finish and end at different times (EOS): not every round has all
-    # of its lane's sessions. Here 60 rows take 15-16 calls with one lane, 26-30 with two; on a loaded CI
-    # machine one lane once took 34, its prompts' prefills ending far apart. Unbatched, every call has one row.
-    assert head.rows / head.calls > 1 + 0.5 / lanes, "rounds should batch the sessions"
+        for tokens, want in zip(got, wanted, strict=True):
+            assert tokens == want[: len(tokens)] and (len(tokens) == new_tokens or want[len(tokens)] in eos)
+        head.round_wait_s = 600.0  # no reply on its way is ever given up on
+        lockstep_tokens = 6
+        calls, batched_rows, waits = head.calls, head.rows, head.waits_in_vain
+        together = client.run(_lockstep(client.aclient, rows, lockstep_tokens))
+        lockstep_calls, lockstep_rows = head.calls - calls, head.rows - batched_rows
+        assert head.waits_in_vain == waits
+    assert together == [want[:lockstep_tokens] for want in wanted]
+    # Prefill: one head row per session, in up to 5 calls. Decode: each of the 5 tokens one call per lane.
+    prefill_calls = lockstep_calls - (lockstep_tokens - 1) * lanes
+    assert lockstep_rows == len(rows) * lockstep_tokens
+    assert lanes <= prefill_calls <= len(rows), (lockstep_calls, lockstep_rows)
 
 
 @pytest.mark.timeout(300)
@@ -184,7 +212,7 @@ def test_a_short_prompt_sent_while_another_session_decodes_leaves_both_answers_e
 
 # The README's example, verbatim but for the multiaddr (the lead pastes it into README.md).
 README_EXAMPLE = """\
-from client import SwarmClient
+from client import AsyncSwarmClient, SwarmClient
 
 with SwarmClient(initial_peers=["/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID"]) as swarm:
     for piece in swarm.stream(messages=[{"role": "user", "content": "What is the capital of France?"}]):

@@ -64,7 +64,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def client(swarm: LocalSwarm) -> Iterator[SwarmClient]:
-    settings: dict[str, Any] = dict(step_timeout_s=HOUR_S, route_wait_s=180.0, spot_check_rate=0.0)
+    # probe_timeout_s: a live peer on a busy machine may take a while to answer a probe; one that died never does
+    settings: dict[str, Any] = dict(
+        step_timeout_s=HOUR_S, route_wait_s=180.0, spot_check_rate=0.0, probe_timeout_s=10.0
+    )
     with SwarmClient(swarm.initial_peers, model="tiny:0", **settings) as swarm_client:
         yield swarm_client
 

@@ -53,10 +53,11 @@ class CountingPlanner(PlannerService):
 
 
 PLANNER = PlannerConfig(period_s=60.0, check_interval_s=0.5, solve_time_limit_s=1.0, method="milp")
+WAIT_S = 60.0  # longest wait for what must happen: a busy machine is slow, not wrong
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
     asyncio.run(_test_planner_publishes_and_replans_when_a_peer_leaves())
 
@@ -83,7 +84,7 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
             background = [tasks.create_task(election.run()), tasks.create_task(service.run()), *announcers]
             try:
                 reader = directories[1]
-                first, took_s = await wait_for(reader.snapshot, lambda s: s.plan is not None, 20.0)
+                first, took_s = await wait_for(reader.snapshot, lambda s: s.plan is not None, WAIT_S)
                 first_plan = first.plan
                 assert first_plan is not None and first_plan.planner_peer_id == dhts[0].peer_id
                 plan = Plan.from_json(first_plan.plan)
@@ -98,7 +99,7 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
                 # Nothing changes: four more completed checks (each reads the swarm and may re-solve) publish
                 # no new epoch. Waiting on the checks themselves, not on a sleep that hopes they happened.
                 checked = service.checks
-                async with asyncio.timeout(20.0):
+                async with asyncio.timeout(WAIT_S):
                     await service.wait_for_checks(checked + 4)
                 assert service.published == 1
                 still = (await reader.snapshot()).plan
@@ -116,7 +117,7 @@ async def _test_planner_publishes_and_replans_when_a_peer_leaves() -> None:
                         and gone not in s.plan.plan["placement"]
                     )
 
-                second, took_s = await wait_for(reader.snapshot, replanned, 15.0)
+                second, took_s = await wait_for(reader.snapshot, replanned, WAIT_S)
                 assert second.plan is not None
                 print(f"re-planned to epoch {second.plan.epoch} {took_s:.2f} s after {gone[-6:]} left")
                 assert service.published == 2

@@ -54,7 +54,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         yield local
 
 
-def _wait_for_hand_over(peer: PeerProcess, timeout_s: float = 30.0) -> re.Match[str]:
+def _wait_for_hand_over(peer: PeerProcess, timeout_s: float = 120.0) -> re.Match[str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = HANDED.search(peer.log_path.read_text(errors="replace"))

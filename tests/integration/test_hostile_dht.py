@@ -34,7 +34,7 @@ from swarm.testing.hostile import HostileNode, hostile_node
 from swarm.types import LayerRange, NodeID, Plan
 from tests.unit.dht.records import peer_record
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 FAST = [
     "--max-memory-gb", "0.01",  # 4 tiny layers each: 0:3 + 3:6 is a fine plan, nobody needs to move
@@ -44,7 +44,8 @@ FAST = [
     "--follow-check-interval-s", "1",
     "--shutdown-grace-s", "2",
 ]  # fmt: skip
-WATCH_S = 5.0  # five follow checks and lease refreshes
+WATCH_S = 5.0  # five follow checks and lease refreshes, and at least one refresh of every peer's record
+WAIT_S = 120.0  # longest wait for what must happen: a busy machine is slow, not wrong
 CAP_TOKENS_S = 1e6  # PlannerConfig.max_layer_tokens_s's default
 PROMPT = [1, 5, 9, 2, 7]
 SPEC = resolve_model("tiny").spec
@@ -67,19 +68,25 @@ class Harness:
         return self.client.generate_ids(PROMPT, 6, SamplingParams())
 
     def watch(self, check: Callable[[SwarmSnapshot], None], seconds: float = WATCH_S) -> None:
-        """Poll snapshots for `seconds`, checking each, and that every peer process still runs."""
+        """Poll snapshots for `seconds`, checking each, and that every peer process still runs; and on until
+        every peer refreshed its record since the watch began: its loops ran past the attack, so a watch on a
+        busy machine whose peers got no CPU meanwhile does not pass without having seen them act."""
 
         async def loop() -> None:
-            deadline = asyncio.get_running_loop().time() + seconds
-            while asyncio.get_running_loop().time() < deadline:
-                for peer in self.swarm.peers:
-                    assert peer.proc.poll() is None, f"{peer.name} exited:\n{peer.log_tail()}"
-                check(await self.observer.snapshot())
-                await asyncio.sleep(0.5)
+            since, clock = self.attacker.now(), asyncio.get_running_loop().time
+            deadline, refreshed = clock() + seconds, set[str]()
+            async with asyncio.timeout(seconds + WAIT_S):
+                while clock() < deadline or refreshed != set(self.ranges):
+                    for peer in self.swarm.peers:
+                        assert peer.proc.poll() is None, f"{peer.name} exited:\n{peer.log_tail()}"
+                    snapshot = await self.observer.snapshot()
+                    check(snapshot)
+                    refreshed |= {pid for pid in self.ranges if _updated_at(snapshot, pid) > since}
+                    await asyncio.sleep(0.5)
 
         self.run(loop())
 
-    def wait_until(self, condition: Callable[[], Any], timeout_s: float = 30.0) -> None:
+    def wait_until(self, condition: Callable[[], Any], timeout_s: float = WAIT_S) -> None:
         self.run(_wait(condition, timeout_s))
 
     def assert_unmoved(self, snapshot: SwarmSnapshot) -> None:
@@ -138,6 +145,11 @@ def _settle(
     harness = Harness(swarm, client, observer, attacker, planner_id, ranges, [])
     harness.baseline = harness.generate()
     return harness
+
+
+def _updated_at(snapshot: SwarmSnapshot, peer_id: str) -> float:
+    record = snapshot.peers.get(peer_id)
+    return record.updated_at if record is not None else 0.0
 
 
 async def _wait(condition: Callable[[], Any], timeout_s: float) -> None:

@@ -10,13 +10,13 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
+from swarm.dht import Directory
 from swarm.errors import CapacityError, ModelMismatch, ProtocolError, SessionError, SwarmError
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing import SWARM_PEER, LocalSwarm, PeerProcess, swarm_client
@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 RANGES = ("0:2", "2:4", "4:6")
 FIXED = ["--no-follow-plan"]
+TTL_S = 5.0  # a doomed peer's --record-ttl-s
+WAIT_S = 120.0  # longest wait for something that must happen: a busy machine is slow, not wrong
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_peers_see_each_other_with_measured_speed_and_links(swarm: LocalSwarm, t
 
     async def check() -> dict[str, object]:
         async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, directory, _p2p):
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + WAIT_S
             while True:
                 peers = (await directory.snapshot()).serving()
                 complete = set(peers) == ids and all(
@@ -80,7 +82,7 @@ def test_peers_see_each_other_with_measured_speed_and_links(swarm: LocalSwarm, t
         assert record.decode_layer_tokens_s_b1 > 0 and record.prefill_layer_tokens_s > 0, record
         assert set(record.links) == ids - {pid}, f"{pid} links: {record.links}"
         for link in record.links.values():
-            assert 0 < link.rtt_s < 1.0 and link.bandwidth_bytes_s > 0
+            assert 0 < link.rtt_s < 10.0 and link.bandwidth_bytes_s > 0  # measured, and over loopback
         assert [record.range_start, record.range_end] in ([0, 2], [2, 4], [4, 6])
         assert record.free_cache_tokens > 0 and record.max_layers >= 1
 
@@ -330,12 +332,29 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
     asyncio.run(run())
 
 
+async def _ids_in_snapshot(directory: Directory) -> set[str]:
+    return set((await directory.snapshot()).peers)
+
+
+async def _killed_record_lifetime(directory: Directory, doomed: PeerProcess, limit_s: float) -> float:
+    """Seconds from SIGKILLing `doomed` (once its record is seen) until its record is gone; fails past limit_s."""
+    deadline = time.monotonic() + WAIT_S
+    while doomed.peer_id not in await _ids_in_snapshot(directory):
+        assert time.monotonic() < deadline, "the new peer never appeared"
+        await asyncio.sleep(0.5)
+    doomed.kill()
+    killed = time.monotonic()
+    while doomed.peer_id in await _ids_in_snapshot(directory):
+        assert time.monotonic() - killed < limit_s, "the killed peer's record outlived its TTL"
+        await asyncio.sleep(0.5)
+    return time.monotonic() - killed
+
+
 def test_killed_peer_disappears_after_its_ttl_and_sigterm_exits_cleanly(
-    swarm: LocalSwarm, tiny: ModelSource, tmp_path: Path
+    swarm: LocalSwarm, tiny: ModelSource
 ) -> None:
-    ttl_s = 5.0
     doomed = swarm.start_peer(
-        "0:6", name="doomed", extra_args=[*FIXED, "--record-ttl-s", str(ttl_s)], wait=False
+        "0:6", name="doomed", extra_args=[*FIXED, "--record-ttl-s", str(TTL_S)], wait=False
     )
     leaver = swarm.start_peer(
         "0:6", name="leaver", extra_args=[*FIXED, "--shutdown-grace-s", "1"], wait=False
@@ -343,28 +362,30 @@ def test_killed_peer_disappears_after_its_ttl_and_sigterm_exits_cleanly(
     doomed.wait_ready(120)
     leaver.wait_ready(120)
 
-    async def ids_in_snapshot(directory) -> set[str]:  # type: ignore[no-untyped-def]
-        return set((await directory.snapshot()).peers)
-
-    async def run() -> float:
+    async def run() -> None:
         async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, directory, _p2p):
-            deadline = time.monotonic() + 15
-            while doomed.peer_id not in await ids_in_snapshot(directory):
-                assert time.monotonic() < deadline, "the new peer never appeared"
-                await asyncio.sleep(0.5)
-            doomed.kill()
-            killed = time.monotonic()
-            while doomed.peer_id in await ids_in_snapshot(directory):
-                assert time.monotonic() - killed < ttl_s + 10, "the killed peer's record outlived its TTL"
-                await asyncio.sleep(0.5)
-            gone_after = time.monotonic() - killed
+            # how soon it goes is test_killed_peers_record_goes_within_its_ttl's (wallclock); here, that it goes
+            await _killed_record_lifetime(directory, doomed, limit_s=TTL_S + WAIT_S)
             assert leaver.stop(grace_s=30) == 0, leaver.log_tail()
             peers = (await directory.snapshot()).peers
             assert leaver.peer_id not in peers or peers[leaver.peer_id].state == "leaving"
-            return gone_after
 
-    gone_after = asyncio.run(run())
-    assert gone_after <= ttl_s + 10
+    asyncio.run(run())
+
+
+@pytest.mark.wallclock
+def test_killed_peers_record_goes_within_its_ttl(swarm: LocalSwarm, tiny: ModelSource) -> None:
+    doomed = swarm.start_peer(
+        "0:6", name="doomed-wallclock", extra_args=[*FIXED, "--record-ttl-s", str(TTL_S)], wait=False
+    )
+    doomed.wait_ready(120)
+
+    async def lifetime() -> float:
+        async with swarm_client(swarm.initial_peers, tiny.spec.weights_hash) as (_dht, directory, _p2p):
+            # the DHT drops a record at its expiry; 10 s more cover the snapshots' polls and reads
+            return await _killed_record_lifetime(directory, doomed, limit_s=TTL_S + 10)
+
+    assert asyncio.run(lifetime()) <= TTL_S + 10
 
 
 def test_status_command_prints_the_live_swarm_as_json(swarm: LocalSwarm) -> None:

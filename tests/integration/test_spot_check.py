@@ -107,7 +107,7 @@ def test_a_caught_liar_is_reported_in_the_dht_under_the_clients_key(swarm: Local
         async def reporters() -> set[str]:
             model_hash = client.aclient.chain.model_hash  # type: ignore[attr-defined]
             async with swarm_client(swarm.initial_peers, model_hash) as (_dht, directory, _p2p):
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:
                     found = (await directory.snapshot()).reports.get(str(liar), set())
                     if found:

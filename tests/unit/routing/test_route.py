@@ -28,7 +28,9 @@ def make_plan(placement: dict[str, tuple[int, int]], flows: list[tuple[str, str,
 def make_view(num_layers: int, plan: Plan, free: int = 10_000, **overrides: PeerState) -> RoutingView:
     peers = {n: PeerState(n, r, free, latency_s=0.01) for n, r in plan.placement.items()}
     peers.update({N(k): v for k, v in overrides.items()})
-    return RoutingView(num_layers, peers)
+    order = sorted(peers)
+    random.Random(len(order)).shuffle(order)  # the order peers are listed in must not matter
+    return RoutingView(num_layers, {n: peers[n] for n in order})
 
 
 # a, b hold 0:4 and 0:2; c, d hold 2:6 and 3:6: routes a->c, a->d, b->c with partial overlaps.
