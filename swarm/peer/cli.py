@@ -136,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The executor thread (torch) and the event loop (RPCs) share the GIL. A step arriving while another
     # session's step computes waits for the executor to give the GIL up: up to the switch interval, 5 ms by
-    # default, per hop. 0.5 ms measured +14% tokens/s at 4 concurrent sessions on the 3-peer loopback swarm
-    # (scripts/calibrate.py: 23.4 -> 26.6) and no loss at 1.
+    # default, per hop; a shorter interval lets it in sooner (docs/benchmarks.md: the GIL switch interval).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=swarm_config.log_level(),

@@ -61,7 +61,7 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    """The torch executor of one device (its policy: swarm/peer/schedule.py; measured effects: docs/notes-peer.md)"""
+    """The torch executor of one device (its policy: swarm/peer/schedule.py; measured effects: docs/benchmarks.md)"""
 
     queue_jobs: int = setting(256, "jobs waiting for the torch thread; past this, requests get CapacityError")
     max_batch: int = setting(16, "most steps (of different sessions) fused into one forward call")
@@ -189,7 +189,7 @@ class PlannerConfig:
     solve_time_limit_s: float = setting(TIME_LIMIT_S, "MILP time limit per solve")
     method: str = setting(ReplanConfig.method, "swarm.planner.solve method", choices=PLANNER_METHODS)
     # Improvements start from the published plan, so an unchanged swarm never yields a worse candidate; the
-    # margin guards against noise in measured peer speeds and makes each move pay (docs/notes-peer.md).
+    # margin guards against noise in measured peer speeds and makes each move pay (docs/benchmarks.md).
     improve_fraction: float = setting(
         ReplanConfig.gain_fraction,
         "publish a working plan's replacement only when its max flow is this much higher",
@@ -201,7 +201,7 @@ class PlannerConfig:
         ReplanConfig.reload_cost_tokens_s, "objective charged per layer a peer must load anew"
     )
     # Local branching: a repair moves what it must, then each periodic improvement moves at most this many,
-    # which keeps most peers untouched per epoch (docs/notes-peer.md).
+    # which keeps most peers untouched per epoch (docs/benchmarks.md).
     max_moves: int = setting(
         ReplanConfig.max_moves, "most peers one re-plan may move off their layers (a repair may need more)"
     )

@@ -3,7 +3,7 @@
 The executor runs the decode steps of several sessions as one forward call, and their handlers all resume in the
 same turn of the event loop, each with a step for its session's next hop. Sent one by one, every step costs a
 message and its acknowledgement through both p2pd daemons and both event loops, and the next hop waits for the
-group's last message before computing it (docs/notes-peer.md has the traced costs). The ``Forwarder`` holds
+group's last message before computing it (docs/benchmarks.md has the traced costs). The ``Forwarder`` holds
 the steps bound for one peer until the loop's next turn and sends them together; the next hop runs each as its
 own step (its own deadline, session and errors) and answers one outcome per step.
 

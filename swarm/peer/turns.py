@@ -23,7 +23,7 @@ and let go once the turn is had.
 Every lock is a ``flock`` on a file per device in the cache directory: the kernel drops it with the process, so
 a peer that dies never holds it. A peer that hangs holding a turn would hold up every other peer's prefills: a
 turn not had within ``wait_s`` is gone without, and so is every turn for ``skip_s`` after that. Peers of other
-users, or of another cache directory, do not see the files. Measured effects are in docs/notes-peer.md.
+users, or of another cache directory, do not see the files. Measured effects are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

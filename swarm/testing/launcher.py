@@ -175,7 +175,7 @@ class LocalSwarm:
         else:
             with open(log_path, "wb") as log:
                 # a session of its own: on Linux its own scheduling group, which keeps the peers' share of the
-                # machine beside the clients' threads (docs/notes-peer.md has what one session cost)
+                # machine beside the clients' threads (docs/benchmarks.md has what one session cost)
                 proc = subprocess.Popen(
                     args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
                 )
