@@ -96,6 +96,15 @@ def test_a_long_prompts_chunk_keeps_its_call_to_one_chunk_while_others_decode() 
     assert [j.session_id for j in batch] == ["w", "x", "y"] and [j.session_id for j in kept] == ["z"]
 
 
+def test_no_step_joins_a_call_past_the_chunk_it_holds() -> None:
+    # a decode step, then a long prompt's chunk that fits the chunk budget, then another step: the last must
+    # wait, or the call holding the chunk grows past one chunk's tokens (found by the property test below)
+    schedule = _schedule(max_batch=3, max_batch_tokens=3, prefill_chunk_tokens=2, busy_chunk_tokens=1)
+    first, chunk, step = decode("a"), Job("b", 1, long_prefill=True), decode("c")
+    batch, kept = schedule.take(first, [], [chunk, step], "decode", now=10.0)
+    assert batch == [first, chunk] and kept == [step]
+
+
 def test_prefills_riding_on_the_decode_lane_share_one_busy_chunks_tokens() -> None:
     schedule = _schedule(decoding=True, busy_chunk_tokens=32, ride_along_tokens=16)
     riders = [Job(s, 12) for s in ("a", "b", "c")]
