@@ -98,7 +98,8 @@ async def wait_measured(
             await asyncio.sleep(1.0)
         client_links = {}
         for pid in peer_ids:
-            client_links[pid] = await measure_link(p2p, pid, maddrs=tuple(snap.peers[pid].maddrs))
+            timing = await measure_link(p2p, pid, maddrs=tuple(snap.peers[pid].maddrs))
+            client_links[pid] = (timing.rtt_s, timing.up_bytes_s)
         return snap, client_links
 
 

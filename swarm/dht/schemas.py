@@ -74,10 +74,12 @@ class _Record(BaseModel):
 
 
 class LinkMeasure(_Record):
-    """A measured link from the record's peer to another peer (probe RPCs)."""
+    """A measured link between the record's peer and another peer (probe RPCs): the round trip, the bandwidth
+    from the record's peer to the other, and (None when not measured: records from before the field) back."""
 
     rtt_s: Annotated[float, Field(ge=0.0, le=MAX_RTT_S)]
     bandwidth_bytes_s: Annotated[float, Field(gt=0.0, le=MAX_BANDWIDTH_BYTES_S)]
+    reverse_bandwidth_bytes_s: Annotated[float, Field(gt=0.0, le=MAX_BANDWIDTH_BYTES_S)] | None = None
 
 
 class OlderRange(_Record):
@@ -149,6 +151,9 @@ class PeerRecord(_Record):
         value = self.model_dump(mode="python")
         if not value["older_ranges"]:  # absent when empty: readers from before the field accept the record
             del value["older_ranges"]
+        for link in value["links"].values():
+            if link["reverse_bandwidth_bytes_s"] is None:  # likewise
+                del link["reverse_bandwidth_bytes_s"]
         return value
 
 

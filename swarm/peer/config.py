@@ -145,12 +145,16 @@ class LinkConfig:
     refresh_s: float = setting(30.0, "how often links to other peers are re-measured")
     nearest: int = setting(4, "the k lowest-RTT peers measured last time are always re-measured")
     sample: int = setting(2, "plus this many other peers picked at random")
-    payload_bytes: int = setting(256 * 1024, "bandwidth probe size")
+    payload_bytes: int = setting(256 * 1024, "largest bandwidth probe, each way")
+    min_payload_bytes: int = setting(32 * 1024, "first bandwidth probe each way; later ones sized by it")
+    probe_s: float = setting(0.05, "target time of a sized bandwidth probe on the link")
     timeout_s: float = setting(5.0, "deadline of one probe")
     poll_s: float = setting(2.0, "how often to look for newly joined peers to measure")
 
     def __post_init__(self) -> None:
-        positive(self, "refresh_s", "payload_bytes", "timeout_s", "poll_s")
+        positive(self, "refresh_s", "payload_bytes", "min_payload_bytes", "probe_s", "timeout_s", "poll_s")
+        if self.min_payload_bytes > self.payload_bytes:
+            raise ValueError("min_payload_bytes must be <= payload_bytes")
         if self.nearest < 0 or self.sample < 0:
             raise ValueError("nearest and sample must be >= 0")
 

@@ -4,7 +4,8 @@ Compute is measured on the peer's own loaded blocks (one layer, so the numbers a
 how many it holds): decode at batch 1 and batch 8 through real sessions, prefill as one stateless step. Memory
 gives ``max_layers``: the weights of that many layers plus the KV cache they need for ``cache_tokens``.
 Links are measured with probe RPCs to a bounded set of live peers (the k lowest-RTT ones seen so far plus a
-random sample), refreshed periodically, so the cost stays constant as the swarm grows.
+random sample), refreshed periodically, so the cost stays constant as the swarm grows; each in both directions,
+with probes sized for the link (swarm.transport.linkprobe), so the other peer need not measure it too.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.dht import LinkMeasure, PeerRecord
+from swarm.dht.schemas import MAX_BANDWIDTH_BYTES_S, MAX_RTT_S
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import LinkConfig
 from swarm.transport.calls import measure_link
+from swarm.transport.linkprobe import LinkTiming, ProbeSizes
 from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
@@ -146,6 +149,20 @@ def choose_range(coverage: list[int], max_layers: int) -> LayerRange:
     return LayerRange(best, best + size)
 
 
+def link_measure(timing: LinkTiming) -> LinkMeasure:
+    """A measured link as announced: within the record's bounds (a probe faster than any interface is
+    loopback noise, announced at the cap)."""
+
+    def bounded(bytes_s: float) -> float:
+        return min(max(bytes_s, 1.0), MAX_BANDWIDTH_BYTES_S)
+
+    return LinkMeasure(
+        rtt_s=min(timing.rtt_s, MAX_RTT_S),
+        bandwidth_bytes_s=bounded(timing.up_bytes_s),
+        reverse_bandwidth_bytes_s=bounded(timing.down_bytes_s),
+    )
+
+
 class LinkMonitor:
     """Keeps ``links`` (peer id -> LinkMeasure) fresh for the peers in the latest snapshot."""
 
@@ -165,6 +182,11 @@ class LinkMonitor:
         self.rng = rng or random.Random()
         self.links: dict[str, LinkMeasure] = {}
         self.on_change = on_change  # told the links whenever they were re-measured
+        self.sizes = ProbeSizes(
+            min_bytes=self.config.min_payload_bytes,
+            max_bytes=self.config.payload_bytes,
+            probe_s=self.config.probe_s,
+        )
 
     def pick(self, candidates: list[str]) -> list[str]:
         """The k nearest by last RTT, plus a random sample of the rest."""
@@ -187,17 +209,17 @@ class LinkMonitor:
         fresh: dict[str, LinkMeasure] = {}
         for peer_id in targets:
             try:
-                rtt_s, bandwidth = await measure_link(
+                timing = await measure_link(
                     self.p2p,
                     peer_id,
                     maddrs=peers[peer_id].maddrs,
-                    payload_bytes=self.config.payload_bytes,
+                    sizes=self.sizes,
                     timeout_s=self.config.timeout_s,
                 )
             except Exception as e:  # an unreachable peer just has no link entry this round
                 logger.debug("link to %s not measured: %s", peer_id[-8:], e)
                 continue
-            fresh[peer_id] = LinkMeasure(rtt_s=rtt_s, bandwidth_bytes_s=bandwidth)
+            fresh[peer_id] = link_measure(timing)
         # Keep older measurements of live peers that were not measured now; drop peers that left.
         self.links = {p: m for p, m in self.links.items() if p in peers and p not in fresh} | fresh
         self.on_change(self.links)

@@ -70,8 +70,8 @@ def cluster_from_snapshot(
 
     `model` is the served model from the planner's own spec; peers announcing another layer count are left
     out. tokens_s_by_layers[k-1] = decode_layer_tokens_s_b8 / k: a peer holding k layers runs all k per
-    token, with the announced speed clamped to config.max_layer_tokens_s. Links come from the peers' probes
-    (a direction measured only one way is assumed symmetric), bandwidth clamped to config's cap.
+    token, with the announced speed clamped to config.max_layer_tokens_s. Links come from the peers' probes,
+    each direction from either end (link_one_way), bandwidth clamped to config's cap.
     """
     peers = planned_peers(snapshot, config.min_reporters)
     if not peers:
@@ -98,13 +98,26 @@ def _links(
         for other in nodes:
             if other.id == node.id:
                 continue
-            measured = peers[node.id].links.get(other.id) or peers[other.id].links.get(node.id)
+            measured = link_one_way(peers[node.id], peers[other.id])
             if measured is not None:
-                bandwidth = min(measured.bandwidth_bytes_s, config.max_link_bandwidth_bytes_s)
-                links.append(ClusterLink(node.id, other.id, bandwidth, measured.rtt_s / 2))
+                rtt_s, bandwidth = measured
+                bandwidth = min(bandwidth, config.max_link_bandwidth_bytes_s)
+                links.append(ClusterLink(node.id, other.id, bandwidth, rtt_s / 2))
             elif config.unmeasured_bandwidth_bytes_s is not None:
                 links.append(ClusterLink(node.id, other.id, config.unmeasured_bandwidth_bytes_s, 0.0))
     return links
+
+
+def link_one_way(src: PeerRecord, dst: PeerRecord) -> tuple[float, float] | None:
+    """(rtt_s, bandwidth_bytes_s) of the link src -> dst as announced: src's own measurement of its sending
+    side, else dst's measurement of its receiving side, else (a record from before both directions were
+    measured) the other direction, assumed symmetric. None when neither peer measured the pair."""
+    ours, theirs = src.links.get(dst.peer_id), dst.links.get(src.peer_id)
+    if ours is not None:
+        return ours.rtt_s, ours.bandwidth_bytes_s
+    if theirs is not None:
+        return theirs.rtt_s, theirs.reverse_bandwidth_bytes_s or theirs.bandwidth_bytes_s
+    return None
 
 
 def measurements_changed(before: Cluster | None, now: Cluster, change_fraction: float) -> str | None:

@@ -13,6 +13,21 @@ The network (Helix's formulation, with FlowSwarm's client-side LM head):
   with no link there is no edge.
 
 Capacities are scaled to integer milli-tokens/s before networkx's preflow-push, which is exact on integers.
+
+Link latency. Helix's network lets bandwidth cap a link, and nothing else: a link 10x slower than the rest
+(1000 vs 100 Mbit/s, 5 vs 50 ms) rarely binds, since one token's hidden state (a few kB) is small against
+compute, so the max flow is the same whether it uses the slow link or not, and preflow-push splits the flow
+over the slow link and its alternatives as its push order happens to fall. Yet every token that crosses the
+link waits its latency: for a decode token, which waits for the one before it, the route's summed link
+delays are the token's time. So the plan keeps throughput first and latency second: of all the max flows of
+a placement it takes the one whose tokens spend the least summed time on links, a min-cost max flow with
+cost per token on a link = its one-way latency + its bytes per token / its bandwidth (the time one token's
+hidden state spends on it). A slow link then carries flow only as far as the max flow needs it: none when
+the other links can carry the same tokens, which is when a good alternative exists. Latency does not
+trade against throughput (a plan never serves fewer tokens/s to save a link's delay: the swarm's capacity
+is what its many sessions share, and a lone session's latency is the client's route choice to make, see
+swarm.routing.route); nor does it change the placement search, which scores placements by max flow alone
+(the min-cost flow, 1-2.5x a preflow-push, is computed once for the chosen placement).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from swarm.planner.placement import Placement
 from swarm.types import SINK, SOURCE, EdgeFlow, NodeID, Plan, coverage
 
 _SCALE = 1000.0  # integer capacities in milli-tokens/s
+_COST_SCALE = 1e6  # integer link costs in microseconds per token
 
 
 def valid_edges(cluster: Cluster, placement: Placement) -> list[tuple[NodeID, NodeID, float]]:
@@ -59,10 +75,25 @@ def node_capacity(cluster: Cluster, placement: Placement, node_id: NodeID) -> fl
     return cluster.node_by_id[node_id].tokens_s(len(placement[node_id]))
 
 
-def max_flow(cluster: Cluster, placement: Placement, method: str = "evaluate") -> Plan:
+def link_cost_s(cluster: Cluster, src: NodeID, dst: NodeID) -> float:
+    """Seconds one token spends on the link src -> dst: its latency plus its bytes over the bandwidth (token
+    ids from the source, a hidden state otherwise); inf when there is no link."""
+    link = cluster.link_by_pair.get((src, dst))
+    if link is None or link.bandwidth_bytes_s <= 0:
+        return float("inf")
+    size = cluster.model.token_id_bytes if src == SOURCE else cluster.model.activation_bytes_per_token
+    return link.latency_s + size / link.bandwidth_bytes_s
+
+
+def max_flow(
+    cluster: Cluster, placement: Placement, method: str = "evaluate", *, least_delay: bool = True
+) -> Plan:
     """Max tokens/s through the placement and the flow on every edge that carries some.
 
-    Nodes not in `placement` are idle. The placement is not checked here; see placement.check_placement.
+    With `least_delay`, the flows are the max flow whose tokens spend the least time on links (see the
+    module docstring); without, whichever max flow preflow-push finds (the same value, for scoring many
+    placements faster). Nodes not in `placement` are idle. The placement is not checked here; see
+    placement.check_placement.
     """
     started = time.perf_counter()
     # Integer vertices (0 source, 1 sink, 2 + 2i node i in, 3 + 2i node i out): preflow-push keeps sets of
@@ -74,12 +105,17 @@ def max_flow(cluster: Cluster, placement: Placement, method: str = "evaluate") -
     graph.add_nodes_from(range(2 + 2 * len(nodes)))
     for i, node_id in enumerate(nodes):
         cap = node_capacity(cluster, placement, node_id)
-        graph.add_edge(2 + 2 * i, 3 + 2 * i, capacity=int(cap * _SCALE))
+        graph.add_edge(2 + 2 * i, 3 + 2 * i, capacity=int(cap * _SCALE), weight=0)
     for u, v, cap in valid_edges(cluster, placement):
         tail = 0 if u == SOURCE else 3 + 2 * index[u]
         head = 1 if v == SINK else 2 + 2 * index[v]
-        graph.add_edge(tail, head, capacity=int(cap * _SCALE))
-    value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
+        cost = round(link_cost_s(cluster, u, v) * _COST_SCALE)
+        graph.add_edge(tail, head, capacity=int(cap * _SCALE), weight=cost)
+    if least_delay:
+        flow_dict = nx.max_flow_min_cost(graph, 0, 1)
+        value = sum(flow_dict[0].values())
+    else:
+        value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
     flows: list[EdgeFlow] = []
     for tail, heads in flow_dict.items():
         if tail == 1 or (tail >= 2 and tail % 2 == 0):
@@ -98,6 +134,14 @@ def max_flow(cluster: Cluster, placement: Placement, method: str = "evaluate") -
         upper_bound_tokens_s=upper_bound(cluster),
         solve_s=time.perf_counter() - started,
     )
+
+
+def link_flow_share(plan: Plan, src: NodeID, dst: NodeID) -> float:
+    """The fraction of the plan's flow that crosses the link src -> dst (0 for a plan with no flow)."""
+    if plan.max_flow_tokens_s <= 0:
+        return 0.0
+    on_link = sum(f.tokens_s for f in plan.flows if (f.src, f.dst) == (src, dst))
+    return on_link / plan.max_flow_tokens_s
 
 
 def coverage_score(cluster: Cluster, placement: Placement) -> float:

@@ -194,7 +194,7 @@ def solve_milp(
     started = time.perf_counter()
     keep: set[tuple[NodeID, NodeID]] = set()
     if warm_start is not None:
-        keep = {(f.src, f.dst) for f in max_flow(cluster, warm_start).flows}
+        keep = {(f.src, f.dst) for f in max_flow(cluster, warm_start, least_delay=False).flows}
     pruned = prune_links(cluster, config.prune_k, keep)
     pruned_any = len(pruned.link_by_pair) < len(cluster.link_by_pair)
     reload = config.reload_cost_tokens_s if current else 0.0
@@ -443,7 +443,7 @@ def _warm_values(
     """A full feasible column vector for `placement`, with its max flow on the (pruned) cluster."""
     m, s, b, f, edges = helix.m, helix.s, helix.b, helix.f, helix.edges
     values = [0.0] * len(m.cost)
-    plan = max_flow(cluster, placement)
+    plan = max_flow(cluster, placement, least_delay=False)
     flow_on = {(e.src, e.dst): e.tokens_s for e in plan.flows}
     for i, r in placement.items():
         if i not in s:

@@ -31,6 +31,7 @@ from swarm.planner.coverage_ip import MAX_KINDS, node_kinds, solve_coverage_ip
 from swarm.planner.graph import max_flow, upper_bound
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
 from swarm.planner.milp import TIME_LIMIT_S, MilpConfig, solve_milp
+from swarm.planner.moves import flow_of
 from swarm.planner.placement import Placement, check_feasible, check_placement, new_layers, repair
 from swarm.planner.search import SearchConfig, anneal
 from swarm.types import SINK, SOURCE, Plan
@@ -88,7 +89,7 @@ class _Best:
             placement = repair(self.cluster, placement)
         except PlanningError:
             return float("-inf")
-        plan = max_flow(self.cluster, placement)
+        plan = max_flow(self.cluster, placement, least_delay=False)  # flows by delay: once, in _finish
         score = plan.max_flow_tokens_s - self.reload_cost * new_layers(self.held, placement)
         if phase is not None:
             self.extra[f"{phase}_tokens_s"] = plan.max_flow_tokens_s
@@ -267,7 +268,7 @@ def _finish(run: _Run) -> Plan:
         method=run.method,
         placement=plan.placement,
         max_flow_tokens_s=plan.max_flow_tokens_s,
-        flows=plan.flows,
+        flows=max_flow(run.cluster, plan.placement).flows,  # the least-delay max flow (graph.max_flow)
         upper_bound_tokens_s=bound,
         solve_s=solve_s,
         extra=run.best.extra,
@@ -287,7 +288,7 @@ def _per_region(cluster: Cluster, anneal_s: float, ip_s: float, seed: int) -> Pl
         links = tuple(lk for lk in cluster.links if lk.src in ids | {SOURCE} and lk.dst in ids | {SINK})
         sub = Cluster(cluster.model, members, links)
         share = len(members) / len(cluster.nodes)
-        start = max((h(sub) for h in HEURISTICS.values()), key=lambda p: max_flow(sub, p).max_flow_tokens_s)
+        start = max((h(sub) for h in HEURISTICS.values()), key=lambda p: flow_of(sub, p))
         placed = anneal(
             sub, start, SearchConfig(time_limit_s=anneal_s * share, seed=seed + i, exact_flow=False)
         )
@@ -295,7 +296,7 @@ def _per_region(cluster: Cluster, anneal_s: float, ip_s: float, seed: int) -> Pl
             found = solve_coverage_ip(sub, ip_s * share, placed, None, seed + i).placement
             if (
                 found is not None
-                and max_flow(sub, found).max_flow_tokens_s > max_flow(sub, placed).max_flow_tokens_s
+                and flow_of(sub, found) > flow_of(sub, placed)
             ):
                 placed = found
         joined.update(placed)

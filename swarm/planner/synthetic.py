@@ -131,6 +131,43 @@ def helix_42(num_regions: int = 1, model: str = "70b") -> Cluster:
     return cluster_from_counts({name: 6 for name in GPUS}, num_regions, model)
 
 
+# The 4-peer layout with one slow link (issue 52's "10x slower link" target), default model on CPU: p1, p2
+# can hold layers 0:15 and p3, p4 layers 15:30 (memory caps them at 15 each), so tokens cross from the first
+# half to the second over p1 -> p3, p1 -> p4, p2 -> p3 or p2 -> p4. Every link is 1000 Mbit/s at 5 ms one way,
+# except p1 -> p3: 100 Mbit/s at 50 ms.
+SMOLLM2_135M = ModelInfo("SmolLM2-135M", 30, 576 * 4, 4)  # fp32 activations on CPU
+LAYOUT_FAST_BYTES_S = 125e6
+LAYOUT_FAST_LATENCY_S = 0.005
+LAYOUT_SLOW_BYTES_S = 12.5e6
+LAYOUT_SLOW_LATENCY_S = 0.05
+LAYOUT_LAYER_TOKENS_S = 2000.0  # decode tokens/s through one layer at batch 8 (order of a CPU core)
+
+
+def slow_link_layout(
+    node_ids: tuple[str, str, str, str] = ("p1", "p2", "p3", "p4"),
+) -> tuple[Cluster, tuple[NodeID, NodeID]]:
+    """The 4-peer layout above and its slow link (src, dst). `node_ids` names p1..p4 (p1 -> p3 is slow)."""
+    nodes = tuple(
+        ClusterNode(NodeID(i), "default", 15, tuple(LAYOUT_LAYER_TOKENS_S / k for k in range(1, 16)))
+        for i in node_ids
+    )
+    slow = (NodeID(node_ids[0]), NodeID(node_ids[2]))
+    links: list[ClusterLink] = []
+    for a in nodes:
+        links.append(ClusterLink(SOURCE, a.id, LAYOUT_FAST_BYTES_S, LAYOUT_FAST_LATENCY_S))
+        links.append(ClusterLink(a.id, SINK, LAYOUT_FAST_BYTES_S, LAYOUT_FAST_LATENCY_S))
+        for b in nodes:
+            if a.id != b.id:
+                fast = (a.id, b.id) != slow
+                bandwidth = LAYOUT_FAST_BYTES_S if fast else LAYOUT_SLOW_BYTES_S
+                links.append(
+                    ClusterLink(
+                        a.id, b.id, bandwidth, LAYOUT_FAST_LATENCY_S if fast else LAYOUT_SLOW_LATENCY_S
+                    )
+                )
+    return Cluster(SMOLLM2_135M, nodes, tuple(links)), slow
+
+
 def benchmark_clusters(sizes: list[int]) -> list[tuple[str, Cluster]]:
     """(name, cluster) pairs for bench_planner.py: for each size, one region and three, 30B and 70B class."""
     out: list[tuple[str, Cluster]] = []

@@ -11,7 +11,6 @@ caller knows whom to ban. Unreachable or silent peers raise ``TransportError``; 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from hivemind.p2p import P2P
 
 from swarm.errors import ProtocolError, SwarmError
 from swarm.transport.channel import call_raw, decode_off_loop
+from swarm.transport.linkprobe import LinkTiming, ProbeSizes, measure_both_ways
 from swarm.wire import (
     MAX_FORWARDED_STEPS,
     CloseReply,
@@ -288,22 +288,16 @@ async def measure_link(
     peer_id: str,
     *,
     maddrs: tuple[str, ...] | list[str] = (),
-    payload_bytes: int = 1024**2,
-    pings: int = 3,
+    sizes: ProbeSizes | None = None,
     timeout_s: float = 10.0,
-) -> tuple[float, float]:
-    """(rtt_s, bandwidth_bytes_s) to ``peer_id``: the best of ``pings`` empty probes, then one payload probe.
+) -> LinkTiming:
+    """RTT to ``peer_id`` and the bandwidth each way, by probes sized for the link (swarm.transport.linkprobe).
 
-    Bandwidth is payload / (payload time - rtt), so loopback gives large but finite numbers.
+    Bandwidth is bytes / (probe time - rtt), so loopback gives large but finite numbers.
     """
-    rtt_s = float("inf")
-    for _ in range(max(1, pings)):
-        t0 = time.perf_counter()
-        await call_probe(p2p, peer_id, maddrs=maddrs, timeout_s=timeout_s)
-        rtt_s = min(rtt_s, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    await call_probe(
-        p2p, peer_id, ProbeRequest(payload=bytes(payload_bytes)), maddrs=maddrs, timeout_s=timeout_s
-    )
-    transfer_s = max(time.perf_counter() - t0 - rtt_s, 1e-6)
-    return rtt_s, payload_bytes / transfer_s
+
+    async def probe(sent: int, back: int) -> None:
+        request = ProbeRequest(payload=bytes(sent), reply_bytes=back)
+        await call_probe(p2p, peer_id, request, maddrs=maddrs, timeout_s=timeout_s)
+
+    return await measure_both_ways(probe, sizes)

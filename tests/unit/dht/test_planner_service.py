@@ -52,6 +52,29 @@ def test_cluster_from_snapshot_nodes_and_links():
     assert cluster.bandwidth_bytes_s(NodeID("QmC"), SINK) == 1e9
 
 
+def test_each_direction_of_a_link_comes_from_either_end():
+    # A measured both ways: A -> B from A's upload, B -> A from A's download; B -> C only from C's record
+    # (its download from B); C -> B from C's upload. No link is assumed symmetric where a direction is known.
+    a = peer_record(
+        "QmA",
+        links={"QmB": LinkMeasure(rtt_s=0.1, bandwidth_bytes_s=2.5e6, reverse_bandwidth_bytes_s=1.25e7)},
+    )
+    b = peer_record("QmB", links={})
+    c = peer_record(
+        "QmC", links={"QmB": LinkMeasure(rtt_s=0.02, bandwidth_bytes_s=3e7, reverse_bandwidth_bytes_s=4e7)}
+    )
+    cluster = cluster_from_snapshot(snapshot(a, b, c), CONFIG)
+    assert cluster is not None
+    pairs = cluster.link_by_pair
+    assert pairs[(NodeID("QmA"), NodeID("QmB"))].bandwidth_bytes_s == 2.5e6
+    assert pairs[(NodeID("QmB"), NodeID("QmA"))].bandwidth_bytes_s == 1.25e7
+    assert pairs[(NodeID("QmB"), NodeID("QmC"))].bandwidth_bytes_s == 4e7
+    assert pairs[(NodeID("QmC"), NodeID("QmB"))].bandwidth_bytes_s == 3e7
+    assert pairs[(NodeID("QmA"), NodeID("QmB"))].latency_s == pytest.approx(0.05)  # half the RTT
+    assert pairs[(NodeID("QmB"), NodeID("QmC"))].latency_s == pytest.approx(0.01)
+    assert pairs[(NodeID("QmA"), NodeID("QmC"))].bandwidth_bytes_s == 5e8  # unmeasured: the default
+
+
 def test_no_plannable_peers_gives_no_cluster():
     assert cluster_from_snapshot(snapshot(peer_record("QmA", state="leaving")), CONFIG) is None
 

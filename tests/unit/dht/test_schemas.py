@@ -13,7 +13,7 @@ from hivemind.p2p import P2P
 
 from swarm.dht.directory import SwarmSnapshot, coverage, parse_records, pick_plan
 from swarm.dht.identity import load_private_key, owner_peer_id, peer_id_of_public_key
-from swarm.dht.schemas import FlowSwarmSchema, PeerRecord, PlanRecord, model_key, peers_key
+from swarm.dht.schemas import FlowSwarmSchema, LinkMeasure, PeerRecord, PlanRecord, model_key, peers_key
 from swarm.types import Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
@@ -215,3 +215,26 @@ def test_hostile_older_ranges_are_rejected(signers, older, why):
     with pytest.raises(pydantic.ValidationError):
         PeerRecord.from_dht(value)
     assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value)), why
+
+
+def test_links_measured_both_ways_round_trip_and_old_links_stay_valid(signers):
+    a, _ = signers
+    both = {"QmB": LinkMeasure(rtt_s=0.1, bandwidth_bytes_s=2.5e6, reverse_bandwidth_bytes_s=1.25e7)}
+    record = peer_record(a.peer_id, links=both)
+    assert PeerRecord.from_dht(record.to_dht()) == record
+    assert a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, record.to_dht()))
+    # A link measured one way (a peer from before the field) is announced, and read, as before.
+    old = peer_record(a.peer_id).to_dht()
+    assert old["links"]["QmOther"] == {"rtt_s": 0.001, "bandwidth_bytes_s": 1e9}
+    assert PeerRecord.from_dht(old).links["QmOther"].reverse_bandwidth_bytes_s is None
+    assert a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, old))
+
+
+@pytest.mark.parametrize("reverse", [0.0, -1.0, float("inf"), float("nan"), 2e12, "1e6", [1e6]])
+def test_hostile_reverse_bandwidths_are_rejected(signers, reverse):
+    a, _ = signers
+    value = peer_record(a.peer_id).to_dht()
+    value["links"] = {"QmB": {"rtt_s": 0.01, "bandwidth_bytes_s": 1e6, "reverse_bandwidth_bytes_s": reverse}}
+    with pytest.raises(pydantic.ValidationError):
+        PeerRecord.from_dht(value)
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value))

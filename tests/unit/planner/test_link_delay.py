@@ -1,0 +1,90 @@
+"""The plan's flows avoid slow links when other links carry the same tokens (graph.max_flow, least delay)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.planner import solve
+from swarm.planner.cluster import Cluster
+from swarm.planner.graph import link_flow_share, max_flow
+from swarm.planner.synthetic import slow_link_layout
+from swarm.types import SINK, SOURCE, LayerRange, NodeID
+from tests.unit.planner.helpers import random_small_cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+HALVES = {
+    "p1": LayerRange(0, 15),
+    "p2": LayerRange(0, 15),
+    "p3": LayerRange(15, 30),
+    "p4": LayerRange(15, 30),
+}
+
+
+def _shuffled(cluster: Cluster, rng: random.Random) -> Cluster:
+    nodes, links = list(cluster.nodes), list(cluster.links)
+    rng.shuffle(nodes)
+    rng.shuffle(links)
+    return Cluster(cluster.model, tuple(nodes), tuple(links))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_the_slow_link_carries_no_flow_when_the_others_can_carry_it(seed: int) -> None:
+    cluster, slow = slow_link_layout()
+    rng = random.Random(seed)
+    cluster = _shuffled(cluster, rng)
+    order = list(HALVES)
+    rng.shuffle(order)  # in half of the orders preflow-push sends half the flow over the slow link
+    placement = {NodeID(n): HALVES[n] for n in order}
+    plan = max_flow(cluster, placement)
+    fastest = max_flow(cluster, placement, least_delay=False)
+    assert plan.max_flow_tokens_s == pytest.approx(fastest.max_flow_tokens_s)
+    assert plan.max_flow_tokens_s == pytest.approx(2 * 2000.0 / 15, rel=1e-4)  # two halves, compute-bound
+    assert link_flow_share(plan, *slow) == 0.0
+    into_second_half = sum(f.tokens_s for f in plan.flows if f.dst in ("p3", "p4") and f.src != SOURCE)
+    assert into_second_half == pytest.approx(plan.max_flow_tokens_s)
+
+
+def test_a_slow_link_the_max_flow_needs_still_carries_its_part() -> None:
+    cluster, slow = slow_link_layout()
+    # p4 idle: p1's tokens can only go on over the slow link, and the plan must not give them up.
+    placement = {NodeID("p1"): HALVES["p1"], NodeID("p2"): HALVES["p2"], NodeID("p3"): LayerRange(15, 30)}
+    plan = max_flow(cluster, placement)
+    assert plan.max_flow_tokens_s == pytest.approx(2000.0 / 15, rel=1e-4)  # p3 alone holds the second half
+    # p2 -> p3 can carry it all, so the slow link still carries nothing; without p2 it must carry everything.
+    assert link_flow_share(plan, *slow) == 0.0
+    del placement[NodeID("p2")]
+    alone = max_flow(cluster, placement)
+    assert link_flow_share(alone, *slow) == pytest.approx(1.0)
+
+
+def test_the_planned_flow_over_a_10x_slower_link_is_at_most_a_tenth() -> None:
+    cluster, slow = slow_link_layout()
+    plan = solve(cluster, "milp", time_limit_s=5.0)
+    assert plan.max_flow_tokens_s == pytest.approx(2 * 2000.0 / 15, rel=1e-3)
+    assert link_flow_share(plan, *slow) <= 0.1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_least_delay_keeps_the_max_flow_value_and_conserves_flow(seed: int) -> None:
+    cluster = random_small_cluster(seed)
+    placement = solve(cluster, "greedy").placement
+    plan = max_flow(cluster, placement)
+    assert plan.max_flow_tokens_s == pytest.approx(
+        max_flow(cluster, placement, least_delay=False).max_flow_tokens_s
+    )
+    for n in placement:
+        inflow = sum(f.tokens_s for f in plan.flows if f.dst == n)
+        outflow = sum(f.tokens_s for f in plan.flows if f.src == n)
+        assert inflow == pytest.approx(outflow, abs=1e-6)
+    assert sum(f.tokens_s for f in plan.flows if f.dst == SINK) == pytest.approx(plan.max_flow_tokens_s)
+
+
+def test_link_flow_share_of_an_empty_plan_is_zero() -> None:
+    cluster, slow = slow_link_layout()
+    assert link_flow_share(max_flow(cluster, {}), *slow) == 0.0
