@@ -19,15 +19,19 @@ Link latency. Helix's network lets bandwidth cap a link, and nothing else: a lin
 compute, so the max flow is the same whether it uses the slow link or not, and preflow-push splits the flow
 over the slow link and its alternatives as its push order happens to fall. Yet every token that crosses the
 link waits its latency: for a decode token, which waits for the one before it, the route's summed link
-delays are the token's time. So the plan keeps throughput first and latency second: of all the max flows of
-a placement it takes the one whose tokens spend the least summed time on links, a min-cost max flow with
-cost per token on a link = its one-way latency + its bytes per token / its bandwidth (the time one token's
-hidden state spends on it). A slow link then carries flow only as far as the max flow needs it: none when
-the other links can carry the same tokens, which is when a good alternative exists. Latency does not
+delays are the token's time. So the plan keeps throughput first and latency second. A link's cost per token
+is its one-way latency + its bytes per token / its bandwidth (the time one token's hidden state spends on
+it); a link is slow when it costs clearly more than another link out of the same sender or into the same
+receiver (its alternatives). Slow links carry no more than they do in the min-cost max flow (the max flow
+whose tokens spend the least summed time on links); the rest of the flow is preflow-push's as before, on
+the graph with the slow links capped so: a min-cost flow alone would pile every token on one of several
+equally fast routes, where preflow-push spreads them over the replicas. A slow link then carries flow only
+as far as the max flow needs it: none when the other links can carry the same tokens, which is when a good
+alternative exists; with no slow link the flows are exactly preflow-push's. Latency does not
 trade against throughput (a plan never serves fewer tokens/s to save a link's delay: the swarm's capacity
 is what its many sessions share, and a lone session's latency is the client's route choice to make, see
 swarm.routing.route); nor does it change the placement search, which scores placements by max flow alone
-(the min-cost flow, 1-2.5x a preflow-push, is computed once for the chosen placement).
+(the min-cost flow is computed once, for the chosen placement).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ from swarm.types import SINK, SOURCE, EdgeFlow, NodeID, Plan, coverage
 
 _SCALE = 1000.0  # integer capacities in milli-tokens/s
 _COST_SCALE = 1e6  # integer link costs in microseconds per token
+# A link is slow when it costs more than this factor times, plus this many microseconds over, the cheapest of
+# its alternatives (the fast links of one region differ by noise; a 10x slower link is far past it)
+_SLOW_FACTOR = 1.25
+_SLOW_MARGIN = 100
 
 
 def valid_edges(cluster: Cluster, placement: Placement) -> list[tuple[NodeID, NodeID, float]]:
@@ -90,7 +98,7 @@ def max_flow(
 ) -> Plan:
     """Max tokens/s through the placement and the flow on every edge that carries some.
 
-    With `least_delay`, the flows are the max flow whose tokens spend the least time on links (see the
+    With `least_delay`, slow links carry no more flow than the least-delay max flow gives them (see the
     module docstring); without, whichever max flow preflow-push finds (the same value, for scoring many
     placements faster). Nodes not in `placement` are idle. The placement is not checked here; see
     placement.check_placement.
@@ -112,10 +120,8 @@ def max_flow(
         cost = round(link_cost_s(cluster, u, v) * _COST_SCALE)
         graph.add_edge(tail, head, capacity=int(cap * _SCALE), weight=cost)
     if least_delay:
-        flow_dict = nx.max_flow_min_cost(graph, 0, 1)
-        value = sum(flow_dict[0].values())
-    else:
-        value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
+        _cap_slow_links(graph)
+    value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
     flows: list[EdgeFlow] = []
     for tail, heads in flow_dict.items():
         if tail == 1 or (tail >= 2 and tail % 2 == 0):
@@ -142,6 +148,24 @@ def link_flow_share(plan: Plan, src: NodeID, dst: NodeID) -> float:
         return 0.0
     on_link = sum(f.tokens_s for f in plan.flows if (f.src, f.dst) == (src, dst))
     return on_link / plan.max_flow_tokens_s
+
+
+def _cap_slow_links(graph: nx.DiGraph) -> None:
+    """Cap each slow link of `graph` (see the module docstring) at its flow in the min-cost max flow."""
+    hops = [(u, v, w) for u, v, w in graph.edges(data="weight") if not (u >= 2 and u % 2 == 0)]
+    cheapest_out: dict[int, int] = {}
+    cheapest_in: dict[int, int] = {}
+    for u, v, w in hops:
+        cheapest_out[u] = min(cheapest_out.get(u, w), w)
+        cheapest_in[v] = min(cheapest_in.get(v, w), w)
+    slow = [
+        (u, v) for u, v, w in hops if w > min(cheapest_out[u], cheapest_in[v]) * _SLOW_FACTOR + _SLOW_MARGIN
+    ]
+    if not slow:
+        return
+    least = nx.max_flow_min_cost(graph, 0, 1)
+    for u, v in slow:
+        graph[u][v]["capacity"] = least[u][v]
 
 
 def coverage_score(cluster: Cluster, placement: Placement) -> float:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.planner import solve
-from swarm.planner.cluster import Cluster
+from swarm.planner.cluster import Cluster, full_mesh_links
 from swarm.planner.graph import link_flow_share, max_flow
 from swarm.planner.synthetic import slow_link_layout
 from swarm.types import SINK, SOURCE, LayerRange, NodeID
@@ -48,6 +48,17 @@ def test_the_slow_link_carries_no_flow_when_the_others_can_carry_it(seed: int) -
     assert link_flow_share(plan, *slow) == 0.0
     into_second_half = sum(f.tokens_s for f in plan.flows if f.dst in ("p3", "p4") and f.src != SOURCE)
     assert into_second_half == pytest.approx(plan.max_flow_tokens_s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_no_slow_link_the_flows_are_preflow_pushs_spread_over_replicas(seed: int) -> None:
+    cluster, _ = slow_link_layout()
+    uniform = Cluster(cluster.model, cluster.nodes, full_mesh_links(cluster.nodes, 125e6, 0.005))
+    order = list(HALVES)
+    random.Random(seed).shuffle(order)
+    placement = {NodeID(n): HALVES[n] for n in order}
+    plan = max_flow(uniform, placement)
+    assert plan.flows == max_flow(uniform, placement, least_delay=False).flows
 
 
 def test_a_slow_link_the_max_flow_needs_still_carries_its_part() -> None:
