@@ -16,6 +16,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
@@ -38,7 +39,7 @@ from swarm.models.loading import resolve_model
 from swarm.models.spec import torch_dtype
 from swarm.models.threads import name_os_thread
 from swarm.routing import BanConfig
-from swarm.transport import call_info
+from swarm.transport import call_info, call_probe
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class AsyncSwarmClient:
                 min_reporters=config.min_reporters,
                 max_layer_tokens_s=config.max_layer_tokens_s,
                 rng=random.Random(),  # seeded by the OS: another client's routes start elsewhere
+                ping=lambda peer_id: _round_trip_s(p2p, peer_id, routes.maddrs(peer_id)),
             )
             await routes.wait_for_coverage(config.connect_timeout_s)
             chain = RemoteChain(
@@ -396,6 +398,13 @@ def _eos_ids(tokenizer: Any) -> frozenset[int]:
     """Token ids that end generation: the tokenizer's EOS (for chat models, the end-of-turn token)."""
     ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
     return frozenset(int(i) for i in ids)
+
+
+async def _round_trip_s(p2p: Any, peer_id: str, maddrs: tuple[str, ...]) -> float:
+    """This client's round trip to `peer_id`: an empty probe, timed."""
+    started = time.perf_counter()
+    await call_probe(p2p, peer_id, maddrs=maddrs)
+    return time.perf_counter() - started
 
 
 async def _check_model(

@@ -178,9 +178,18 @@ class LocalRoutes:
         return RoutingView.of(self.num_layers, peers)
 
     async def route(
-        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+        self,
+        start_layer: int,
+        prev: NodeID,
+        session_tokens: int,
+        avoid: frozenset[NodeID] = frozenset(),
+        session_id: str = "",
     ) -> Route:
+        """By lowest latency: with no plan there are no flows to weigh it against (`session_id` unused)."""
         return route_deprioritising_bans(self.router, self.view(avoid), start_layer, prev, session_tokens)
+
+    def release(self, session_id: str) -> None:
+        """Nothing to forget: routes here do not depend on the sessions open."""
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
         return [

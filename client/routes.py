@@ -33,10 +33,16 @@ from swarm.types import LayerRange, NodeID, coverage
 logger = logging.getLogger(__name__)
 
 Snapshotter = Callable[[], Awaitable[SwarmSnapshot]]
+Pinger = Callable[
+    [NodeID], Awaitable[float]
+]  # the round trip to a peer, seconds (raises if it is unreachable)
+MAX_PINGS = 16  # peers pinged at once when routes first need their delays
+PING_RETRY_S = 60.0  # a peer that did not answer a ping is pinged again no sooner than this
 OBSERVED_WEIGHT = 0.3  # weight of the newest observation in a peer's running speed ratio
 # Extra hop cost of a banned peer when only banned peers hold some layers: larger than any real route's cost,
 # so the route goes through as few banned peers as it can.
 BANNED_HOP_PENALTY_S = 1e3
+MAX_LINK_DELAY_S = 10.0  # an announced delay past this is no link a route should weigh finely
 
 
 def peer_state(
@@ -67,32 +73,53 @@ def routing_view(
     max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
     ratios: Mapping[NodeID, float] | None = None,
     withdrawn: Mapping[NodeID, float] | None = None,
+    client_rtt_s: Mapping[NodeID, float] | None = None,
 ) -> RoutingView:
     """The serving peers of `snapshot` as routing sees them, less those in `avoid`, those reported by
     `min_reporters` distinct reporters, and those `withdrawn` (peer -> the `updated_at` of the record it had
-    when it died) whose record has not been refreshed since; `ratios` are observed / announced speeds."""
+    when it died) whose record has not been refreshed since; `ratios` are observed / announced speeds,
+    `client_rtt_s` the round trips this client measured to peers; links between peers as announced."""
     excluded = excluded_peers(snapshot.reports, min_reporters)
     ratios = ratios or {}
     withdrawn = withdrawn or {}
+    client_rtt_s = client_rtt_s or {}
     peers = [
-        peer_state(r, cache_high_water, max_layer_tokens_s, ratios.get(NodeID(r.peer_id), 1.0))
+        replace(
+            peer_state(r, cache_high_water, max_layer_tokens_s, ratios.get(NodeID(r.peer_id), 1.0)),
+            latency_s=client_rtt_s.get(NodeID(r.peer_id), 0.0) / 2,
+        )
         for r in snapshot.serving().values()
         if r.range_start < r.range_end <= num_layers
         and NodeID(r.peer_id) not in avoid
         and r.peer_id not in excluded
         and r.updated_at > withdrawn.get(NodeID(r.peer_id), -math.inf)
     ]
-    return RoutingView.of(num_layers, peers)
+    return RoutingView.of(num_layers, peers, announced_delays(snapshot))
+
+
+def announced_delays(snapshot: SwarmSnapshot) -> dict[tuple[NodeID, NodeID], float]:
+    """One-way delay between peers as their records announce it: half the measured RTT, from whichever end
+    measured it (a link's delay is the same both ways), capped at MAX_LINK_DELAY_S."""
+    delays: dict[tuple[NodeID, NodeID], float] = {}
+    for r in snapshot.peers.values():
+        for other, link in r.links.items():
+            delays[(NodeID(r.peer_id), NodeID(other))] = min(link.rtt_s / 2, MAX_LINK_DELAY_S)
+    return delays
 
 
 def route_deprioritising_bans(
-    router: Router, view: RoutingView, start_layer: int, prev: NodeID, session_tokens: int
+    router: Router,
+    view: RoutingView,
+    start_layer: int,
+    prev: NodeID,
+    session_tokens: int,
+    others_open: int | None = None,
 ) -> Route:
     """`router`'s route from `start_layer`; if its bans leave some layer with no usable holder, the fastest
     route that goes through banned peers only where nobody else holds the layers. The router's NoRouteError
     (naming the layers) when even banned peers do not cover them."""
     try:
-        return router.route_from(view, start_layer, prev, session_tokens)
+        return router.route_from(view, start_layer, prev, session_tokens, others_open)
     except NoRouteError:
         route = _through_banned(router, view, start_layer, session_tokens)
         if route is None:
@@ -113,6 +140,7 @@ def _through_banned(router: Router, view: RoutingView, start_layer: int, session
             else p
             for p in view.peers.values()
         ),
+        view.links_s,
     )
     unbanned = Router(None, config=RoutingConfig(default_latency_s=default_s))  # no bans: they are costs here
     try:
@@ -141,8 +169,12 @@ class SwarmRoutes:
         min_reporters: int = MIN_REPORTERS,
         max_layer_tokens_s: float = MAX_LAYER_TOKENS_S,
         rng: random.Random | None = None,
+        ping: Pinger | None = None,
+        ping_timeout_s: float = 1.0,
     ) -> None:
         self._read_snapshot = snapshot
+        self._ping = ping  # measures this client's round trip to a peer (None: client delays unmeasured)
+        self.ping_timeout_s = ping_timeout_s
         self.rng = rng  # random IWRR start phases, so many clients' first sessions spread over replicas
         self.num_layers = num_layers
         self.cache_high_water = cache_high_water
@@ -160,6 +192,9 @@ class SwarmRoutes:
         self._router: Router | None = None
         self._router_key: tuple[object, ...] | None = None  # (epoch, flow factors) the router was built for
         self._lock = asyncio.Lock()  # one DHT read at a time; concurrent sessions share its result
+        self.open_sessions: set[str] = set()  # sessions of this client that hold a route (see `route`)
+        self.client_rtt_s: dict[NodeID, float] = {}  # round trips this client measured to peers
+        self._pinged_at: dict[NodeID, float] = {}  # when each peer was last pinged (answered or not)
 
     async def snapshot(self, force: bool = False) -> SwarmSnapshot:
         async with self._lock:
@@ -229,10 +264,17 @@ class SwarmRoutes:
         return factors
 
     async def route(
-        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+        self,
+        start_layer: int,
+        prev: NodeID,
+        session_tokens: int,
+        avoid: frozenset[NodeID] = frozenset(),
+        session_id: str = "",
     ) -> Route:
         """A route (or its tail from `start_layer`, after peer `prev`) that never goes through a peer in
-        `avoid`; NoRouteError names missing layers.
+        `avoid`; NoRouteError names missing layers. With `session_id`, the route weighs latency against the
+        plan's flows by how many other sessions of this client are open (swarm.routing.route): the session
+        counts as open until `release`.
 
         A failure on a cached snapshot is retried on a fresh one (peers may have joined since), and only then
         through banned peers (see route_deprioritising_bans). Right after a peer was withdrawn, the cached
@@ -240,12 +282,47 @@ class SwarmRoutes:
         """
         reuse, self._reuse_snapshot = self._reuse_snapshot, False
         cached = self._snapshot if reuse and self._snapshot is not None else await self.snapshot()
+        others = None
+        if session_id:
+            others = len(self.open_sessions - {session_id})
+            self.open_sessions.add(session_id)
+            await self.measure_client_links(cached)
         try:
-            return self._route(cached, start_layer, prev, session_tokens, avoid)
+            return self._route(cached, start_layer, prev, session_tokens, avoid, others)
         except NoRouteError:
-            return self._route(
-                await self.snapshot(force=True), start_layer, prev, session_tokens, avoid, True
-            )
+            snapshot = await self.snapshot(force=True)
+            return self._route(snapshot, start_layer, prev, session_tokens, avoid, others, True)
+
+    async def measure_client_links(self, snapshot: SwarmSnapshot) -> None:
+        """Ping, once each, the serving peers a route may start or end on (those holding the first or the last
+        layer) whose round trip from this client is not known yet; a peer that does not answer within
+        ping_timeout_s stays unmeasured (routing then assumes the default delay) for PING_RETRY_S."""
+        if self._ping is None:
+            return
+        ping, now = self._ping, self._clock()
+        ends = [
+            NodeID(r.peer_id)
+            for r in snapshot.serving().values()
+            if (r.range_start == 0 or r.range_end == self.num_layers)
+            and NodeID(r.peer_id) not in self.client_rtt_s
+            and now - self._pinged_at.get(NodeID(r.peer_id), -math.inf) >= PING_RETRY_S
+        ][:MAX_PINGS]
+        if not ends:
+            return
+        self._pinged_at.update((p, now) for p in ends)
+
+        async def one(peer_id: NodeID) -> None:
+            try:
+                async with asyncio.timeout(self.ping_timeout_s):
+                    self.client_rtt_s[peer_id] = await ping(peer_id)
+            except Exception as e:  # unmeasured is a fine answer: the route assumes the default delay
+                logger.debug("no round trip to %s: %r", peer_id[-8:], e)
+
+        await asyncio.gather(*(one(p) for p in ends))
+
+    def release(self, session_id: str) -> None:
+        """`session_id` closed: it no longer counts as open when routing the others."""
+        self.open_sessions.discard(session_id)
 
     def _route(
         self,
@@ -254,13 +331,14 @@ class SwarmRoutes:
         prev: NodeID,
         session_tokens: int,
         avoid: frozenset[NodeID],
+        others_open: int | None,
         through_banned: bool = False,
     ) -> Route:
         view = self._view(snapshot, self.cache_high_water, avoid)
         router = self.router(snapshot)
         if through_banned:
-            return route_deprioritising_bans(router, view, start_layer, prev, session_tokens)
-        return router.route_from(view, start_layer, prev, session_tokens)
+            return route_deprioritising_bans(router, view, start_layer, prev, session_tokens, others_open)
+        return router.route_from(view, start_layer, prev, session_tokens, others_open)
 
     def _view(
         self, snapshot: SwarmSnapshot, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
@@ -274,6 +352,7 @@ class SwarmRoutes:
             max_layer_tokens_s=self.max_layer_tokens_s,
             ratios=self.ratios,
             withdrawn=self.withdrawn,
+            client_rtt_s=self.client_rtt_s,
         )
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
@@ -308,6 +387,7 @@ class SwarmRoutes:
             counts = coverage((p.layers for p in view.peers.values()), self.num_layers)
             missing = [layer for layer, count in enumerate(counts) if count == 0]
             if not missing:
+                await self.measure_client_links(snapshot)  # now, so that sessions need not wait for it
                 return snapshot
             if self._clock() >= deadline:
                 raise NoRouteError(missing)

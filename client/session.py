@@ -82,8 +82,15 @@ class RouteSource(Protocol):
     """Builds routes (or their tails, for failover), and remembers which peers failed and which served."""
 
     async def route(
-        self, start_layer: int, prev: NodeID, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+        self,
+        start_layer: int,
+        prev: NodeID,
+        session_tokens: int,
+        avoid: frozenset[NodeID] = frozenset(),
+        session_id: str = "",
     ) -> Route: ...  # never through a peer in `avoid`; NoRouteError names the layers nobody else serves
+
+    def release(self, session_id: str) -> None: ...  # the session closed: routes of others stop counting it
 
     async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
 
@@ -457,7 +464,9 @@ class InferenceSession:
         logged_at = -float("inf")
         while True:
             try:
-                return await self.routes.route(start, prev, self.max_length_tokens, self._avoid())
+                return await self.routes.route(
+                    start, prev, self.max_length_tokens, self._avoid(), self.session_id
+                )
             except NoRouteError as error:
                 if self.avoided:
                     logger.info(
@@ -482,6 +491,7 @@ class InferenceSession:
         if self._closed:
             return
         self._closed = True
+        self.routes.release(self.session_id)
         if self.stages and self.token_ids:
             await self._close_quietly(self.stages)
 

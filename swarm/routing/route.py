@@ -6,6 +6,17 @@ weighted by the flow the plan sends along u -> v; one IWRR per node turns those 
 deterministic sequence of choices, so over many requests every edge carries its share of the plan's flow.
 With partial overlaps the next stage runs only the layers not yet done: [done, v.end).
 
+Latency. A client that says how many of its other sessions are open (`others_open`) also weighs each
+candidate's latency: the least time a token takes from here to the client's head through it, summing link
+delays (client -> first peer and last peer -> client from PeerState.latency_s; peer -> peer from the view's
+announced links) and compute, over the plan's edges onward. Candidates slower than the fastest by more than
+a tie margin plus `latency_slack_per_session` times the fastest for each other open session are masked
+for this pick (IWRR gives them their turn virtually, so the rest keep their proportions). A lone session
+thus takes the fastest route (near-ties still spread by IWRR); a client with many sessions open admits
+ever slower routes and spreads by the plan's flows: its sessions hide each other's trips, so a slow route
+costs it less, while the flows are what the swarm's capacity is. Without `others_open` (the simulator,
+tests of proportions) routes go by flow alone.
+
 Candidates that cannot take the session right now are masked for that pick only: peers missing from the live
 view, banned after a failure, holding other layers than the plan says, or with less free KV cache than the
 session needs. When the plan gives nothing usable (no plan yet, or its peers are all gone or masked) the rest
@@ -20,12 +31,12 @@ import heapq
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.errors import NoRouteError
 from swarm.routing.bans import BanList
 from swarm.routing.iwrr import IWRR
-from swarm.types import SOURCE, LayerRange, NodeID, Plan, coverage
+from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan, coverage
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +48,7 @@ class PeerState:
     peer_id: NodeID
     layers: LayerRange  # the layers the peer actually holds now
     free_cache_tokens: int  # KV cache tokens the peer can still give to new sessions
-    latency_s: float = 0.0  # measured one-hop latency to this peer, seconds
+    latency_s: float = 0.0  # one-way delay between the client and this peer, seconds (0: unmeasured)
     compute_s_per_layer: float = 0.0  # estimated time for one layer of one decode step, seconds
     cache_high_water_tokens: int = 0  # tokens of free cache the peer keeps back (it refuses sessions beyond)
 
@@ -48,14 +59,20 @@ class RoutingView:
 
     num_layers: int
     peers: Mapping[NodeID, PeerState]
+    links_s: Mapping[tuple[NodeID, NodeID], float] = field(default_factory=dict)  # one-way delay src -> dst
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {self.num_layers}")
 
     @classmethod
-    def of(cls, num_layers: int, peers: Iterable[PeerState]) -> RoutingView:
-        return cls(num_layers, {p.peer_id: p for p in peers})
+    def of(
+        cls,
+        num_layers: int,
+        peers: Iterable[PeerState],
+        links_s: Mapping[tuple[NodeID, NodeID], float] | None = None,
+    ) -> RoutingView:
+        return cls(num_layers, {p.peer_id: p for p in peers}, links_s or {})
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,8 @@ class RoutingConfig:
 
     fallback_to_latency: bool = True  # when the plan has nothing usable, route over live peers by latency
     default_latency_s: float = 0.05  # assumed hop latency for peers with no measurement, seconds
+    latency_tie_fraction: float = 0.1  # routes within this fraction of the fastest one count as fast
+    latency_slack_per_session: float = 1.0  # each other open session admits routes slower by this x fastest
 
 
 def route_text(route: Route) -> str:
@@ -150,21 +169,27 @@ class Router:
 
     # -- building routes -------------------------------------------------------------------------------
 
-    def build(self, view: RoutingView, session_tokens: int = 0) -> Route:
-        """A route over all layers for a new session that will hold up to `session_tokens` tokens."""
-        return self.route_from(view, 0, SOURCE, session_tokens)
+    def build(self, view: RoutingView, session_tokens: int = 0, others_open: int | None = None) -> Route:
+        """A route over all layers for a new session that will hold up to `session_tokens` tokens;
+        `others_open`: the client's other open sessions, to weigh latency (None: by flow alone)."""
+        return self.route_from(view, 0, SOURCE, session_tokens, others_open)
 
     def route_from(
-        self, view: RoutingView, start_layer: int, prev: NodeID = SOURCE, session_tokens: int = 0
+        self,
+        view: RoutingView,
+        start_layer: int,
+        prev: NodeID = SOURCE,
+        session_tokens: int = 0,
+        others_open: int | None = None,
     ) -> Route:
         """The rest of a route from `start_layer`, after node `prev` (failover: prev is the last good stage's
-        peer, or SOURCE). Ban the failed peer first so it is skipped."""
+        peer, or SOURCE). Ban the failed peer first so it is skipped. `others_open` as in `build`."""
         if not 0 <= start_layer < view.num_layers:
             raise ValueError(f"start_layer {start_layer} is outside the model's {view.num_layers} layers")
         stages: list[Stage] = []
         node, done = prev, start_layer
         while done < view.num_layers:
-            nxt = self._pick_next(view, node, done, session_tokens)
+            nxt = self._pick_next(view, node, done, session_tokens, others_open)
             if nxt is None:
                 if not self.config.fallback_to_latency:
                     raise self._no_route(view, done, session_tokens)
@@ -182,26 +207,50 @@ class Router:
         # `done`, weighted by the flow the plan sends into it.
         return iwrr if iwrr is not None else self._layer_iwrr(done)
 
-    def _pick_next(self, view: RoutingView, node: NodeID, done: int, session_tokens: int) -> NodeID | None:
+    def _pick_next(
+        self, view: RoutingView, node: NodeID, done: int, session_tokens: int, others_open: int | None
+    ) -> NodeID | None:
         iwrr = self._candidates(node, done)
         if iwrr is None:
             return None
-        viable: dict[tuple[NodeID, int], bool] = {}
+        to_go: dict[tuple[NodeID, int], float] = {}
 
-        def is_viable(v: NodeID, start: int) -> bool:
-            # Usable now, and some usable chain of plan edges continues from it to the last layer: looking
-            # ahead keeps a pick from leading into a dead end (e.g. a successor whose cache is full).
+        def time_to_go(v: NodeID, start: int) -> float:
+            # The least time from v's input to the client's head over usable plan edges; inf when v is not
+            # usable now or no usable chain continues from it to the last layer: looking ahead keeps a pick
+            # from leading into a dead end (e.g. a successor whose cache is full).
             key = (v, start)
-            if key not in viable:
+            if key not in to_go:
                 end = self._placement[v].end
-                ok = self.usable(view, v, LayerRange(start, end), session_tokens)
-                if ok and end < view.num_layers:
-                    nxt = self._candidates(v, end)
-                    ok = nxt is not None and any(is_viable(w, end) for w in nxt.candidates)
-                viable[key] = ok
-            return viable[key]
+                best = float("inf")
+                if self.usable(view, v, LayerRange(start, end), session_tokens):
+                    here = (end - start) * view.peers[v].compute_s_per_layer
+                    if end >= view.num_layers:
+                        best = here + self.delay_s(view, v, SINK)
+                    elif (nxt := self._candidates(v, end)) is not None:
+                        onward = (self.delay_s(view, v, w) + time_to_go(w, end) for w in nxt.candidates)
+                        best = here + min(onward, default=float("inf"))
+                to_go[key] = best
+            return to_go[key]
 
-        return self._choose(iwrr, lambda v: not is_viable(v, done))
+        times = {v: self.delay_s(view, node, v) + time_to_go(v, done) for v in iwrr.candidates}
+        limit = float("inf")
+        if others_open is not None:
+            fastest = min(times.values())
+            margin = self.config.latency_tie_fraction + self.config.latency_slack_per_session * others_open
+            limit = fastest * (1.0 + margin)
+        return self._choose(iwrr, lambda v: not (times[v] < float("inf") and times[v] <= limit))
+
+    def delay_s(self, view: RoutingView, src: NodeID, dst: NodeID) -> float:
+        """One-way delay of the hop src -> dst: the client's to or from a peer (PeerState.latency_s), else the
+        view's announced link (either direction's, as a link's delay is the same both ways); the configured
+        default where unmeasured."""
+        if src == SOURCE or dst == SINK:
+            state = view.peers.get(dst if src == SOURCE else src)
+            measured = state.latency_s if state is not None else 0.0
+        else:
+            measured = view.links_s.get((src, dst)) or view.links_s.get((dst, src)) or 0.0
+        return measured if measured > 0 else self.config.default_latency_s
 
     def _choose(self, iwrr: IWRR[NodeID], masked: Callable[[NodeID], bool]) -> NodeID | None:
         """The next of `iwrr`'s candidates that is not masked, or None when all are."""

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from client.routes import SwarmRoutes, routing_view
-from swarm.dht import PlanRecord, SwarmSnapshot
+from client.routes import PING_RETRY_S, SwarmRoutes, routing_view
+from swarm.dht import LinkMeasure, PlanRecord, SwarmSnapshot
 from swarm.errors import NoRouteError
-from swarm.routing import BanConfig
-from swarm.types import SOURCE, EdgeFlow, LayerRange, NodeID, Plan
+from swarm.routing import BanConfig, Stage
+from swarm.types import SINK, SOURCE, EdgeFlow, LayerRange, NodeID, Plan
 from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(10)
@@ -220,3 +220,96 @@ def test_reported_peers_are_not_routed_and_announced_speed_is_capped() -> None:
     fast = snapshot(peer_record("a", 0, 8, decode_layer_tokens_s_b1=5e8))
     state = routing_view(fast, 8, 0.9, max_layer_tokens_s=1e6).peers[NodeID("a")]
     assert state.compute_s_per_layer == pytest.approx(1e-6)
+
+
+def _slow_link_swarm() -> SwarmSnapshot:
+    """p1, p2 hold 0:4, p3, p4 hold 4:8; every link 5 ms one way (10 ms RTT) but p1 <-> p3, 50 ms. The plan
+    ignores latency: a quarter of the flow on each crossing."""
+    fast, slow = LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=1e8), LinkMeasure(rtt_s=0.1, bandwidth_bytes_s=1e7)
+    records = [
+        peer_record("p1", 0, 4, links={"p3": slow, "p4": fast}),
+        peer_record("p2", 0, 4, links={"p3": fast, "p4": fast}),
+        peer_record("p3", 4, 8, links={}),
+        peer_record("p4", 4, 8, links={}),
+    ]
+    flows = [(SOURCE, "p1", 2.0), (SOURCE, "p2", 2.0), ("p3", SINK, 2.0), ("p4", SINK, 2.0)]
+    flows += [(a, b, 1.0) for a in ("p1", "p2") for b in ("p3", "p4")]
+    plan = Plan(
+        method="test",
+        placement={NodeID(r.peer_id): LayerRange(r.range_start, r.range_end) for r in records},
+        max_flow_tokens_s=4.0,
+        flows=tuple(EdgeFlow(NodeID(s), NodeID(d), f) for s, d, f in flows),
+    )
+    return snapshot(*records, plan=plan)
+
+
+def test_announced_link_delays_reach_the_routing_view() -> None:
+    view = routing_view(_slow_link_swarm(), 8, 0.9)
+    assert view.links_s[(NodeID("p1"), NodeID("p3"))] == pytest.approx(0.05)
+    assert view.links_s[(NodeID("p2"), NodeID("p4"))] == pytest.approx(0.005)
+    view = routing_view(_slow_link_swarm(), 8, 0.9, client_rtt_s={NodeID("p2"): 0.04})
+    assert view.peers[NodeID("p2")].latency_s == pytest.approx(0.02)  # one way: half the round trip
+    assert view.peers[NodeID("p1")].latency_s == 0.0  # unmeasured
+
+
+def test_a_lone_session_avoids_the_slow_link_and_open_sessions_spread_by_flow() -> None:
+    routes, _ = make_routes([_slow_link_swarm()], FakeClock())
+
+    def crosses_slow(route: tuple[Stage, ...]) -> bool:
+        return [s.peer_id for s in route] == ["p1", "p3"]
+
+    async def lone_sessions() -> list[bool]:
+        out = []
+        for i in range(40):
+            out.append(crosses_slow(await routes.route(0, SOURCE, 16, session_id=f"s{i}")))
+            routes.release(f"s{i}")
+        return out
+
+    assert not any(asyncio.run(lone_sessions()))
+    assert routes.open_sessions == set()
+
+    async def together() -> list[bool]:
+        return [crosses_slow(await routes.route(0, SOURCE, 16, session_id=f"t{i}")) for i in range(40)]
+
+    slow = asyncio.run(together())
+    assert not slow[0] and 5 <= sum(slow) <= 10  # the plan's quarter, less the first session's turn
+    assert len(routes.open_sessions) == 40
+
+
+def test_client_round_trips_are_measured_once_per_end_peer_and_failures_stay_unmeasured() -> None:
+    pinged: list[NodeID] = []
+
+    async def ping(peer_id: NodeID) -> float:
+        pinged.append(peer_id)
+        if peer_id == "p2":
+            raise ConnectionError("unreachable")
+        if peer_id == "p3":
+            await asyncio.sleep(10)  # past the ping timeout
+        return 0.02
+
+    clock = FakeClock()
+    routes = SwarmRoutes(
+        _reader(_slow_link_swarm()),
+        8,
+        cache_high_water=0.9,
+        snapshot_max_age_s=2.0,
+        bans=BanConfig(base_s=10.0, max_s=60.0),
+        clock=clock,
+        ping=ping,
+        ping_timeout_s=0.05,
+    )
+    asyncio.run(routes.wait_for_coverage(1.0))
+    assert sorted(pinged) == ["p1", "p2", "p3", "p4"]
+    assert routes.client_rtt_s == {"p1": 0.02, "p4": 0.02}
+    asyncio.run(routes.route(0, SOURCE, 16, session_id="s"))  # no sooner than PING_RETRY_S: not again
+    assert len(pinged) == 4
+    clock.now_s = PING_RETRY_S
+    asyncio.run(routes.route(0, SOURCE, 16, session_id="s"))  # then only the unmeasured
+    assert sorted(pinged) == ["p1", "p2", "p2", "p3", "p3", "p4"]
+
+
+def _reader(snap: SwarmSnapshot):  # type: ignore[no-untyped-def]
+    async def read() -> SwarmSnapshot:
+        return snap
+
+    return read
