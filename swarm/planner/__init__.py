@@ -7,6 +7,7 @@
     plan.placement      # {node id: LayerRange}, always valid: every layer held, max_layers respected
     plan.flows          # EdgeFlow(src, dst, tokens_s), SOURCE/SINK for the client; routing's IWRR weights
     max_flow(cluster, placement)   # evaluate any placement (method "evaluate")
+    link_flow_share(plan, src, dst)   # the fraction of the plan's flow over one link (bench_wan's figure)
 
 No I/O, no global RNG (seeds are parameters); the only clock use is measuring solve_s and honouring
 time limits. PlanningError is raised only when no valid placement exists.
@@ -21,7 +22,7 @@ from swarm.planner.cluster import (
     load_cluster,
     with_full_mesh,
 )
-from swarm.planner.graph import coverage_score, max_flow, upper_bound, valid_edges
+from swarm.planner.graph import coverage_score, link_flow_share, max_flow, upper_bound, valid_edges
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
 from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.placement import Placement, check_placement, placement_problems, repair
@@ -38,6 +39,7 @@ __all__ = [
     "check_placement",
     "coverage_score",
     "full_mesh_links",
+    "link_flow_share",
     "load_cluster",
     "max_flow",
     "petals_greedy",

@@ -10,6 +10,8 @@ from swarm.routing.route import (
     RoutingView,
     Stage,
     check_route,
+    crosses,
+    link_session_share,
     route_text,
 )
 
@@ -24,5 +26,7 @@ __all__ = [
     "RoutingView",
     "Stage",
     "check_route",
+    "crosses",
+    "link_session_share",
     "route_text",
 ]

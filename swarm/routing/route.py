@@ -30,7 +30,7 @@ import bisect
 import heapq
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.errors import NoRouteError
@@ -99,6 +99,18 @@ class RoutingConfig:
 def route_text(route: Route) -> str:
     """'0:10 via a1b2c3 -> 10:30 via d4e5f6', for logs."""
     return " -> ".join(f"{s.layers} via {str(s.peer_id)[-6:]}" for s in route)
+
+
+def crosses(route: Route, src: NodeID, dst: NodeID) -> bool:
+    """Does `route` send hidden states over the link src -> dst (src's stage right before dst's)? SOURCE and
+    SINK name the client: crosses(route, SOURCE, p) when p runs the first stage."""
+    hops = [SOURCE, *(s.peer_id for s in route), SINK]
+    return any((a, b) == (src, dst) for a, b in zip(hops, hops[1:], strict=False))
+
+
+def link_session_share(routes: Sequence[Route], src: NodeID, dst: NodeID) -> float:
+    """The fraction of `routes` (one per session) that cross the link src -> dst; 0 for no routes."""
+    return sum(crosses(r, src, dst) for r in routes) / len(routes) if routes else 0.0
 
 
 def check_route(route: Route, num_layers: int) -> None:

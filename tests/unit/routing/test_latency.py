@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from swarm.planner import solve
 from swarm.planner.cluster import Cluster
 from swarm.planner.synthetic import slow_link_layout
-from swarm.routing import PeerState, Router, RoutingView
-from swarm.routing.route import Route, RoutingConfig
+from swarm.routing import PeerState, Router, RoutingView, Stage
+from swarm.routing.route import Route, RoutingConfig, crosses, link_session_share
 from swarm.types import SINK, SOURCE, EdgeFlow, LayerRange, NodeID, Plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,7 +117,8 @@ def test_in_the_slow_link_layout_at_most_a_tenth_of_sessions_cross_the_slow_link
     view = view_of(cluster, dict(plan.placement))
     for sessions in (1, 8):
         routes = concurrent_rounds(Router(plan, rng=random.Random(sessions)), view, sessions, 40)
-        assert crossings(routes)[slow] / len(routes) <= 0.1  # slow_link_session_share
+        assert link_session_share(routes, *slow) <= 0.1  # slow_link_session_share
+        assert link_session_share(routes, *slow) == crossings(routes)[slow] / len(routes)
 
 
 def test_failover_from_a_peer_weighs_its_own_links() -> None:
@@ -139,3 +140,11 @@ def test_delays_default_where_unmeasured_and_a_link_counts_both_ways() -> None:
     assert router.delay_s(view, N("a"), N("b")) == 0.03
     assert router.delay_s(view, N("b"), N("a")) == 0.03
     assert router.delay_s(RoutingView.of(4, [a, b]), N("a"), N("b")) == 0.04
+
+
+def test_crosses_names_consecutive_stages_and_the_client_ends() -> None:
+    route = (Stage(N("a"), LayerRange(0, 2)), Stage(N("b"), LayerRange(2, 4)))
+    assert crosses(route, N("a"), N("b")) and crosses(route, SOURCE, N("a")) and crosses(route, N("b"), SINK)
+    assert not crosses(route, N("b"), N("a")) and not crosses(route, SOURCE, N("b"))
+    assert link_session_share([route, route[:1]], N("a"), N("b")) == 0.5
+    assert link_session_share([], N("a"), N("b")) == 0.0
