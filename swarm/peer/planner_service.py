@@ -7,6 +7,10 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
      when no repair restores a route, the MILP runs from the current plan, moving at most max_moves peers;
   3. publish? only if the new plan's max flow beats the current plan's (re-evaluated on today's cluster) by
      improve_fraction, or the current plan is broken (a planned peer is gone or cannot hold its range).
+  4. re-flow? when links were re-measured (a link's time per token moved by change_fraction and
+     LINK_CHANGE_S) or a re-solve found no better placement: the same placement's flows on today's links
+     (graph.max_flow: slow links carry only what the max flow needs), published as a new epoch when they
+     moved by change_fraction of the flow. Nobody moves, and clients route around a link that became slow.
 Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. Only a
 plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
 re-signing would lend our lease to whatever that plan says.
@@ -31,13 +35,15 @@ from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
 from swarm.peer.solver_process import InThread, SolverProcess
-from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, placement_problems
+from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems
+from swarm.planner.graph import link_cost_s
 from swarm.planner.replan import ReplanConfig, publish_reason, replan
 from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
 
 PLANNED_STATES = ("loading", "serving")  # a loading peer is following the plan: keep it in the cluster
+LINK_CHANGE_S = 0.002  # a link's time per token must move by this much too (loopback jitter does not count)
 
 
 def planned_peers(snapshot: SwarmSnapshot, min_reporters: int = MIN_REPORTERS) -> dict[str, PeerRecord]:
@@ -140,6 +146,34 @@ def measurements_changed(before: Cluster | None, now: Cluster, change_fraction: 
     return None
 
 
+def links_changed(before: Cluster | None, now: Cluster, change_fraction: float) -> str | None:
+    """Which link between peers moved enough since `before` to re-flow the plan (None: none did)."""
+    if before is None:
+        return None
+    old = before.link_by_pair
+    for pair in now.link_by_pair:
+        if pair not in old:
+            return f"link {pair[0]} -> {pair[1]} measured"
+        a, b = link_cost_s(before, *pair), link_cost_s(now, *pair)
+        if abs(b - a) > max(change_fraction * a, LINK_CHANGE_S):
+            return f"link {pair[0]} -> {pair[1]} moved {a * 1e3:.1f} -> {b * 1e3:.1f} ms per token"
+    return None
+
+
+def reflow(cluster: Cluster, current: Plan, change_fraction: float) -> tuple[Plan | None, str]:
+    """The current placement with its flows on `cluster`'s links, when those moved by more than
+    `change_fraction` of the flow (None otherwise), and why."""
+    fresh = max_flow(cluster, current.placement, current.method)
+    old = {(f.src, f.dst): f.tokens_s for f in current.flows}
+    new = {(f.src, f.dst): f.tokens_s for f in fresh.flows}
+    # A token that changes paths leaves one edge for another: half the summed change, against the flow.
+    moved = sum(abs(new.get(e, 0.0) - old.get(e, 0.0)) for e in old.keys() | new.keys()) / 2
+    total = max(current.max_flow_tokens_s, fresh.max_flow_tokens_s)
+    if total <= 0 or moved / total <= change_fraction:
+        return None, "flows unchanged"
+    return fresh, f"flows re-routed on re-measured links ({moved / total:.0%} of the flow moved)"
+
+
 def current_plan_problem(cluster: Cluster, current: Plan) -> str | None:
     """Why the published plan cannot serve this cluster any more (None: it still can)."""
     gone = sorted(n for n in current.placement if n not in cluster.node_by_id)
@@ -187,6 +221,7 @@ class PlannerService:
         self.model = model
         self.solver = solver or SolverProcess()
         self._solved_cluster: Cluster | None = None
+        self._flowed_cluster: Cluster | None = None  # the cluster our latest plan's flows were computed on
         self._solved_at = float("-inf")
         self._refreshed_at = float("-inf")
         self._mine: PlanRecord | None = None  # the newest plan we stored
@@ -202,6 +237,7 @@ class PlannerService:
                         logger.warning("planner check failed: %r", e)
                 else:
                     self._solved_cluster = None  # a new term starts from a fresh look at the swarm
+                    self._flowed_cluster = None
                 await asyncio.sleep(self.config.check_interval_s)
         finally:
             self.solver.close()
@@ -230,7 +266,14 @@ class PlannerService:
         if reason is not None:
             candidate, why = await self._solve(cluster, snapshot.peers, current, reason)
             if candidate is not None:
+                self._flowed_cluster = cluster
                 return await self._publish(candidate, epoch + 1, why)
+        relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
+        if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
+            self._flowed_cluster = cluster
+            candidate, why = await asyncio.to_thread(reflow, cluster, current, self.config.change_fraction)
+            if candidate is not None:
+                return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:
             return await self._refresh(live)
         return None

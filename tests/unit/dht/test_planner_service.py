@@ -12,12 +12,15 @@ from swarm.peer.planner_service import (
     PlannerService,
     cluster_from_snapshot,
     current_plan_problem,
+    links_changed,
     measurements_changed,
     planned_peers,
+    reflow,
     should_publish,
 )
-from swarm.planner import ModelInfo, max_flow, solve
-from swarm.types import SINK, SOURCE, LayerRange, NodeID, Plan
+from swarm.peer.solver_process import InThread
+from swarm.planner import ModelInfo, link_flow_share, max_flow, solve
+from swarm.types import SINK, SOURCE, EdgeFlow, LayerRange, NodeID, Plan
 from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(30)
@@ -193,3 +196,60 @@ def test_a_new_planner_publishes_its_own_plan_instead_of_re_signing_a_foreign_on
     assert [r.planner_peer_id for r in directory.published] == ["QmMe"]
     with pytest.raises(ValueError, match="re-sign"):
         asyncio.run(service._refresh(foreign))
+
+
+def _halves(p1_to_p3: LinkMeasure) -> SwarmSnapshot:
+    """p1, p2 hold 0:4 and p3, p4 hold 4:8 (4 layers fit each); links measured both ways, p1 -> p3 as given."""
+    fast = LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=1.25e8, reverse_bandwidth_bytes_s=1.25e8)
+    records = [
+        peer_record("p1", 0, 4, max_layers=4, links={"p2": fast, "p3": p1_to_p3, "p4": fast}),
+        peer_record("p2", 0, 4, max_layers=4, links={"p1": fast, "p3": fast, "p4": fast}),
+        peer_record("p3", 4, 8, max_layers=4, links={"p4": fast}),
+        peer_record("p4", 4, 8, max_layers=4, links={}),
+    ]
+    return SwarmSnapshot(
+        peers={r.peer_id: r for r in records}, plan=None, planner_peer_id="QmMe", fetched_at=0.0
+    )
+
+
+def test_a_link_that_became_slow_is_re_flowed_without_moving_anyone():
+    fast = LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=1.25e8, reverse_bandwidth_bytes_s=1.25e8)
+    slow = LinkMeasure(rtt_s=0.1, bandwidth_bytes_s=1.25e7, reverse_bandwidth_bytes_s=1.25e7)
+    before = cluster_from_snapshot(_halves(fast), CONFIG)
+    after = cluster_from_snapshot(_halves(slow), CONFIG)
+    assert before is not None and after is not None
+    assert links_changed(before, before, 0.2) is None
+    assert "p1 -> p3" in (links_changed(before, after, 0.2) or "")
+    placement = {NodeID(p): LayerRange(0, 4) for p in ("p1", "p2")} | {
+        NodeID(p): LayerRange(4, 8) for p in ("p3", "p4")
+    }
+    crossing = [EdgeFlow(NodeID(a), NodeID(b), 250.0) for a in ("p1", "p2") for b in ("p3", "p4")]
+    ends = [EdgeFlow(SOURCE, NodeID(p), 500.0) for p in ("p1", "p2")]
+    ends += [EdgeFlow(NodeID(p), SINK, 500.0) for p in ("p3", "p4")]
+    blind = Plan("milp", placement, 1000.0, tuple(ends + crossing), epoch=3)
+    assert reflow(before, max_flow(before, placement), 0.2)[0] is None  # the same links: the flows stand
+    fresh, why = reflow(after, blind, 0.2)
+    assert fresh is not None and fresh.placement == placement and "moved" in why
+    assert link_flow_share(fresh, NodeID("p1"), NodeID("p3")) == 0.0
+    assert fresh.max_flow_tokens_s == pytest.approx(1000.0)
+
+
+def test_the_live_planner_publishes_the_re_flowed_plan():
+    placement = {NodeID(p): LayerRange(0, 4) for p in ("p1", "p2")} | {
+        NodeID(p): LayerRange(4, 8) for p in ("p3", "p4")
+    }
+    ends = [EdgeFlow(SOURCE, NodeID(p), 500.0) for p in ("p1", "p2")]
+    ends += [EdgeFlow(NodeID(p), SINK, 500.0) for p in ("p3", "p4")]
+    crossing = [EdgeFlow(NodeID(a), NodeID(b), 250.0) for a in ("p1", "p2") for b in ("p3", "p4")]
+    ours = Plan("milp", placement, 1000.0, tuple(ends + crossing), epoch=3)
+    record = PlanRecord(epoch=3, planner_peer_id="QmMe", plan=ours.to_json(), created_at=0.0)
+    slow = LinkMeasure(rtt_s=0.1, bandwidth_bytes_s=1.25e7, reverse_bandwidth_bytes_s=1.25e7)
+    snap = _halves(slow)
+    snap = SwarmSnapshot(peers=snap.peers, plan=record, planner_peer_id="QmMe", fetched_at=0.0)
+    directory = _Directory(snap, accepted_epoch=3)
+    config = PlannerConfig(method="greedy", client_bandwidth_bytes_s=1e9)
+    service = PlannerService(directory, election=None, config=config, solver=InThread())  # type: ignore[arg-type]
+    stored = asyncio.run(service.check())
+    assert stored is not None and stored.epoch == 4
+    plan = stored.to_plan()
+    assert link_flow_share(plan, NodeID("p1"), NodeID("p3")) <= 0.1
