@@ -83,6 +83,9 @@ def test_peers_see_each_other_with_measured_speed_and_links(swarm: LocalSwarm, t
         assert set(record.links) == ids - {pid}, f"{pid} links: {record.links}"
         for link in record.links.values():
             assert 0 < link.rtt_s < 10.0 and link.bandwidth_bytes_s > 0  # measured, and over loopback
+            assert (
+                link.reverse_bandwidth_bytes_s is not None and link.reverse_bandwidth_bytes_s > 0
+            )  # both ways
         assert [record.range_start, record.range_end] in ([0, 2], [2, 4], [4, 6])
         assert record.free_cache_tokens > 0 and record.max_layers >= 1
 
