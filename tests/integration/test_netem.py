@@ -118,3 +118,34 @@ def test_traffic_stays_between_its_hosts(net: EmulatedNet) -> None:
     dropped = net.stats()["dropped_unknown"]
     assert not net.probe("a", "connect", "10.77.0.200", str(PORT), "0.5")["ok"]
     assert net.stats()["dropped_unknown"] > dropped
+
+
+@pytest.fixture(scope="module")
+def natted() -> Iterator[EmulatedNet]:
+    with EmulatedNet("fsnn", ["pub", "home"], LinkSpec(delay_s=0.002), nat_hosts=["home"]) as emulated:
+        yield emulated
+
+
+@pytest.mark.timeout(60)
+def test_a_natted_host_connects_out(natted: EmulatedNet) -> None:
+    assert natted.address("home") != natted.public_address("home")
+    assert natted.address("pub") == natted.public_address("pub")
+    with natted.probe_server("pub", PORT) as address:
+        # the public host answers the NAT's public address: a reply gets back only through the mapping
+        assert len(natted.probe("home", "rtt", address, str(PORT), "3")["rtt_s"]) == 3
+        assert natted.probe("home", "udp", address, str(PORT), "5")["ok"]
+
+
+@pytest.mark.timeout(60)
+def test_nobody_connects_in_to_a_natted_host(natted: EmulatedNet) -> None:
+    with natted.probe_server("home", PORT), natted.probe_server("pub", PORT + 1) as pub:
+        # the home host has talked out from its port PORT + 1's neighbour: still no way in
+        assert natted.probe("home", "connect", pub, str(PORT + 1), "5")["ok"]
+        before = natted.stats()
+        private = natted.probe("pub", "connect", natted.address("home"), str(PORT), "0.5")
+        public = natted.probe("pub", "connect", natted.public_address("home"), str(PORT), "0.5")
+        udp_in = natted.probe("pub", "udp", natted.public_address("home"), str(PORT), "0.5")
+        after = natted.stats()
+    assert not private["ok"] and not public["ok"] and not udp_in["ok"]
+    assert after["dropped_unknown"] > before["dropped_unknown"]  # the private address routes nowhere
+    assert after["dropped_nat"] > before["dropped_nat"]  # the public one is refused by the NAT

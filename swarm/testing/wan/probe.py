@@ -71,7 +71,7 @@ def serve(host: str, port: int) -> None:
 
 
 def rtt(host: str, port: int, count: int) -> dict[str, object]:
-    with socket.create_connection((host, port), timeout=30) as sock:
+    with socket.create_connection((host, port), timeout=10) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(_ECHO)
         times = []

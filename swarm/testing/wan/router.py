@@ -110,7 +110,7 @@ class Masquerade:
     def of(cls, private: str, public: str) -> Masquerade:
         return cls(socket.inet_aton(private), socket.inet_aton(public))
 
-    def outbound(self, packet: bytes) -> bytearray | None:
+    def outbound(self, packet: bytes) -> bytes | None:
         """The packet as it leaves the NAT, or None (dropped)."""
         found = _ports(packet)
         if found is None or packet[12:16] != self.private:
@@ -121,9 +121,9 @@ class Masquerade:
         self._peers[proto, public_port].add(packet[16:20] + packet[l4 + 2 : l4 + 4])
         out = bytearray(packet)
         _rewrite(out, 12, l4, self.public, public_port, checksum_at)
-        return out
+        return bytes(out)
 
-    def inbound(self, packet: bytes) -> bytearray | None:
+    def inbound(self, packet: bytes) -> bytes | None:
         """The packet as it enters the private side, or None: only replies on an open mapping get in."""
         found = _ports(packet)
         if found is None:
@@ -137,7 +137,7 @@ class Masquerade:
             return None
         out = bytearray(packet)
         _rewrite(out, 16, l4 + 2, self.private, private_port, checksum_at)
-        return out
+        return bytes(out)
 
     def _map(self, proto: int, private_port: bytes) -> bytes:
         public_port = self._out.get((proto, private_port))
@@ -212,20 +212,22 @@ class Router:
             return  # not IPv4 (the kernel's IPv6 chatter): nobody here listens to it
         nat = self.nats[src]
         if nat is not None:
-            packet = nat.outbound(packet)  # type: ignore[assignment]
-            if packet is None:
+            masqueraded = nat.outbound(packet)
+            if masqueraded is None:
                 self.counts["dropped_nat"] += 1
                 return
+            packet = masqueraded
         dst = self.by_address.get(packet[16:20])
         if dst is None or dst == src:
             self.counts["dropped_unknown"] += 1
             return
         nat = self.nats[dst]
         if nat is not None:
-            packet = nat.inbound(packet)  # type: ignore[assignment]
-            if packet is None:
+            admitted = nat.inbound(packet)
+            if admitted is None:
                 self.counts["dropped_nat"] += 1
                 return
+            packet = admitted
         arrival = self.links[src][dst].arrival(now, len(packet))
         if arrival is None:
             self.counts["dropped_queue"] += 1
@@ -251,8 +253,7 @@ class Router:
                 self.set_link(self.names.index(s["src"]), self.names.index(s["dst"]), s["link"])
             return {"ok": True}
         if "stats" in request:
-            nat_drops = sum(n.dropped for n in self.nats if n is not None)
-            return {"ok": True, **self.counts, "nat_dropped": nat_drops}
+            return {"ok": True, **self.counts}
         return {"ok": False, "error": f"unknown request {line!r}"}
 
     def run(self) -> None:
