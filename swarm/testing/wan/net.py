@@ -22,6 +22,7 @@ _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 _HOST_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _MAX_DEVICE_NAME = 15
+_CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}  # devices and addresses; mounting a namespace
 PROBE = Path(__file__).with_name("probe.py")  # socket measurements run inside a namespace (probe.py)
 
 
@@ -45,11 +46,22 @@ def namespaces_unavailable() -> str | None:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "network namespaces need root"
+    missing = [name for name, bit in _CAPABILITIES.items() if not _effective_capabilities() >> bit & 1]
+    if missing:
+        return f"root without {' and '.join(missing)} (a restricted container?)"
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
-    if not os.path.exists("/dev/net/tun"):
-        return "no /dev/net/tun"
+    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return "no /dev/net/tun to open"
     return None
+
+
+def _effective_capabilities() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
 
 
 def _ip(*args: str) -> None:
