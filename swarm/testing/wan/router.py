@@ -246,7 +246,12 @@ class Router:
             self.counts["dropped_queue"] += 1
 
     def control(self, line: str) -> dict[str, Any]:
-        request = json.loads(line)
+        try:
+            return self._control(json.loads(line))
+        except (ValueError, KeyError, TypeError) as error:
+            return {"ok": False, "error": f"{error!r} in request {line!r}"}
+
+    def _control(self, request: dict[str, Any]) -> dict[str, Any]:
         if "set" in request:
             s = request["set"]
             if s.get("src") is None:
@@ -256,7 +261,7 @@ class Router:
             return {"ok": True}
         if "stats" in request:
             return {"ok": True, **self.counts}
-        return {"ok": False, "error": f"unknown request {line!r}"}
+        return {"ok": False, "error": "unknown request"}
 
     def run(self) -> None:
         # select(2) takes its timeout in microseconds; epoll's millisecond one would add up to 1 ms per hop
@@ -269,8 +274,8 @@ class Router:
         pending = b""
         print(json.dumps({"ready": True}), flush=True)
         queue, fds, receive, deliver = self.queue, self.fds, self.receive, self.deliver
-        # A timed wake comes late (by ~0.15-0.4 ms on a busy 2-core VM): wake that much early, by a running mean
-        # of how late the timed wakes were, so a hop's delay is what was configured rather than a bit more.
+        # A timed wake comes a fraction of a millisecond late: wake that much early, by a running mean of how late
+        # the timed wakes were, so a hop's delay is what was configured rather than a bit more.
         lead = 0.0
         while True:
             timeout = max(0.0, queue[0][0] - time.monotonic() - lead) if queue else None
