@@ -84,7 +84,7 @@ def test_set_link_applies_live(net: EmulatedNet) -> None:
     net.set_all(LinkSpec(delay_s=0.005))
     with net.probe_server("b", PORT) as address:
         before = statistics.median(net.probe("a", "rtt", address, str(PORT), str(PINGS))["rtt_s"])
-        net.set_link("a", "b", LinkSpec(delay_s=0.030))  # the server and its connection stay up
+        net.set_link("a", "b", LinkSpec(delay_s=0.030))  # live: the server stays up
         after = statistics.median(net.probe("a", "rtt", address, str(PORT), str(PINGS))["rtt_s"])
     assert before == pytest.approx(0.010, rel=TOLERANCE)
     assert after == pytest.approx(0.035, rel=TOLERANCE)
@@ -139,7 +139,7 @@ def test_a_natted_host_connects_out(natted: EmulatedNet) -> None:
 @pytest.mark.timeout(60)
 def test_nobody_connects_in_to_a_natted_host(natted: EmulatedNet) -> None:
     with natted.probe_server("home", PORT), natted.probe_server("pub", PORT + 1) as pub:
-        # the home host has talked out from its port PORT + 1's neighbour: still no way in
+        # home opens a mapping towards pub first: still nothing gets in that home did not ask for
         assert natted.probe("home", "connect", pub, str(PORT + 1), "5")["ok"]
         before = natted.stats()
         private = natted.probe("pub", "connect", natted.address("home"), str(PORT), "0.5")
