@@ -294,10 +294,7 @@ def _per_region(cluster: Cluster, anneal_s: float, ip_s: float, seed: int) -> Pl
         )
         if ip_s > 0:
             found = solve_coverage_ip(sub, ip_s * share, placed, None, seed + i).placement
-            if (
-                found is not None
-                and flow_of(sub, found) > flow_of(sub, placed)
-            ):
+            if found is not None and flow_of(sub, found) > flow_of(sub, placed):
                 placed = found
         joined.update(placed)
     return joined or None
