@@ -48,9 +48,10 @@ from swarm.types import SINK, SOURCE, EdgeFlow, NodeID, Plan, coverage
 _SCALE = 1000.0  # integer capacities in milli-tokens/s
 _COST_SCALE = 1e6  # integer link costs in microseconds per token
 # A link is slow when it costs more than this factor times, plus this many microseconds over, the cheapest of
-# its alternatives (the fast links of one region differ by noise; a 10x slower link is far past it)
-_SLOW_FACTOR = 1.25
-_SLOW_MARGIN = 100
+# its alternatives: re-measured links of one region differ by noise, which must not move the flows (and publish
+# a new plan epoch) on every measurement round; a 10x slower link is far past it
+_SLOW_FACTOR = 2.0
+_SLOW_MARGIN = 1000
 
 
 def valid_edges(cluster: Cluster, placement: Placement) -> list[tuple[NodeID, NodeID, float]]:
