@@ -1,0 +1,141 @@
+"""Activation codecs: the form a hop's hidden states take on the wire, and which form a hop uses.
+
+    exact   the model's dtype, bit for bit (the default: greedy tokens equal local transformers)
+    f16     16 bits a value for a 32-bit model: float16, or bfloat16 for a tensor float16 cannot hold (outliers
+            past 65504 would become infinities); a 16-bit model's states are already 16-bit and go exact
+    q8      8 bits a value: int8 with one float32 scale per block of Q8_BLOCK values along the hidden dim,
+            absmax scaling; decoded back to the dtype it was sent from
+
+The receiving peer converts what arrives to its compute dtype before running its layers, so its KV cache and
+outputs stay in the model's dtype; only the states crossing the hop lose precision. ``auto`` picks a lighter
+codec for a hop whose link is slow next to the hop's compute (``choose_codec``). How the forms are laid out on
+the wire, and checked when they arrive, is swarm.wire's (``encode_hidden``, ``decode_hidden``); the error they
+cause on real hidden states is measured by scripts/bench_activations.py (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from swarm.settings import positive, setting
+
+CODECS = ("exact", "f16", "q8")
+MODES = ("exact", "auto", "f16", "q8")  # a setting: a codec, or auto (chosen per hop by its link)
+Q8_BLOCK = 64  # values sharing one scale; SmolLM2's 576 and most hidden sizes are multiples of it
+Q8_LEVELS = 127  # int8 values are in [-127, 127]: symmetric, so 0 stays exact
+_F16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """Hidden states on the wire (swarm/codec.py)"""
+
+    mode: str = setting(
+        "exact",
+        "how hidden states travel to the next hop: exact (the model's dtype; tokens equal to local "
+        "transformers), f16 (16 bits a value), q8 (8 bits, a scale per block), auto (lighter where the "
+        "link is slow)",
+        flag="--activations",
+        choices=MODES,
+    )
+    # A decode step's token crosses a hop in microseconds on any link; a long prompt's states take
+    # tokens x hidden_size x 4 bytes, which over a slow uplink can cost more than computing them.
+    auto_fraction: float = setting(
+        0.25,
+        "auto: a hop goes lighter where sending a token's hidden state takes longer than this fraction of "
+        "computing it through the hop's layers",
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"activations mode must be one of {MODES}, got {self.mode!r}")
+        positive(self, "auto_fraction")
+
+
+def bytes_per_token(codec: str, dtype: torch.dtype, hidden_size: int) -> int:
+    """What one token's hidden state weighs on the wire in ``codec``, sent from a model in ``dtype``."""
+    if codec == "q8":
+        return hidden_size + 4 * math.ceil(hidden_size / Q8_BLOCK)
+    if codec == "f16":
+        return 2 * hidden_size
+    return dtype.itemsize * hidden_size
+
+
+def choose_codec(
+    mode: str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    bandwidth_bytes_s: float | None = None,
+    compute_s_per_token: float | None = None,
+    auto_fraction: float = ActivationConfig.auto_fraction,
+) -> str:
+    """The codec of one hop. ``auto``: the heaviest form whose transfer of a token takes at most
+    ``auto_fraction`` of the hop's compute per token, else q8; exact while the link or the compute is unknown.
+    f16 of a 16-bit model is exact (it saves nothing)."""
+    sixteen = dtype.itemsize <= 2
+    if mode != "auto":
+        return "exact" if mode == "f16" and sixteen else mode
+    if not bandwidth_bytes_s or not compute_s_per_token:
+        return "exact"
+    budget_s = auto_fraction * compute_s_per_token
+    for codec in ("exact", "q8") if sixteen else ("exact", "f16"):
+        if bytes_per_token(codec, dtype, hidden_size) / bandwidth_bytes_s <= budget_s:
+            return codec
+    return "q8"
+
+
+def to_f16(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in float16, or in bfloat16 if any value is past float16's range (it would become inf)."""
+    if hidden.dtype in (torch.float16, torch.bfloat16):
+        return hidden
+    if hidden.numel() and float(hidden.detach().abs().amax()) > _F16_MAX:
+        return hidden.to(torch.bfloat16)
+    return hidden.to(torch.float16)
+
+
+def q8_blocks(hidden_size: int) -> int:
+    return math.ceil(hidden_size / Q8_BLOCK)
+
+
+def quantize_q8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] -> (values int8 [T, H], scales float32 [T, ceil(H / Q8_BLOCK)]): each block of
+    Q8_BLOCK values along H is divided by its absmax / 127 and rounded."""
+    tokens, size = hidden.shape
+    blocks = q8_blocks(size)
+    padded = torch.zeros(tokens, blocks * Q8_BLOCK, dtype=torch.float32)
+    padded[:, :size] = hidden.detach().to("cpu", torch.float32)
+    grouped = padded.view(tokens, blocks, Q8_BLOCK)  # [T, B, Q8_BLOCK]
+    scales = grouped.abs().amax(dim=-1) / Q8_LEVELS  # [T, B]
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
+    values = (grouped / divisor[..., None]).round().clamp(-Q8_LEVELS, Q8_LEVELS).to(torch.int8)
+    return values.view(tokens, -1)[:, :size].contiguous(), scales
+
+
+def dequantize_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_q8: values int8 [T, H], scales [T, B] -> hidden [T, H] in ``dtype``."""
+    tokens, size = values.shape
+    blocks = scales.shape[1]
+    padded = torch.zeros(tokens, blocks * Q8_BLOCK, dtype=torch.float32)
+    padded[:, :size] = values.to(torch.float32)
+    hidden = padded.view(tokens, blocks, Q8_BLOCK) * scales.to(torch.float32)[..., None]
+    return hidden.view(tokens, -1)[:, :size].to(dtype)
+
+
+def round_trip(hidden: torch.Tensor, codec: str) -> torch.Tensor:
+    """What the receiver of ``hidden`` sent in ``codec`` computes with, back in ``hidden``'s dtype (the
+    benchmark applies codecs this way, without a wire)."""
+    if codec == "f16":
+        return to_f16(hidden).to(hidden.dtype)
+    if codec == "q8":
+        values, scales = quantize_q8(hidden.reshape(-1, hidden.shape[-1]))
+        return dequantize_q8(values, scales, hidden.dtype).reshape(hidden.shape).to(hidden.device)
+    return hidden
+
+
+def relative_errors(sent: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """Per token (row): ||received - sent|| / ||sent||, in float32."""
+    a, b = sent.float().reshape(-1, sent.shape[-1]), received.float().reshape(-1, sent.shape[-1])
+    return (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)
