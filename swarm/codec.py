@@ -3,8 +3,9 @@
     exact   the model's dtype, bit for bit (the default: greedy tokens equal local transformers)
     f16     16 bits a value for a 32-bit model: float16, or bfloat16 for a tensor float16 cannot hold (outliers
             past 65504 would become infinities); a 16-bit model's states are already 16-bit and go exact
-    q8      8 bits a value: int8 with one float32 scale per block of Q8_BLOCK values along the hidden dim,
-            absmax scaling; decoded back to the dtype it was sent from
+    q8      8 bits a value: int8 with one float32 scale per block of Q8_BLOCK values along the hidden dim
+            (absmax scaling), each block's largest value kept aside in float32; decoded back to the dtype it
+            was sent from
 
 The receiving peer converts what arrives to its compute dtype before running its layers, so its KV cache and
 outputs stay in the model's dtype; only the states crossing the hop lose precision. ``auto`` picks a lighter
@@ -58,7 +59,7 @@ class ActivationConfig:
 def bytes_per_token(codec: str, dtype: torch.dtype, hidden_size: int) -> int:
     """What one token's hidden state weighs on the wire in ``codec``, sent from a model in ``dtype``."""
     if codec == "q8":
-        return hidden_size + 4 * math.ceil(hidden_size / Q8_BLOCK)
+        return hidden_size + 9 * q8_blocks(hidden_size)  # a value a byte; a block's scale, peak and its index
     if codec == "f16":
         return 2 * hidden_size
     return dtype.itemsize * hidden_size
@@ -100,28 +101,52 @@ def q8_blocks(hidden_size: int) -> int:
     return math.ceil(hidden_size / Q8_BLOCK)
 
 
-def quantize_q8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, H] -> (values int8 [T, H], scales float32 [T, ceil(H / Q8_BLOCK)]): each block of
-    Q8_BLOCK values along H is divided by its absmax / 127 and rounded."""
+@dataclass(frozen=True)
+class Quantized:
+    """Hidden states [T, H] in q8: B = ceil(H / Q8_BLOCK) blocks a token, each its int8 values, its scale
+    (the absmax of the rest / 127) and its largest value (its peak) kept aside at full precision."""
+
+    values: torch.Tensor  # int8 [T, H]; 0 where a block's peak sits
+    scales: torch.Tensor  # float32 [T, B]
+    peaks: torch.Tensor  # float32 [T, B]: each block's value of largest magnitude
+    peak_index: torch.Tensor  # uint8 [T, B]: where it sits in its block
+
+
+def quantize_q8(hidden: torch.Tensor) -> Quantized:
+    """Each block of Q8_BLOCK values along H loses its peak (kept aside), and the rest are divided by their
+    absmax / 127 and rounded. Real hidden states have a few channels hundreds of times larger than the others
+    (SmolLM2's reach 25,000 where most are under 10): scaled by one of them, the rest of its block would round
+    to zero (docs/benchmarks.md has what that does to greedy tokens)."""
     tokens, size = hidden.shape
     blocks = q8_blocks(size)
     padded = torch.zeros(tokens, blocks * Q8_BLOCK, dtype=torch.float32)
     padded[:, :size] = hidden.detach().to("cpu", torch.float32)
     grouped = padded.view(tokens, blocks, Q8_BLOCK)  # [T, B, Q8_BLOCK]
-    scales = grouped.abs().amax(dim=-1) / Q8_LEVELS  # [T, B]
+    magnitude = grouped.abs()
+    magnitude.view(tokens, -1)[:, size:] = -1.0  # padding is never a block's peak
+    index = magnitude.argmax(dim=-1, keepdim=True)  # [T, B, 1]
+    peaks = grouped.gather(-1, index)
+    rest = grouped.scatter(-1, index, 0.0)
+    scales = rest.abs().amax(dim=-1) / Q8_LEVELS  # [T, B]
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
-    values = (grouped / divisor[..., None]).round().clamp(-Q8_LEVELS, Q8_LEVELS).to(torch.int8)
-    return values.view(tokens, -1)[:, :size].contiguous(), scales
+    values = (rest / divisor[..., None]).round().clamp(-Q8_LEVELS, Q8_LEVELS).to(torch.int8)
+    return Quantized(
+        values.view(tokens, -1)[:, :size].contiguous(),
+        scales,
+        peaks[..., 0].contiguous(),
+        index[..., 0].to(torch.uint8),
+    )
 
 
-def dequantize_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of quantize_q8: values int8 [T, H], scales [T, B] -> hidden [T, H] in ``dtype``."""
-    tokens, size = values.shape
-    blocks = scales.shape[1]
+def dequantize_q8(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_q8, in ``dtype``. The peak indexes must be within their blocks (the wire checks)."""
+    tokens, size = q.values.shape
+    blocks = q.scales.shape[1]
     padded = torch.zeros(tokens, blocks * Q8_BLOCK, dtype=torch.float32)
-    padded[:, :size] = values.to(torch.float32)
-    hidden = padded.view(tokens, blocks, Q8_BLOCK) * scales.to(torch.float32)[..., None]
-    return hidden.view(tokens, -1)[:, :size].to(dtype)
+    padded[:, :size] = q.values.to(torch.float32)
+    grouped = padded.view(tokens, blocks, Q8_BLOCK) * q.scales.to(torch.float32)[..., None]
+    grouped.scatter_(-1, q.peak_index.long()[..., None], q.peaks.to(torch.float32)[..., None])
+    return grouped.view(tokens, -1)[:, :size].to(dtype)
 
 
 def round_trip(hidden: torch.Tensor, codec: str) -> torch.Tensor:
@@ -130,8 +155,8 @@ def round_trip(hidden: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "f16":
         return to_f16(hidden).to(hidden.dtype)
     if codec == "q8":
-        values, scales = quantize_q8(hidden.reshape(-1, hidden.shape[-1]))
-        return dequantize_q8(values, scales, hidden.dtype).reshape(hidden.shape).to(hidden.device)
+        quantized = quantize_q8(hidden.reshape(-1, hidden.shape[-1]))
+        return dequantize_q8(quantized, hidden.dtype).reshape(hidden.shape).to(hidden.device)
     return hidden
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.codec import CODECS, dequantize_q8, q8_blocks, quantize_q8, to_f16
+from swarm.codec import CODECS, Q8_BLOCK, Quantized, dequantize_q8, q8_blocks, quantize_q8, to_f16
 from swarm.errors import (
     NoRouteError,
     ProtocolError,
@@ -434,8 +434,9 @@ def decode_tensor(obj: object, what: str = "tensor") -> torch.Tensor:
 
 def encode_hidden(hidden: torch.Tensor, codec: str = "exact") -> dict[str, Any]:
     """Hidden states [T, H] in ``codec`` (swarm.codec): exact as encode_tensor; f16 as a 16-bit tensor with
-    ``codec``; q8 as int8 ``data`` [T, H] with float32 ``scales`` [T, ceil(H / Q8_BLOCK)] and the ``dtype``
-    to decode them to. Without a ``codec`` key a tensor is exact, so exact states keep their old bytes."""
+    ``codec``; q8 as int8 ``data`` [T, H] with, per block of Q8_BLOCK values, float32 ``scales`` and
+    ``peaks`` and uint8 ``peak_index`` [T, ceil(H / Q8_BLOCK)], and the ``dtype`` to decode them to. Without
+    a ``codec`` key a tensor is exact, so exact states keep their old bytes."""
     if codec == "exact":
         return encode_tensor(hidden)
     if codec == "f16":
@@ -447,14 +448,21 @@ def encode_hidden(hidden: torch.Tensor, codec: str = "exact") -> dict[str, Any]:
     name = _DTYPE_NAMES.get(hidden.dtype)
     if name is None:
         raise ProtocolError(f"cannot send a {hidden.dtype} tensor: wire dtypes are {sorted(WIRE_DTYPES)}")
-    values, scales = quantize_q8(hidden)
+    q = quantize_q8(hidden)
     return {
         "codec": "q8",
         "dtype": name,
         "shape": list(hidden.shape),
-        "data": values.view(torch.uint8).numpy().data,
-        "scales": scales.numpy().data,
+        "data": _raw_bytes(q.values),
+        "scales": _raw_bytes(q.scales),
+        "peaks": _raw_bytes(q.peaks),
+        "peak_index": _raw_bytes(q.peak_index),
     }
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's memory, flat, as bytes (len() counts bytes): no copy, as in encode_tensor."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def decode_hidden(obj: object, what: str = "hidden") -> tuple[torch.Tensor, str]:
@@ -482,22 +490,31 @@ def _decode_q8(body: dict[str, Any], what: str) -> torch.Tensor:
     tokens, size = shape
     if not (0 < tokens <= MAX_TOKENS and 0 < size <= MAX_HIDDEN_SIZE):
         raise ProtocolError(f"{what}: q8 shape {shape} is past the limits [{MAX_TOKENS}, {MAX_HIDDEN_SIZE}]")
-    data, scales = body.get("data"), body.get("scales")
-    if not isinstance(data, bytes | memoryview) or not isinstance(scales, bytes | memoryview):
-        raise ProtocolError(f"{what}: q8 data and scales must be bytes")
     blocks = q8_blocks(size)
-    if tokens * (size + 4 * blocks) > MAX_TENSOR_BYTES:
+    if tokens * (size + 9 * blocks) > MAX_TENSOR_BYTES:
         raise ProtocolError(f"{what}: q8 shape {shape} is over the {MAX_TENSOR_BYTES}-byte tensor limit")
-    if len(data) != tokens * size or len(scales) != 4 * tokens * blocks:
-        raise ProtocolError(
-            f"{what}: q8 shape {shape} needs {tokens * size} bytes of values and {tokens * blocks} float32 "
-            f"scales, got {len(data)} and {len(scales) / 4:g}"
-        )
-    values = torch.frombuffer(bytearray(data), dtype=torch.int8).view(tokens, size)
-    factors = torch.frombuffer(bytearray(scales), dtype=torch.float32).view(tokens, blocks)
-    if not bool(torch.isfinite(factors).all()) or bool((factors < 0).any()):
+    fields = {"data": (torch.int8, size), "scales": (torch.float32, blocks), "peaks": (torch.float32, blocks)}
+    fields["peak_index"] = (torch.uint8, blocks)
+    parts = {}
+    for key, (dtype_of, width) in fields.items():
+        raw = body.get(key)
+        if not isinstance(raw, bytes | memoryview):
+            raise ProtocolError(f"{what}: q8 {key} must be bytes")
+        if len(raw) != tokens * width * dtype_of.itemsize:
+            raise ProtocolError(
+                f"{what}: q8 shape {shape} needs {tokens * width} values of {key} ({dtype_of}), got "
+                f"{len(raw)} bytes"
+            )
+        parts[key] = torch.frombuffer(bytearray(raw), dtype=dtype_of).view(tokens, width)
+    q = Quantized(parts["data"], parts["scales"], parts["peaks"], parts["peak_index"])
+    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
         raise ProtocolError(f"{what}: q8 scales must be finite and non-negative")
-    return dequantize_q8(values, factors, dtype)
+    if not bool(torch.isfinite(q.peaks).all()):
+        raise ProtocolError(f"{what}: q8 peaks must be finite")
+    last = size - (blocks - 1) * Q8_BLOCK  # values in the last block
+    if bool((q.peak_index >= Q8_BLOCK).any()) or int(q.peak_index[:, -1].max()) >= last:
+        raise ProtocolError(f"{what}: a q8 peak_index is past its block")
+    return dequantize_q8(q, dtype)
 
 
 def _hidden(body: dict[str, Any]) -> tuple[torch.Tensor, str]:

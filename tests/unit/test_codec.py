@@ -57,8 +57,8 @@ def _with_outliers(tokens: int, size: int, seed: int = 0) -> torch.Tensor:
 
 
 def _q8_bound(hidden: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound of q8's error: half a step of the value's block (absmax / 127 / 2)."""
-    _, scales = quantize_q8(hidden)
+    """Elementwise bound of q8's error: half a step of the value's block (its absmax but the peak / 127 / 2)."""
+    scales = quantize_q8(hidden).scales
     return scales.repeat_interleave(Q8_BLOCK, dim=1)[:, : hidden.shape[1]] / 2
 
 
@@ -87,8 +87,8 @@ def test_q8_carries_a_quarter_of_a_float32_step_and_f16_half() -> None:
     hidden = torch.randn(64, 576)
     sizes = {c: len(encode_request(_step(hidden, codec=c))) for c in ("exact", "f16", "q8")}
     assert sizes["exact"] > 4 * 64 * 576 and sizes["f16"] < 0.51 * sizes["exact"]
-    assert sizes["q8"] < 0.27 * sizes["exact"]
-    assert bytes_per_token("q8", torch.float32, 576) == 576 + 4 * 9
+    assert sizes["q8"] < 0.3 * sizes["exact"]
+    assert bytes_per_token("q8", torch.float32, 576) == 576 + 9 * 9
     assert bytes_per_token("exact", torch.bfloat16, 576) == bytes_per_token("f16", torch.float32, 576)
 
 
@@ -100,11 +100,15 @@ def test_f16_falls_back_to_bfloat16_past_float16s_range_instead_of_sending_infin
     assert float(relative_errors(hidden, back).max()) < 2**-8
 
 
-def test_q8_keeps_zero_blocks_zero_and_per_token_error_small_with_outliers() -> None:
+def test_q8_keeps_zero_blocks_zero_peaks_exact_and_per_token_error_small_with_outliers() -> None:
     hidden = _with_outliers(8, 576)
     hidden[2] = 0.0
     back = round_trip(hidden, "q8")
     assert bool((back[2] == 0).all())
+    assert torch.equal(back[:, 3], hidden[:, 3]) and torch.equal(back[:, 288], hidden[:, 288])  # the outliers
+    small = hidden.clone()
+    small[:, [3, 288]] = 0.0
+    assert float((back - hidden)[:, 4:64].abs().max()) < 0.05 * float(small[:, 4:64].abs().max())
     rows = [0, 1, 3]
     errors = relative_errors(hidden[rows], back[rows])
     bounds = _q8_bound(hidden[rows]).norm(dim=-1) / hidden[rows].norm(dim=-1)
@@ -156,6 +160,10 @@ def _scales(*values: float) -> bytes:
     return torch.tensor(values, dtype=torch.float32).numpy().tobytes()
 
 
+def _index(*values: int) -> bytes:
+    return bytes(values)
+
+
 HOSTILE = [
     ({"codec": "q4"}, "unknown codec"),
     ({"codec": "exact", "dtype": "float32"}, "unknown codec"),  # exact is written by leaving codec out
@@ -170,17 +178,27 @@ HOSTILE = [
     ({"shape": [2, -100]}, "past the limits"),
     ({"shape": [2, 1 << 40]}, "past the limits"),
     ({"shape": [60_000, 60_000]}, "tensor limit"),
-    ({"shape": [3, 100]}, "bytes of values"),  # the data of 2 tokens named as 3
-    ({"shape": [2, 90]}, "bytes of values"),
-    ({"data": b"\x01" * 199}, "bytes of values"),
+    ({"shape": [3, 100]}, "values of data"),  # the data of 2 tokens named as 3
+    ({"shape": [2, 90]}, "values of data"),
+    ({"data": b"\x01" * 199}, "values of data"),
     ({"data": "x" * 200}, "must be bytes"),
     ({"scales": None}, "must be bytes"),
-    ({"scales": _scales(1.0, 1.0)}, "float32 scales"),  # 2 scales where 2 tokens x 2 blocks need 4
-    ({"scales": _scales(1.0, 1.0, 1.0, 1.0) + b"\x00"}, "float32 scales"),
+    ({"scales": _scales(1.0, 1.0)}, "4 values of scales"),  # 2 scales where 2 tokens x 2 blocks need 4
+    ({"scales": _scales(1.0, 1.0, 1.0, 1.0) + b"\x00"}, "4 values of scales"),
     ({"scales": _scales(1.0, float("nan"), 1.0, 1.0)}, "finite and non-negative"),
     ({"scales": _scales(1.0, float("inf"), 1.0, 1.0)}, "finite and non-negative"),
     ({"scales": _scales(1.0, -1.0, 1.0, 1.0)}, "finite and non-negative"),
     ({"dtype": "float16", "scales": _scales(1e30, 1.0, 1.0, 1.0)}, "NaN or infinity"),  # overflows float16
+    ({"peaks": None}, "peaks must be bytes"),
+    ({"peaks": _scales(1.0, 2.0, 3.0)}, "4 values of peaks"),
+    ({"peaks": _scales(1.0, float("inf"), 3.0, 4.0)}, "peaks must be finite"),
+    ({"peaks": _scales(1.0, float("nan"), 3.0, 4.0)}, "peaks must be finite"),
+    ({"dtype": "float16", "peaks": _scales(1e30, 1.0, 1.0, 1.0)}, "NaN or infinity"),
+    ({"peak_index": None}, "peak_index must be bytes"),
+    ({"peak_index": _index(0, 1, 2)}, "4 values of peak_index"),
+    ({"peak_index": _index(64, 0, 0, 0)}, "past its block"),
+    ({"peak_index": _index(0, 36, 0, 0)}, "past its block"),  # the last block holds 100 - 64 = 36 values
+    ({"peak_index": _index(0, 0, 0, 255)}, "past its block"),
 ]
 
 
@@ -216,3 +234,12 @@ def test_hostile_codec_fields_are_protocol_errors() -> None:
         decode_request(msgpack.packb(step, use_bin_type=True))
     with pytest.raises(ValueError, match="unknown activation codec"):
         encode_hidden(hidden, "q4")
+
+
+def test_q8_states_decode_unsent_as_sent() -> None:
+    hidden = torch.randn(3, 100)
+    body = encode_hidden(hidden, "q8")
+    assert len(body["data"]) == 300 and len(body["scales"]) == len(body["peaks"]) == 3 * 2 * 4
+    assert len(body["peak_index"]) == 3 * 2
+    back, codec = decode_hidden(body)
+    assert codec == "q8" and torch.equal(back, round_trip(hidden, "q8"))
