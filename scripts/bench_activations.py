@@ -18,7 +18,8 @@ client keeps its own links exact). Per codec:
                         index of the first that differs (null if none); the same with the codec between stages
                         only
 
-``exact_equals_reference``: the exact run's tokens equal local transformers' (the plainest reference).
+``exact_equals_reference``: the exact run's tokens equal local transformers' (the plainest reference; null for
+a 16-bit ``--dtype``, which is not expected to).
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ QUESTIONS = (
 )
 
 
-def _stages(source: ModelSource, count: int, max_length: int) -> list[BlockRange]:
+def _stages(source: ModelSource, count: int, max_length: int, dtype: str) -> list[BlockRange]:
     layers = source.spec.num_layers
     cuts = [round(i * layers / count) for i in range(count + 1)]
-    return [source.load_blocks(a, b, cache_tokens=max_length) for a, b in zip(cuts, cuts[1:], strict=False)]
+    return [
+        source.load_blocks(a, b, dtype=dtype, cache_tokens=max_length)
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
 
 
 def _wire_bytes(codec: str, hidden: torch.Tensor) -> float:
@@ -116,13 +120,13 @@ def _divergence(tokens: list[int], exact: list[int]) -> dict[str, Any]:
     return {"equal": first is None, "first_divergence": first}
 
 
-def run(model: str, stages_count: int, new_tokens: int, reference: bool) -> dict[str, Any]:
+def run(model: str, stages_count: int, new_tokens: int, reference: bool, dtype: str) -> dict[str, Any]:
     torch.manual_seed(0)
     began = time.perf_counter()
     source = resolve_model(model)
     head = source.load_head()
     prompts = [chat_prompt_ids(source, q) for q in QUESTIONS]
-    stages = _stages(source, stages_count, max(len(p) for p in prompts) + new_tokens)
+    stages = _stages(source, stages_count, max(len(p) for p in prompts) + new_tokens, dtype)
     errors = _boundary_errors(head, stages, prompts)
     ids = prompts[0]
     exact = _generate(head, stages, ids, new_tokens, "exact", True)
@@ -148,7 +152,10 @@ def run(model: str, stages_count: int, new_tokens: int, reference: bool) -> dict
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": new_tokens,
         "codecs": codecs,
-        "exact_equals_reference": greedy_reference(source, ids, new_tokens) == exact if reference else None,
+        # transformers runs float32: a 16-bit run's tokens are not expected to equal it
+        "exact_equals_reference": (
+            greedy_reference(source, ids, new_tokens) == exact if reference and dtype == "float32" else None
+        ),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "wall_s": round(time.perf_counter() - began, 1),
@@ -165,9 +172,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3, help="layer ranges, as peers would hold them")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-reference", action="store_true", help="skip the transformers reference run")
+    parser.add_argument(
+        "--dtype", default="float32", help="the stages' dtype (bfloat16: a GPU peer's; f16 is then exact)"
+    )
     args = parser.parse_args()
     model, new_tokens = ("tiny", 8) if args.quick else (args.model, args.new_tokens)
-    out = run(model, args.stages, new_tokens, not args.no_reference)
+    out = run(model, args.stages, new_tokens, not args.no_reference, args.dtype)
     text = json.dumps(out, indent=2)
     if args.json:
         args.json.write_text(text + "\n")

@@ -88,6 +88,7 @@ class PeerHandlers:
         self.handover = Handovers(peer, p2p)  # sessions moved to, or from, another peer (swarm.peer.handover)
         # wait_result steps on to their next hop, a batch's steps for one peer in one message
         self.forwarder = Forwarder(self._send_step, self._send_steps)
+        self.codecs: dict[str, str] = {}  # the codec our output last took to each next hop (swarm.codec)
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -208,14 +209,20 @@ class PeerHandlers:
         activations = self.config.activations
         link = self.peer.links.get(hop.peer_id)
         speed = self.peer.compute.prefill_layer_tokens_s
-        return choose_codec(
+        bandwidth = link.bandwidth_bytes_s if link is not None else None
+        codec = choose_codec(
             activations.mode,
             dtype,
             self.peer.spec.hidden_size,
-            link.bandwidth_bytes_s if link is not None else None,
+            bandwidth,
             (hop.end - hop.start) / speed if speed > 0 else None,
             activations.auto_fraction,
         )
+        if self.codecs.get(hop.peer_id) != codec:
+            self.codecs[hop.peer_id] = codec
+            measured = f"{bandwidth / 1e6:.1f} MB/s" if bandwidth else "not measured"
+            logger.info("hidden states to %s go as %s (link %s)", hop.peer_id[-8:], codec, measured)
+        return codec
 
     async def _compute(
         self, served: Served, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
