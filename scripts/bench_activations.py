@@ -65,7 +65,9 @@ def _wire_bytes(codec: str, hidden: torch.Tensor) -> float:
 
 def _boundary_states(head: ClientHead, stages: list[BlockRange], ids: list[int]) -> list[torch.Tensor]:
     """The states at each link of one prompt's exact prefill: the embeddings, then each stage's output."""
-    states = [head.embed(torch.tensor(ids))]
+    states = [
+        head.embed(torch.tensor(ids)).to(stages[0].dtype)
+    ]  # sent in the swarm's dtype, as a client does
     for blocks in stages:
         states.append(blocks.forward([Step(None, states[-1], blocks.range.start, blocks.range.end, 0)])[0])
     return states
@@ -97,7 +99,7 @@ def _generate(
         tokens: list[int] = []
         step_ids, position = list(ids), 0
         for _ in range(new_tokens):
-            hidden = head.embed(torch.tensor(step_ids))
+            hidden = head.embed(torch.tensor(step_ids)).to(stages[0].dtype)
             for i, blocks in enumerate(stages):
                 if all_links or i > 0:  # the link into this stage
                     hidden = round_trip(hidden, codec)
@@ -106,7 +108,7 @@ def _generate(
                 )[0]
             if all_links:  # the link back to the client
                 hidden = round_trip(hidden, codec)
-            tokens.append(int(head.logits(hidden[-1:])[0].argmax()))
+            tokens.append(int(head.logits(hidden[-1:].float())[0].argmax()))
             position += len(step_ids)
             step_ids = tokens[-1:]
         return tokens
@@ -130,7 +132,7 @@ def run(model: str, stages_count: int, new_tokens: int, reference: bool, dtype: 
     errors = _boundary_errors(head, stages, prompts)
     ids = prompts[0]
     exact = _generate(head, stages, ids, new_tokens, "exact", True)
-    sample = head.embed(torch.tensor(ids))
+    sample = head.embed(torch.tensor(ids)).to(stages[0].dtype)
     codecs: dict[str, Any] = {}
     for codec in CODECS:
         all_links = exact if codec == "exact" else _generate(head, stages, ids, new_tokens, codec, True)

@@ -9,18 +9,20 @@
 
 The receiving peer converts what arrives to its compute dtype before running its layers, so its KV cache and
 outputs stay in the model's dtype; only the states crossing the hop lose precision. ``auto`` picks a lighter
-codec for a hop whose link is slow next to the hop's compute (``choose_codec``). How the forms are laid out on
-the wire, and checked when they arrive, is swarm.wire's (``encode_hidden``, ``decode_hidden``); the error they
-cause on real hidden states is measured by scripts/bench_activations.py (docs/benchmarks.md).
+codec for a hop whose link is slow next to the hop's compute (``choose_codec``). swarm.wire lays the forms out
+on the wire (``encode_hidden``, ``decode_hidden``), q8's parts packed and checked here (``pack_q8``,
+``unpack_q8``). scripts/bench_activations.py measures their error on real hidden states (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from swarm.errors import ProtocolError
 from swarm.settings import positive, setting
 
 CODECS = ("exact", "f16", "q8")
@@ -147,6 +149,44 @@ def dequantize_q8(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
     grouped = padded.view(tokens, blocks, Q8_BLOCK) * q.scales.to(torch.float32)[..., None]
     grouped.scatter_(-1, q.peak_index.long()[..., None], q.peaks.to(torch.float32)[..., None])
     return grouped.view(tokens, -1)[:, :size].to(dtype)
+
+
+def pack_q8(hidden: torch.Tensor) -> dict[str, memoryview]:
+    """hidden [T, H] quantized, as the q8 fields of a wire tensor (swarm.wire): each part's raw bytes."""
+    q = quantize_q8(hidden)
+    parts = {"data": q.values, "scales": q.scales, "peaks": q.peaks, "peak_index": q.peak_index}
+    # flat, so len() counts bytes; a view of the tensor's memory, copied once by msgpack
+    return {key: part.contiguous().reshape(-1).view(torch.uint8).numpy().data for key, part in parts.items()}
+
+
+_Q8_PARTS = {"data": torch.int8, "scales": torch.float32, "peaks": torch.float32, "peak_index": torch.uint8}
+
+
+def unpack_q8(fields: Mapping[str, object], tokens: int, size: int, what: str = "hidden") -> Quantized:
+    """pack_q8's parts of a [tokens, size] tensor, every length, scale, peak and index checked:
+    ProtocolError for anything that is not what pack_q8 makes."""
+    blocks = q8_blocks(size)
+    parts = {}
+    for key, dtype in _Q8_PARTS.items():
+        width = size if key == "data" else blocks
+        raw = fields.get(key)
+        if not isinstance(raw, bytes | memoryview):
+            raise ProtocolError(f"{what}: q8 {key} must be bytes")
+        if len(raw) != tokens * width * dtype.itemsize:
+            raise ProtocolError(
+                f"{what}: q8 shape [{tokens}, {size}] needs {tokens * width} values of {key} ({dtype}), got "
+                f"{len(raw)} bytes"
+            )
+        parts[key] = torch.frombuffer(bytearray(raw), dtype=dtype).view(tokens, width)
+    q = Quantized(parts["data"], parts["scales"], parts["peaks"], parts["peak_index"])
+    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
+        raise ProtocolError(f"{what}: q8 scales must be finite and non-negative")
+    if not bool(torch.isfinite(q.peaks).all()):
+        raise ProtocolError(f"{what}: q8 peaks must be finite")
+    last = size - (blocks - 1) * Q8_BLOCK  # values in the last block
+    if bool((q.peak_index >= Q8_BLOCK).any()) or int(q.peak_index[:, -1].max()) >= last:
+        raise ProtocolError(f"{what}: a q8 peak_index is past its block")
+    return q
 
 
 def round_trip(hidden: torch.Tensor, codec: str) -> torch.Tensor:

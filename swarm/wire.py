@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.codec import CODECS, Q8_BLOCK, Quantized, dequantize_q8, q8_blocks, quantize_q8, to_f16
+from swarm.codec import CODECS, bytes_per_token, dequantize_q8, pack_q8, to_f16, unpack_q8
 from swarm.errors import (
     NoRouteError,
     ProtocolError,
@@ -448,21 +448,7 @@ def encode_hidden(hidden: torch.Tensor, codec: str = "exact") -> dict[str, Any]:
     name = _DTYPE_NAMES.get(hidden.dtype)
     if name is None:
         raise ProtocolError(f"cannot send a {hidden.dtype} tensor: wire dtypes are {sorted(WIRE_DTYPES)}")
-    q = quantize_q8(hidden)
-    return {
-        "codec": "q8",
-        "dtype": name,
-        "shape": list(hidden.shape),
-        "data": _raw_bytes(q.values),
-        "scales": _raw_bytes(q.scales),
-        "peaks": _raw_bytes(q.peaks),
-        "peak_index": _raw_bytes(q.peak_index),
-    }
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """A CPU tensor's memory, flat, as bytes (len() counts bytes): no copy, as in encode_tensor."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+    return {"codec": "q8", "dtype": name, "shape": list(hidden.shape)} | pack_q8(hidden)
 
 
 def decode_hidden(obj: object, what: str = "hidden") -> tuple[torch.Tensor, str]:
@@ -490,31 +476,9 @@ def _decode_q8(body: dict[str, Any], what: str) -> torch.Tensor:
     tokens, size = shape
     if not (0 < tokens <= MAX_TOKENS and 0 < size <= MAX_HIDDEN_SIZE):
         raise ProtocolError(f"{what}: q8 shape {shape} is past the limits [{MAX_TOKENS}, {MAX_HIDDEN_SIZE}]")
-    blocks = q8_blocks(size)
-    if tokens * (size + 9 * blocks) > MAX_TENSOR_BYTES:
+    if tokens * bytes_per_token("q8", dtype, size) > MAX_TENSOR_BYTES:
         raise ProtocolError(f"{what}: q8 shape {shape} is over the {MAX_TENSOR_BYTES}-byte tensor limit")
-    fields = {"data": (torch.int8, size), "scales": (torch.float32, blocks), "peaks": (torch.float32, blocks)}
-    fields["peak_index"] = (torch.uint8, blocks)
-    parts = {}
-    for key, (dtype_of, width) in fields.items():
-        raw = body.get(key)
-        if not isinstance(raw, bytes | memoryview):
-            raise ProtocolError(f"{what}: q8 {key} must be bytes")
-        if len(raw) != tokens * width * dtype_of.itemsize:
-            raise ProtocolError(
-                f"{what}: q8 shape {shape} needs {tokens * width} values of {key} ({dtype_of}), got "
-                f"{len(raw)} bytes"
-            )
-        parts[key] = torch.frombuffer(bytearray(raw), dtype=dtype_of).view(tokens, width)
-    q = Quantized(parts["data"], parts["scales"], parts["peaks"], parts["peak_index"])
-    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
-        raise ProtocolError(f"{what}: q8 scales must be finite and non-negative")
-    if not bool(torch.isfinite(q.peaks).all()):
-        raise ProtocolError(f"{what}: q8 peaks must be finite")
-    last = size - (blocks - 1) * Q8_BLOCK  # values in the last block
-    if bool((q.peak_index >= Q8_BLOCK).any()) or int(q.peak_index[:, -1].max()) >= last:
-        raise ProtocolError(f"{what}: a q8 peak_index is past its block")
-    return dequantize_q8(q, dtype)
+    return dequantize_q8(unpack_q8(body, tokens, size, what), dtype)
 
 
 def _hidden(body: dict[str, Any]) -> tuple[torch.Tensor, str]:
