@@ -130,6 +130,9 @@ def test_bench_activations_quick(tmp_path: Path) -> None:
             assert (error["max"] == 0) == (name == "exact")
         for tokens in codec["tokens"].values():
             assert tokens["equal"] == (tokens["first_divergence"] is None)
+            assert 0 <= tokens["forced_agreement"] <= 1 and (
+                tokens["forced_agreement"] == 1 or name != "exact"
+            )
     assert codecs["exact"]["tokens"]["links_all"]["equal"]
 
 
