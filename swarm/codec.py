@@ -27,7 +27,7 @@ from swarm.settings import positive, setting
 
 CODECS = ("exact", "f16", "q8")
 MODES = ("exact", "auto", "f16", "q8")  # a setting: a codec, or auto (chosen per hop by its link)
-Q8_BLOCK = 64  # values sharing one scale; SmolLM2's 576 and most hidden sizes are multiples of it
+Q8_BLOCK = 32  # values sharing one scale; hidden sizes are multiples of it (SmolLM2's 576: 18 blocks)
 Q8_LEVELS = 127  # int8 values are in [-127, 127]: symmetric, so 0 stays exact
 _F16_MAX = torch.finfo(torch.float16).max
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from swarm.codec import Q8_BLOCK
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -121,7 +123,7 @@ def test_bench_activations_quick(tmp_path: Path) -> None:
     assert [codecs[c]["bytes_per_token"] for c in ("exact", "f16", "q8")] == [
         4 * size,
         2 * size,
-        size + 9 * math.ceil(size / 64),
+        size + 9 * math.ceil(size / Q8_BLOCK),
     ]
     for name, codec in codecs.items():
         assert len(codec["boundaries"]) == 4  # the embeddings, after each of the 3 stages

@@ -83,12 +83,12 @@ def test_every_codec_round_trips_a_step_within_its_bound(dtype: torch.dtype, sha
     assert bool((error <= _q8_bound(hidden.float()) * 1.001 + rounding).all())
 
 
-def test_q8_carries_a_quarter_of_a_float32_step_and_f16_half() -> None:
+def test_q8_carries_a_third_of_a_float32_step_and_f16_half() -> None:
     hidden = torch.randn(64, 576)
     sizes = {c: len(encode_request(_step(hidden, codec=c))) for c in ("exact", "f16", "q8")}
     assert sizes["exact"] > 4 * 64 * 576 and sizes["f16"] < 0.51 * sizes["exact"]
-    assert sizes["q8"] < 0.3 * sizes["exact"]
-    assert bytes_per_token("q8", torch.float32, 576) == 576 + 9 * 9
+    assert sizes["q8"] < 0.33 * sizes["exact"]
+    assert bytes_per_token("q8", torch.float32, 576) == 576 + 9 * 576 // Q8_BLOCK
     assert bytes_per_token("exact", torch.bfloat16, 576) == bytes_per_token("f16", torch.float32, 576)
 
 
@@ -108,7 +108,8 @@ def test_q8_keeps_zero_blocks_zero_peaks_exact_and_per_token_error_small_with_ou
     assert torch.equal(back[:, 3], hidden[:, 3]) and torch.equal(back[:, 288], hidden[:, 288])  # the outliers
     small = hidden.clone()
     small[:, [3, 288]] = 0.0
-    assert float((back - hidden)[:, 4:64].abs().max()) < 0.05 * float(small[:, 4:64].abs().max())
+    block = slice(4, Q8_BLOCK)  # the first outlier's block, less the outlier
+    assert float((back - hidden)[:, block].abs().max()) < 0.05 * float(small[:, block].abs().max())
     rows = [0, 1, 3]
     errors = relative_errors(hidden[rows], back[rows])
     bounds = _q8_bound(hidden[rows]).norm(dim=-1) / hidden[rows].norm(dim=-1)
@@ -149,7 +150,11 @@ def test_the_choice_per_hop() -> None:
         ActivationConfig(auto_fraction=0.0)
 
 
-def _q8_body(tokens: int = 2, size: int = 100, **changes: Any) -> dict[str, Any]:
+SIZE = Q8_BLOCK + Q8_BLOCK // 2 + 2  # two blocks a token, the last one part full
+LAST = SIZE - Q8_BLOCK  # values in the last block
+
+
+def _q8_body(tokens: int = 2, size: int = SIZE, **changes: Any) -> dict[str, Any]:
     encoded = encode_hidden(torch.randn(tokens, size), "q8")
     body = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in encoded.items()}
     body.update(changes)
@@ -170,18 +175,18 @@ HOSTILE = [
     ({"codec": 8}, "unknown codec"),
     ({"dtype": "int8"}, "unsupported dtype"),
     ({"dtype": None}, "dtype must be a string"),
-    ({"shape": [2, 100, 1]}, r"\[tokens, hidden_size\]"),
+    ({"shape": [2, SIZE, 1]}, r"\[tokens, hidden_size\]"),
     ({"shape": [2]}, r"\[tokens, hidden_size\]"),
     ({"shape": [2, True]}, r"\[tokens, hidden_size\]"),
-    ({"shape": [2, 100.0]}, r"\[tokens, hidden_size\]"),
-    ({"shape": [0, 100]}, "past the limits"),
-    ({"shape": [2, -100]}, "past the limits"),
+    ({"shape": [2, float(SIZE)]}, r"\[tokens, hidden_size\]"),
+    ({"shape": [0, SIZE]}, "past the limits"),
+    ({"shape": [2, -SIZE]}, "past the limits"),
     ({"shape": [2, 1 << 40]}, "past the limits"),
     ({"shape": [60_000, 60_000]}, "tensor limit"),
-    ({"shape": [3, 100]}, "values of data"),  # the data of 2 tokens named as 3
-    ({"shape": [2, 90]}, "values of data"),
-    ({"data": b"\x01" * 199}, "values of data"),
-    ({"data": "x" * 200}, "must be bytes"),
+    ({"shape": [3, SIZE]}, "values of data"),  # the data of 2 tokens named as 3
+    ({"shape": [2, SIZE - 1]}, "values of data"),
+    ({"data": b"\x01" * (2 * SIZE - 1)}, "values of data"),
+    ({"data": "x" * (2 * SIZE)}, "must be bytes"),
     ({"scales": None}, "must be bytes"),
     ({"scales": _scales(1.0, 1.0)}, "4 values of scales"),  # 2 scales where 2 tokens x 2 blocks need 4
     ({"scales": _scales(1.0, 1.0, 1.0, 1.0) + b"\x00"}, "4 values of scales"),
@@ -196,8 +201,8 @@ HOSTILE = [
     ({"dtype": "float16", "peaks": _scales(1e30, 1.0, 1.0, 1.0)}, "NaN or infinity"),
     ({"peak_index": None}, "peak_index must be bytes"),
     ({"peak_index": _index(0, 1, 2)}, "4 values of peak_index"),
-    ({"peak_index": _index(64, 0, 0, 0)}, "past its block"),
-    ({"peak_index": _index(0, 36, 0, 0)}, "past its block"),  # the last block holds 100 - 64 = 36 values
+    ({"peak_index": _index(Q8_BLOCK, 0, 0, 0)}, "past its block"),
+    ({"peak_index": _index(0, LAST, 0, 0)}, "past its block"),
     ({"peak_index": _index(0, 0, 0, 255)}, "past its block"),
 ]
 
@@ -205,7 +210,7 @@ HOSTILE = [
 @pytest.mark.parametrize(("changes", "error"), HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
 @pytest.mark.parametrize("kind", ["step", "step_reply"])
 def test_hostile_lighter_states_are_protocol_errors(changes: dict[str, Any], error: str, kind: str) -> None:
-    hidden = torch.randn(2, 100)
+    hidden = torch.randn(2, SIZE)
     frame = encode_request(_step(hidden)) if kind == "step" else encode_reply(StepReply(hidden))
     version, _, body = msgpack.unpackb(frame, raw=False)
     body["hidden"] = _q8_body(**changes)
@@ -237,9 +242,9 @@ def test_hostile_codec_fields_are_protocol_errors() -> None:
 
 
 def test_q8_states_decode_unsent_as_sent() -> None:
-    hidden = torch.randn(3, 100)
+    hidden = torch.randn(3, SIZE)
     body = encode_hidden(hidden, "q8")
-    assert len(body["data"]) == 300 and len(body["scales"]) == len(body["peaks"]) == 3 * 2 * 4
+    assert len(body["data"]) == 3 * SIZE and len(body["scales"]) == len(body["peaks"]) == 3 * 2 * 4
     assert len(body["peak_index"]) == 3 * 2
     back, codec = decode_hidden(body)
     assert codec == "q8" and torch.equal(back, round_trip(hidden, "q8"))
