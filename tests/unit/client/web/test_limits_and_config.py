@@ -76,9 +76,8 @@ def test_every_config_field_is_a_flag_with_its_default_and_help() -> None:
     flags = {a.dest: a for a in parser._actions}
     leaves = [(f.name, f) for f in fields(WebConfig) if f.name != "client"]
     leaves += [(f"client_{f.name}", f) for f in fields(ClientConfig) if not f.metadata.get("component")]
-    leaves += [
-        (f"activations_{f.name}", f) for f in fields(ActivationConfig)
-    ]  # --activations, its own prefix
+    # the client's activations component keeps its own prefix: --activations, --activations-auto-fraction
+    leaves += [(f"activations_{f.name}", f) for f in fields(ActivationConfig)]
     for dest, f in leaves:
         assert dest in flags and flags[dest].help.startswith(f.metadata["help"])
     config = parse_config(
