@@ -87,9 +87,8 @@ class RemoteChain:
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
         self.group_messages = group_messages
-        self.activations = (
-            activations or ActivationConfig()
-        )  # the codec of our hops (to the first peer, back)
+        # the codec of our own hops: to the route's first peer, and back from its last one
+        self.activations = activations or ActivationConfig()
         self.records = records
         self._releasing: set[asyncio.Future[StepReply]] = set()  # waits sent to release a grouped one
         # acknowledgements of steps whose output came first, left to arrive (_step_and_wait)
