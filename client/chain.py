@@ -16,12 +16,15 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P
 
 from client.grouping import Groups, groupable
+from swarm.codec import ActivationConfig, choose_codec
+from swarm.dht import PeerRecord
 from swarm.errors import SwarmError
 from swarm.routing.route import Stage
 from swarm.transport import (
@@ -39,6 +42,7 @@ from swarm.wire import CloseRequest, Hop, StepAck, StepReply, StepRequest, StepW
 logger = logging.getLogger(__name__)
 
 Maddrs = Callable[[NodeID], tuple[str, ...]]  # where a peer listens, from the latest DHT snapshot
+Records = Callable[[NodeID], PeerRecord | None]  # what a peer announced, from the latest DHT snapshot
 # A round's steps to one first hop wait this long for their mates before going as one message: members send
 # within a pass or two of the event loop once the round settled (client.batching.Round).
 GROUP_WAIT_S = 0.005
@@ -73,6 +77,8 @@ class RemoteChain:
         step_timeout_s: float,
         close_timeout_s: float,
         group_messages: bool = True,
+        activations: ActivationConfig | None = None,
+        records: Records = lambda _peer_id: None,
     ) -> None:
         self.p2p = p2p
         self.maddrs = maddrs
@@ -81,6 +87,9 @@ class RemoteChain:
         self.step_timeout_s = step_timeout_s
         self.close_timeout_s = close_timeout_s
         self.group_messages = group_messages
+        # the codec of our own hops: to the route's first peer, and back from its last one
+        self.activations = activations or ActivationConfig()
+        self.records = records
         self._releasing: set[asyncio.Future[StepReply]] = set()  # waits sent to release a grouped one
         # acknowledgements of steps whose output came first, left to arrive (_step_and_wait)
         self._acknowledging: set[asyncio.Future[StepAck | StepReply]] = set()
@@ -152,12 +161,32 @@ class RemoteChain:
         """The output of ``request`` at the route's last hop: waited for with the round's others there as one
         message, or alone."""
         wait = (
-            StepWait(request.session_id, request.position, self.step_timeout_s),
+            StepWait(request.session_id, request.position, self.step_timeout_s, self._codec(last, request)),
             request.hidden.numel() * request.hidden.element_size(),
         )
         if self._grouped(request):
             return await self.waits.send(last, (request.batch_id, request.batch_size), wait)
         return await self._send_wait(last, wait)
+
+    def _codec(self, hop: Hop, request: StepRequest) -> str:
+        """How hidden states travel between us and ``hop`` (swarm.codec): exact for a lossless step, else as
+        configured; auto weighs the link against the hop's compute, both as the peer announced them (its best
+        measured link standing for ours, which we do not measure)."""
+        if request.lossless:
+            return "exact"
+        record = self.records(NodeID(hop.peer_id))
+        bandwidth = (
+            max((link.bandwidth_bytes_s for link in record.links.values()), default=None) if record else None
+        )
+        speed = record.prefill_layer_tokens_s if record is not None else 0.0
+        return choose_codec(
+            self.activations.mode,
+            self.wire_dtype,
+            int(request.hidden.shape[-1]),
+            bandwidth,
+            (hop.end - hop.start) / speed if speed > 0 else None,
+            self.activations.auto_fraction,
+        )
 
     def _hops(self, stages: Sequence[Stage]) -> tuple[Hop, ...]:
         return tuple(
@@ -190,7 +219,10 @@ class RemoteChain:
             wait_result=bool(rest) and not relayed,
             batch_id=batch[0],
             batch_size=batch[1],
+            # a relayed step (a spot-check's route check, the step after a failover) goes exact on every hop
+            lossless=relayed,
         )
+        request = replace(request, codec=self._codec(first, request))
         if not request.wait_result:
             reply = await self._send_first(request, first)
             if not isinstance(reply, StepReply):

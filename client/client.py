@@ -143,6 +143,8 @@ class AsyncSwarmClient:
                 config.step_timeout_s,
                 config.close_timeout_s,
                 config.group_messages,
+                config.activations,
+                routes.record,
             )
         except BaseException:
             await dht.aclose()

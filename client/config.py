@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.codec import ActivationConfig
 from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
-from swarm.settings import setting
+from swarm.settings import component, setting
 from swarm.types import DTYPE_BYTES
 
 
@@ -119,6 +120,9 @@ class ClientConfig:
         "do not freeze what loading made out of full garbage collections on connecting (swarm.models.heap)",
         flag="no-freeze-heap",
     )
+    # The hops to the route's first peer and back from its last one; the peers choose for the hops between
+    # them (their own --activations).
+    activations: ActivationConfig = component(ActivationConfig, prefix="activations")
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):

@@ -378,6 +378,10 @@ class SwarmRoutes:
         record = self._snapshot.peers.get(peer_id) if self._snapshot is not None else None
         return tuple(record.maddrs) if record is not None else ()
 
+    def record(self, peer_id: NodeID) -> PeerRecord | None:
+        """What ``peer_id`` announced, as of the latest snapshot."""
+        return self._snapshot.peers.get(peer_id) if self._snapshot is not None else None
+
     async def wait_for_coverage(self, timeout_s: float) -> SwarmSnapshot:
         """Poll the DHT until serving peers cover every layer; NoRouteError naming the gaps at the deadline."""
         deadline = self._clock() + timeout_s

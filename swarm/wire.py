@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from swarm import PROTOCOL_VERSION
+from swarm.codec import CODECS, bytes_per_token, dequantize_q8, pack_q8, to_f16, unpack_q8
 from swarm.errors import (
     NoRouteError,
     ProtocolError,
@@ -153,6 +154,12 @@ class StepRequest:
     # (ExecutorConfig.group_window_s), so they run as one forward call instead of splitting by arrival.
     batch_id: str = ""
     batch_size: int = 1
+    # How ``hidden`` travels on this hop (swarm.codec): "exact" (the model's dtype), "f16" or "q8". Decoded,
+    # it says how it came, and ``hidden`` is what the sender sent, as near as the codec keeps it.
+    codec: str = "exact"
+    # Every hop sends this step's states on exact, whatever its own setting: a spot-check's route check
+    # compares the route's answer with the stages' answers run alone (client.spot).
+    lossless: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +199,7 @@ class StepWait:
     session_id: str
     position: int
     timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    codec: str = "exact"  # how the output travels back to the waiting client (StepReply.codec)
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,7 @@ class StepReply:
 
     hidden: torch.Tensor
     timings: tuple[HopTiming, ...] = ()
+    codec: str = "exact"  # how ``hidden`` travels back (StepRequest.codec)
 
 
 @dataclass(frozen=True)
@@ -423,8 +432,57 @@ def decode_tensor(obj: object, what: str = "tensor") -> torch.Tensor:
     return flat.reshape(shape)
 
 
-def _hidden(body: dict[str, Any]) -> torch.Tensor:
-    hidden = decode_tensor(body.get("hidden"), "hidden")
+def encode_hidden(hidden: torch.Tensor, codec: str = "exact") -> dict[str, Any]:
+    """Hidden states [T, H] in ``codec`` (swarm.codec): exact as encode_tensor; f16 as a 16-bit tensor with
+    ``codec``; q8 as int8 ``data`` [T, H] with, per block of Q8_BLOCK values, float32 ``scales`` and
+    ``peaks`` and uint8 ``peak_index`` [T, ceil(H / Q8_BLOCK)], and the ``dtype`` to decode them to. Without
+    a ``codec`` key a tensor is exact, so exact states keep their old bytes."""
+    if codec == "exact":
+        return encode_tensor(hidden)
+    if codec == "f16":
+        return encode_tensor(to_f16(hidden)) | {"codec": "f16"}
+    if codec != "q8":
+        raise ValueError(f"unknown activation codec {codec!r}; expected one of {CODECS}")
+    if hidden.dim() != 2:
+        raise ProtocolError(f"q8 sends hidden states [tokens, hidden_size], got shape {list(hidden.shape)}")
+    name = _DTYPE_NAMES.get(hidden.dtype)
+    if name is None:
+        raise ProtocolError(f"cannot send a {hidden.dtype} tensor: wire dtypes are {sorted(WIRE_DTYPES)}")
+    return {"codec": "q8", "dtype": name, "shape": list(hidden.shape)} | pack_q8(hidden)
+
+
+def decode_hidden(obj: object, what: str = "hidden") -> tuple[torch.Tensor, str]:
+    """(hidden states, the codec they came in), from encode_hidden's map; ProtocolError for anything else."""
+    body = _map(obj, what)
+    codec = body.get("codec", "exact")
+    if codec == "q8":
+        return _decode_q8(body, what), codec
+    if "codec" in body and codec != "f16":
+        raise ProtocolError(f"{what}: unknown codec {codec!r}; expected one of {CODECS[1:]} or none")
+    hidden = decode_tensor(body, what)
+    if codec == "f16" and hidden.dtype not in (torch.float16, torch.bfloat16):
+        raise ProtocolError(f"{what}: f16 states must be float16 or bfloat16, got {hidden.dtype}")
+    return hidden, codec
+
+
+def _decode_q8(body: dict[str, Any], what: str) -> torch.Tensor:
+    name = _str(body, "dtype", what)
+    dtype = WIRE_DTYPES.get(name)
+    if dtype is None:
+        raise ProtocolError(f"{what}: unsupported dtype {name!r}; expected one of {sorted(WIRE_DTYPES)}")
+    shape = body.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int for d in shape)):
+        raise ProtocolError(f"{what}: q8 shape must be [tokens, hidden_size], got {shape!r}")
+    tokens, size = shape
+    if not (0 < tokens <= MAX_TOKENS and 0 < size <= MAX_HIDDEN_SIZE):
+        raise ProtocolError(f"{what}: q8 shape {shape} is past the limits [{MAX_TOKENS}, {MAX_HIDDEN_SIZE}]")
+    if tokens * bytes_per_token("q8", dtype, size) > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"{what}: q8 shape {shape} is over the {MAX_TENSOR_BYTES}-byte tensor limit")
+    return dequantize_q8(unpack_q8(body, tokens, size, what), dtype)
+
+
+def _hidden(body: dict[str, Any]) -> tuple[torch.Tensor, str]:
+    hidden, codec = decode_hidden(body.get("hidden"), "hidden")
     if hidden.dim() != 2:
         raise ProtocolError(f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")
     tokens, size = hidden.shape
@@ -434,7 +492,14 @@ def _hidden(body: dict[str, Any]) -> torch.Tensor:
         )
     if not _all_finite(hidden):
         raise ProtocolError("hidden contains NaN or infinity")
-    return hidden
+    return hidden, codec
+
+
+def _codec(body: dict[str, Any], what: str) -> str:
+    codec = body.get("codec", "exact")
+    if codec not in CODECS:
+        raise ProtocolError(f"{what}.codec must be one of {CODECS}, got {codec!r}")
+    return str(codec)
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
@@ -541,7 +606,7 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         return {
             "session_id": msg.session_id,
             "position": msg.position,
-            "hidden": encode_tensor(msg.hidden),
+            "hidden": encode_hidden(msg.hidden, msg.codec),
             "start": msg.start,
             "end": msg.end,
             "max_length_tokens": msg.max_length_tokens,
@@ -553,17 +618,19 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
             origin=msg.origin,
             batch_id=msg.batch_id,
             batch_size=msg.batch_size if msg.batch_size != 1 else 0,
+            lossless=msg.lossless,
         )
     if isinstance(msg, StepBatch):
         return {"steps": [_encode_body(step) for step in msg.steps]}
     if isinstance(msg, StepBatchReply):
         return {"outcomes": [[_REPLY_KINDS[type(o)], _encode_body(o)] for o in msg.outcomes]}
     if isinstance(msg, StepReply):
-        return {"hidden": encode_tensor(msg.hidden), "timings": _encode_timings(msg.timings)}
+        return {"hidden": encode_hidden(msg.hidden, msg.codec), "timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepAck):
         return {"timings": _encode_timings(msg.timings)}
     if isinstance(msg, StepWait):
-        return {"session_id": msg.session_id, "position": msg.position, "timeout_s": msg.timeout_s}
+        body = {"session_id": msg.session_id, "position": msg.position, "timeout_s": msg.timeout_s}
+        return body | _absent_when_unset(codec=msg.codec if msg.codec != "exact" else "")
     if isinstance(msg, StepWaits):
         return {"waits": [_encode_body(wait) for wait in msg.waits]}
     if isinstance(msg, CloseRequest):
@@ -619,7 +686,7 @@ def _decode_timings(value: object) -> tuple[HopTiming, ...]:
 
 
 def _encode_resend(msg: StepRequest) -> dict[str, Any]:
-    body = _encode_body(replace(msg, resend_tokens=0))
+    body = _encode_body(replace(msg, resend_tokens=0, codec="exact"))
     del body["hidden"]
     return body | {"hidden_size": int(msg.hidden.shape[-1]), "resend_tokens": msg.resend_tokens}
 
@@ -640,7 +707,11 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
     start, end = _layers(body, w)
     position = _int(body, "position", w, 0, MAX_POSITION)
     max_length = _int(body, "max_length_tokens", w, 1, MAX_LENGTH_TOKENS)
-    resend, hidden = _resend_hidden(body, w) if "resend_tokens" in body else (0, _hidden(body))
+    resend, codec = 0, "exact"
+    if "resend_tokens" in body:
+        resend, hidden = _resend_hidden(body, w)
+    else:
+        hidden, codec = _hidden(body)
     if position + (resend or hidden.shape[0]) > max_length:
         raise ProtocolError(
             f"step: position {position} + {resend or hidden.shape[0]} tokens is past max_length_tokens "
@@ -661,6 +732,8 @@ def _decode_step(body: dict[str, Any]) -> StepRequest:
         resend_tokens=resend,
         batch_id=_str(body, "batch_id", w, 64) if "batch_id" in body else "",
         batch_size=_int(body, "batch_size", w, 1, MAX_BATCH_STEPS) if "batch_size" in body else 1,
+        codec=codec,
+        lossless=_flag(body, "lossless", w),
     )
 
 
@@ -682,7 +755,10 @@ def _decode_outcome(item: object) -> StepAck | StepReply | ErrorReply:
 def _decode_wait(body: dict[str, Any]) -> StepWait:
     w = "wait"
     return StepWait(
-        _str(body, "session_id", w, 128), _int(body, "position", w, 0, MAX_POSITION), _timeout(body, w)
+        _str(body, "session_id", w, 128),
+        _int(body, "position", w, 0, MAX_POSITION),
+        _timeout(body, w),
+        _codec(body, w),
     )
 
 
@@ -722,7 +798,8 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
     if kind == "step":
         return _decode_step(body)
     if kind == "step_reply":
-        return StepReply(_hidden(body), _decode_timings(body.get("timings", [])))
+        hidden, codec = _hidden(body)
+        return StepReply(hidden, _decode_timings(body.get("timings", [])), codec)
     if kind == "step_ack":
         return StepAck(_decode_timings(body.get("timings", [])))
     if kind == "steps":
@@ -919,9 +996,11 @@ __all__ = [
     "UNKNOWN_KIND",
     "decode_reply",
     "decode_request",
+    "decode_hidden",
     "decode_tensor",
     "encode_reply",
     "encode_request",
+    "encode_hidden",
     "encode_tensor",
     "request_verb",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.codec import ActivationConfig
 from swarm.dht import P2PD_THREADS, DirectoryConfig, ElectionConfig, ReachabilityConfig
 from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.planner import TIME_LIMIT_S
@@ -47,6 +48,7 @@ class SessionConfig:
     order_wait_s: float = setting(
         1.0, "how long a session's later step waits for its first step to arrive and open the session"
     )
+    activations: ActivationConfig = component(ActivationConfig, prefix="activations")
 
     def __post_init__(self) -> None:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")

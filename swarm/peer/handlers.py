@@ -27,8 +27,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
 from hivemind.p2p import P2P
 
+from swarm.codec import choose_codec
 from swarm.errors import CapacityError, ProtocolError, SessionError, SwarmError
 from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
@@ -86,6 +88,7 @@ class PeerHandlers:
         self.handover = Handovers(peer, p2p)  # sessions moved to, or from, another peer (swarm.peer.handover)
         # wait_result steps on to their next hop, a batch's steps for one peer in one message
         self.forwarder = Forwarder(self._send_step, self._send_steps)
+        self.codecs: dict[str, str] = {}  # the codec our output last took to each next hop (swarm.codec)
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -186,6 +189,7 @@ class PeerHandlers:
             route_rest=rest,
             timeout_s=max(1e-3, deadline - time.perf_counter()),  # what is left of the caller's deadline
             origin=origin,
+            codec=self._codec_to(hop, request, served.blocks.dtype),
         )
         # the next hop waits for the steps this forward call computed for it (none: it goes alone), not for the
         # group this step came in: some of that may have run apart here, or go on to other hops
@@ -196,6 +200,29 @@ class PeerHandlers:
         if isinstance(answer, StepAck):  # a wait_result step: its output goes to the client's wait
             return StepAck((_finish(timing, received), *answer.timings))
         return StepReply(answer.hidden, (_finish(timing, received), *answer.timings))
+
+    def _codec_to(self, hop: Hop, request: StepRequest, dtype: torch.dtype) -> str:
+        """How our output travels to ``hop`` (swarm.codec): exact for a lossless step, else as configured; auto
+        weighs our measured link to it against the hop's compute (our own speed per layer stands for its)."""
+        if request.lossless:
+            return "exact"
+        activations = self.config.activations
+        link = self.peer.links.get(hop.peer_id)
+        speed = self.peer.compute.prefill_layer_tokens_s
+        bandwidth = link.bandwidth_bytes_s if link is not None else None
+        codec = choose_codec(
+            activations.mode,
+            dtype,
+            self.peer.spec.hidden_size,
+            bandwidth,
+            (hop.end - hop.start) / speed if speed > 0 else None,
+            activations.auto_fraction,
+        )
+        if self.codecs.get(hop.peer_id) != codec:
+            self.codecs[hop.peer_id] = codec
+            measured = f"{bandwidth / 1e6:.1f} MB/s" if bandwidth else "not measured"
+            logger.info("hidden states to %s go as %s (link %s)", hop.peer_id[-8:], codec, measured)
+        return codec
 
     async def _compute(
         self, served: Served, step: Step, group: Group | None = None, onward: str = "", paced: bool = True
@@ -236,6 +263,7 @@ class PeerHandlers:
             timeout_s=max(1e-3, deadline - time.perf_counter()),
             origin=origin,
             resend_tokens=0,
+            codec=self._codec_to(hop, request, served.blocks.dtype),
         )
         timeout_s = min(self.config.forward_timeout_s, downstream.timeout_s)
         ack = await call_step_acked(self.p2p, hop.peer_id, downstream, maddrs=hop.maddrs, timeout_s=timeout_s)
@@ -259,7 +287,7 @@ class PeerHandlers:
                 raise CapacityError(f"the step's {request.timeout_s:.1f} s deadline passed here") from None
         step = parked.step
         timing = HopTiming(self.peer_id, step.start, step.end, result.queue_s, result.compute_s, 0.0)
-        return StepReply(result.hidden, (_finish(timing, parked.received),))
+        return StepReply(result.hidden, (_finish(timing, parked.received),), request.codec)
 
     async def rpc_waits(self, request: StepWaits, remote_id: str) -> StepBatchReply:
         """A client round's waits for outputs here, in one message: each runs as its own ``rpc_wait`` and fails

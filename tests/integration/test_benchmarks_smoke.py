@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from swarm.codec import Q8_BLOCK
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -94,6 +96,46 @@ def test_bench_local_tiny() -> None:
             "threads": lambda v: v == 1,
         },
     )
+
+
+@pytest.mark.timeout(240)
+def test_bench_activations_quick(tmp_path: Path) -> None:
+    out_file = tmp_path / "activations.json"
+    out = _check(
+        _run_json(["scripts/bench_activations.py", "--quick", "--json", str(out_file)], 200),
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "dtype": lambda v: v == "float32",
+            "hidden_size": _positive,
+            "stages": lambda v: _chained(v, 3),
+            "prompts": lambda v: isinstance(v, int) and v >= 1,
+            "prompt_tokens": lambda v: isinstance(v, list) and all(_positive(x) for x in v),
+            "new_tokens": lambda v: v == 8,
+            "codecs": lambda v: isinstance(v, dict) and set(v) == {"exact", "f16", "q8"},
+            "exact_equals_reference": lambda v: v is True,  # the split stages decode like transformers
+            "threads": lambda v: v == 1,
+            "machine": lambda v: isinstance(v, str),
+            "wall_s": _non_negative,
+        },
+    )
+    assert json.loads(out_file.read_text()) == out
+    codecs, size = out["codecs"], out["hidden_size"]
+    assert [codecs[c]["bytes_per_token"] for c in ("exact", "f16", "q8")] == [
+        4 * size,
+        2 * size,
+        size + 9 * math.ceil(size / Q8_BLOCK),
+    ]
+    for name, codec in codecs.items():
+        assert len(codec["boundaries"]) == 4  # the embeddings, after each of the 3 stages
+        for error in codec["boundaries"].values():
+            assert 0 <= error["mean"] <= error["max"] < 0.02
+            assert (error["max"] == 0) == (name == "exact")
+        for tokens in codec["tokens"].values():
+            assert tokens["equal"] == (tokens["first_divergence"] is None)
+            assert 0 <= tokens["forced_agreement"] <= 1 and (
+                tokens["forced_agreement"] == 1 or name != "exact"
+            )
+    assert codecs["exact"]["tokens"]["links_all"]["equal"]
 
 
 @pytest.mark.timeout(240)

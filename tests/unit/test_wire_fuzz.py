@@ -67,7 +67,9 @@ ROUTE = (Hop("QmPeerA", ("/ip4/127.0.0.1/tcp/1/p2p/QmPeerA",), 2, 4), Hop("QmPee
 VALID_REQUESTS = [
     StepRequest("abc", 3, torch.randn(2, 8), 0, 2, 64, "hash", ROUTE),
     StepRequest("abc", 3, torch.randn(1, 8), 0, 2, 64, "hash", ROUTE, timeout_s=5.0, wait_result=True),
+    StepRequest("abc", 3, torch.randn(2, 70), 0, 2, 64, "hash", ROUTE, codec="q8", lossless=True),
     StepWait("abc", 3, 5.0),
+    StepWait("abc", 3, 5.0, codec="q8"),
     StepWaits((StepWait("abc", 3, 5.0), StepWait("def", 0, 1.0))),
     CloseRequest("abc", ROUTE),
     InfoRequest(),
@@ -75,6 +77,8 @@ VALID_REQUESTS = [
 ]
 VALID_REPLIES = [
     StepReply(torch.randn(1, 8).to(torch.bfloat16), (HopTiming("QmA", 0, 2, 0.0, 0.1, 0.2),)),
+    StepReply(torch.randn(1, 8), (), codec="f16"),
+    StepReply(torch.randn(3, 130), (), codec="q8"),
     CloseReply(True),
     StepAck((HopTiming("QmA", 0, 2, 0.0, 0.1, 0.2), HopTiming("QmB", 2, 4, 0.0, 0.0, 0.0))),
     InfoReply("QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving"),
@@ -165,7 +169,7 @@ def _body(frame: bytes) -> tuple[int, str, dict[str, Any]]:
         st.sampled_from(
             ["session_id", "position", "hidden", "start", "end", "max_length_tokens", "model_hash"]
             + ["route_rest", "timings", "closed", "payload", "reply_bytes", "dial_back_peer_id"]
-            + ["timeout_s", "wait_result"]
+            + ["timeout_s", "wait_result", "codec", "lossless"]
             + ["dial_back_maddrs", "dial_back_ok", "code", "message", "failed_peer_id", "missing_layers"]
             + ["num_layers", "free_cache_tokens", "peer_id", "received_bytes", "unknown_field"]
         ),
@@ -205,4 +209,28 @@ def test_tensors_with_wrong_dtypes_and_shapes(
     frame = encode_request(VALID_REQUESTS[0]) if kind == "step" else encode_reply(VALID_REPLIES[0])
     _, _, body = _body(frame)
     body["hidden"] = {"dtype": dtype, "shape": shape, "data": data}
+    _only_protocol_errors(decode, _pack([PROTOCOL_VERSION, kind, body]))
+
+
+Q8_FIELDS = ["codec", "dtype", "shape", "data", "scales", "peaks", "peak_index", "unknown_field"]
+
+
+@FUZZ
+@given(
+    kind=st.sampled_from(["step", "step_reply"]),
+    changes=st.dictionaries(
+        st.sampled_from(Q8_FIELDS), st.one_of(VALUES, st.binary(max_size=600)), min_size=1, max_size=4
+    ),
+    dropped=st.lists(st.sampled_from(Q8_FIELDS), max_size=2),
+    decode=st.sampled_from(DECODERS),
+)
+def test_lighter_states_with_any_field(
+    kind: str, changes: dict[str, Any], dropped: list[str], decode: Decode
+) -> None:
+    """q8 states (swarm.codec) with any of their fields replaced or missing: a ProtocolError, never another."""
+    frame = encode_request(VALID_REQUESTS[2]) if kind == "step" else encode_reply(VALID_REPLIES[2])
+    _, _, body = _body(frame)
+    body["hidden"].update(changes)
+    for key in dropped:
+        body["hidden"].pop(key, None)
     _only_protocol_errors(decode, _pack([PROTOCOL_VERSION, kind, body]))

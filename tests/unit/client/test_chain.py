@@ -12,10 +12,13 @@ import torch
 
 from client import chain as chain_module
 from client.chain import RemoteChain
+from swarm.codec import ActivationConfig
+from swarm.dht.schemas import LinkMeasure
 from swarm.errors import SwarmError, TransportError
 from swarm.routing.route import Stage
 from swarm.types import LayerRange, NodeID, SessionID
-from swarm.wire import StepAck, StepReply
+from swarm.wire import StepAck, StepReply, StepRequest, StepWait
+from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -269,3 +272,60 @@ def test_a_grouped_step_that_fails_releases_its_wait_at_the_last_hop(monkeypatch
     result, first_released = asyncio.run(asyncio.wait_for(main(), 10))
     assert isinstance(result, TransportError) and result.failed_peer_id == "QmFirst"
     assert first_released == [("QmLast", "bad", chain_module.RELEASE_TIMEOUT_S)]
+
+
+def test_the_client_sends_its_own_hops_in_the_codec_its_setting_and_the_peers_links_choose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step to the first hop and the answer back from the last each take the codec of their own link (auto:
+    as the peer announced it); a relayed step (a spot-check's route check) goes lossless, exact on every hop."""
+    sent: list[StepRequest | StepWait] = []
+
+    async def step(p2p: object, peer_id: str, request: StepRequest, **_: object) -> StepAck | StepReply:
+        sent.append(request)
+        return StepAck() if request.wait_result else StepReply(OUTPUT)
+
+    async def wait(p2p: object, peer_id: str, request: StepWait, **_: object) -> StepReply:
+        sent.append(request)
+        return StepReply(OUTPUT, (), request.codec)
+
+    for name in ("call_step_acked", "call_step"):
+        monkeypatch.setattr(chain_module, name, step)
+    monkeypatch.setattr(chain_module, "call_wait", wait)
+    # 8 float32 values a token: 32 bytes, 16 in f16, 17 in q8; 2 layers at 1000 tokens/s each: 2 ms a token
+    records = {
+        peer_id: peer_record(
+            peer_id,
+            links={"QmOther": LinkMeasure(rtt_s=0.01, bandwidth_bytes_s=bandwidth)},
+            prefill_layer_tokens_s=1000.0,
+        )
+        for peer_id, bandwidth in (("QmFirst", 1e4), ("QmLast", 1e9))
+    }
+
+    async def codecs(mode: str, relayed: bool = False) -> list[str]:
+        sent.clear()
+        activations = ActivationConfig(mode=mode, auto_fraction=0.25)
+        remote = RemoteChain(
+            None,  # type: ignore[arg-type]
+            lambda _: (),
+            "hash",
+            torch.float32,
+            10.0,
+            10.0,
+            activations=activations,
+            records=records.get,
+        )
+        await remote.step(SessionID("s"), STAGES, 4, torch.zeros(1, 8), 64, relayed=relayed)
+        await remote.aclose()
+        assert all(isinstance(m, StepWait) or m.lossless == relayed for m in sent)
+        return [m.codec for m in sent]
+
+    async def main() -> None:
+        assert await codecs("exact") == ["exact", "exact"]
+        assert sorted(await codecs("q8")) == ["q8", "q8"]
+        assert await codecs("q8", relayed=True) == ["exact"]
+        await codecs("auto")
+        chosen = {type(m).__name__: m.codec for m in sent}
+        assert chosen == {"StepRequest": "q8", "StepWait": "exact"}, "a slow first link, a fast last one"
+
+    asyncio.run(main())

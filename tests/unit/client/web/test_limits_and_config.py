@@ -11,6 +11,7 @@ from client.config import ClientConfig
 from client.web.config import WebConfig, build_parser, parse_config
 from client.web.errors import APIError
 from client.web.limits import GenerationSlots, RateLimiter
+from swarm.codec import ActivationConfig
 
 
 class Clock:
@@ -74,7 +75,9 @@ def test_every_config_field_is_a_flag_with_its_default_and_help() -> None:
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
     leaves = [(f.name, f) for f in fields(WebConfig) if f.name != "client"]
-    leaves += [(f"client_{f.name}", f) for f in fields(ClientConfig)]
+    leaves += [(f"client_{f.name}", f) for f in fields(ClientConfig) if not f.metadata.get("component")]
+    # the client's activations component keeps its own prefix: --activations, --activations-auto-fraction
+    leaves += [(f"activations_{f.name}", f) for f in fields(ActivationConfig)]
     for dest, f in leaves:
         assert dest in flags and flags[dest].help.startswith(f.metadata["help"])
     config = parse_config(
