@@ -1,0 +1,79 @@
+"""A peer no one can dial serves through another peer's circuit relay (tiny model, real peers on 127.0.0.1).
+
+On loopback the peer "behind NAT" listens on no address at all (``--no-listen``): every connection to it must
+come through a relay. The namespaced case, behind an emulated masquerading NAT, is in test_nat_relay_netns.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import psutil
+import pytest
+
+from swarm.dht import DHTConfig, ReachabilityConfig, SwarmDHT
+from swarm.dht.node import RELAY_FAILED, RELAY_OK
+from swarm.peer.config import SessionConfig
+from swarm.peer.reach import check_before_join
+from swarm.testing import LocalSwarm
+from swarm.testing.nat import nat_relay_case, wait_for_verdict
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_no_one_can_dial_serves_through_a_relay_with_equal_greedy_tokens(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        result = nat_relay_case(swarm)
+    assert result["relay_line"].startswith(RELAY_OK), result["relay_line"]
+    assert result["relayed"] and result["through_nat_peer"]
+    assert result["tokens"] == result["reference"]
+    assert result["nat_relay_ok"]
+
+
+@pytest.mark.timeout(300)
+def test_with_relaying_off_the_peer_says_exactly_why_it_cannot_serve(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        swarm.start_peer("0:3", name="public", extra_args=["--no-follow-plan"])
+        nat = swarm.start_peer(
+            "3:6", name="nat", extra_args=["--no-listen", "--no-relay-when-unreachable"], wait=False
+        )
+        line = wait_for_verdict(nat, timeout_s=120)
+    assert line.startswith(RELAY_FAILED)
+    assert "turned off (--no-relay-when-unreachable)" in line
+    assert "could not dial us back" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_dial_back_does_not_count_the_connection_the_asker_opened(tmp_path: Path) -> None:
+    """Asked over the asker's own connection, a peer must still fail to dial back a node that listens nowhere:
+    libp2p would reuse that connection and tell anyone behind a NAT that it is reachable."""
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        swarm.start_peer("0:6", name="asked", extra_args=["--no-follow-plan"])
+        initial = tuple(swarm.initial_peers)
+        timeout_s = SessionConfig().dial_back_timeout_s
+        nowhere = asyncio.run(check_before_join(DHTConfig(initial_peers=initial, listen=False), timeout_s))
+        listening = asyncio.run(check_before_join(DHTConfig(initial_peers=initial), timeout_s))
+    assert nowhere.reachable is False and nowhere.relays == initial
+    assert "could not dial us back at no address" in nowhere.detail
+    assert listening.reachable is True and listening.relays == ()
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_runs_with_our_relay_bounds() -> None:
+    reach = ReachabilityConfig(relay_max_reservations=5, relay_data_limit_bytes=12345, relay_time_limit_s=77)
+
+    async def daemon_args() -> list[str]:
+        async with await SwarmDHT.create(DHTConfig(reachability=reach), "m"):
+            return [
+                arg
+                for proc in psutil.Process().children(recursive=True)
+                if proc.name() == "p2pd"
+                for arg in proc.cmdline()
+            ]
+
+    args = asyncio.run(daemon_args())
+    for flag in ("-relay=1", "-relayService=1", "-relayMaxReservations=5", "-relayDataLimit=12345"):
+        assert flag in args
+    assert "-relayTimeLimit=77s" in args and "-natPortMap=0" in args and "-autonat=0" in args

@@ -1,0 +1,76 @@
+"""Reachability settings: which p2pd options and flags a peer, a client and a peer behind NAT get."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.dht import DHTConfig, ReachabilityConfig
+from swarm.dht.node import circuit_maddr
+from swarm.peer.reach import needs_check, relaying_off_reason
+
+RELAY = "/ip4/10.0.0.1/tcp/4000/p2p/QmRelay"
+
+
+def test_a_reachable_peer_relays_for_others_within_its_bounds() -> None:
+    reach = ReachabilityConfig(relay_max_reservations=3, relay_data_limit_bytes=1000, relay_time_limit_s=90.0)
+    assert reach.p2p_kwargs() == {
+        "use_relay": True,
+        "use_auto_relay": False,
+        "nat_port_map": False,
+        "auto_nat": False,
+        "use_ipfs": False,
+    }
+    assert reach.daemon_flags() == {
+        "relayService": "1",
+        "relayMaxReservations": "3",
+        "relayMaxCircuits": "16",
+        "relayDataLimit": "1000",
+        "relayTimeLimit": "90s",
+    }
+
+
+def test_a_client_dials_through_relays_but_relays_for_no_one() -> None:
+    assert ReachabilityConfig().daemon_flags(relay_service=False) == {"relayService": "0"}
+
+
+def test_a_peer_behind_nat_reserves_at_its_relays_at_once_and_relays_for_no_one() -> None:
+    reach = ReachabilityConfig()
+    kwargs = reach.p2p_kwargs((RELAY,))
+    assert kwargs["use_relay"] and kwargs["use_auto_relay"] and kwargs["force_reachability"] == "private"
+    assert reach.daemon_flags((RELAY,)) == {
+        "trustedRelays": RELAY,
+        "relayDiscovery": "0",
+        "relayService": "0",
+    }
+
+
+def test_with_relays_off_the_daemon_gets_no_relay_flags_and_cannot_be_relayed() -> None:
+    reach = ReachabilityConfig(use_relay=False)
+    assert reach.daemon_flags() == {} and reach.p2p_kwargs()["use_relay"] is False
+    with pytest.raises(ValueError, match="needs use_relay"):
+        reach.p2p_kwargs((RELAY,))
+    assert relaying_off_reason(reach) == "relays are turned off (--no-relay)"
+    off = ReachabilityConfig(relay_when_unreachable=False)
+    assert "--no-relay-when-unreachable" in relaying_off_reason(off)
+    assert relaying_off_reason(ReachabilityConfig()) == ""
+
+
+def test_a_relayed_node_is_a_dht_client_and_bounds_are_positive() -> None:
+    with pytest.raises(ValueError, match="client_mode"):
+        DHTConfig(relays=(RELAY,))
+    DHTConfig(relays=(RELAY,), client_mode=True)
+    with pytest.raises(ValueError, match="relay_time_limit_s"):
+        ReachabilityConfig(relay_time_limit_s=0)
+
+
+def test_the_circuit_address_goes_through_the_relay_to_the_peer() -> None:
+    assert circuit_maddr(RELAY, "QmPeer") == f"{RELAY}/p2p-circuit/p2p/QmPeer"
+    with pytest.raises(ValueError, match="/p2p/"):
+        circuit_maddr("/ip4/10.0.0.1/tcp/4000", "QmPeer")
+
+
+def test_the_check_before_joining_is_skipped_for_the_first_peer_and_on_loopback() -> None:
+    assert not needs_check(DHTConfig())
+    assert not needs_check(DHTConfig(initial_peers=(RELAY,), host="127.0.0.1"))
+    assert needs_check(DHTConfig(initial_peers=(RELAY,), host="127.0.0.1", listen=False))
+    assert needs_check(DHTConfig(initial_peers=(RELAY,), host="10.0.0.2"))
