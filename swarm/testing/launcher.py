@@ -15,6 +15,14 @@ it even after a SIGKILL of the peer), with FLOWSWARM_THREADS=1 and logs in ``tmp
 ready when it wrote its ``--maddr-file``, which ``swarm-peer`` does only once it is serving and announced.
 On timeout or early exit the error message carries the tail of the peer's log.
 
+With ``net=EmulatedNet(...)`` (swarm/testing/wan) a peer started with ``host="p1"`` runs inside that host's
+network namespace and listens on its address, started fresh with ``ip netns exec`` (never forked by the zygote,
+which lives in the root namespace); ``popen(host, argv)`` runs a client process there the same way:
+
+    with EmulatedNet("fsn", ["p1", "p2", "c"], LinkSpec(0.025, 100e6)) as net, LocalSwarm(tmp_path, net=net) as swarm:
+        swarm.start_peer("0:3", host="p1"); swarm.start_peer("3:6", host="p2")
+        client = swarm.popen("c", [sys.executable, "my_client.py", *swarm.initial_peers], stdout=subprocess.PIPE)
+
 ``swarm_client`` is an async context manager giving a client-mode SwarmDHT, its Directory (for snapshots) and a
 P2P instance to pass to ``swarm.transport.call_*``.
 """
@@ -31,8 +39,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from swarm.config import fork_peers
+from swarm.testing.wan import EmulatedNet
 from swarm.testing.zygote import ForkedProcess, zygote
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,11 +140,19 @@ class LocalSwarm:
     # Options given to one peer come after these and win (argparse keeps the last value).
     DEFAULT_PEER_ARGS = ("--shutdown-grace-s", "2")
 
-    def __init__(self, tmp_path: Path, model: str = "tiny", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        model: str = "tiny",
+        env: dict[str, str] | None = None,
+        net: EmulatedNet | None = None,
+    ) -> None:
         self.dir = tmp_path
         self.model = model
         self.env = {**os.environ, "FLOWSWARM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.net = net  # peers and processes given a host run in its namespace
         self.peers: list[PeerProcess] = []
+        self.others: list[subprocess.Popen[bytes]] = []  # processes started by popen, reaped at close
 
     @property
     def initial_peers(self) -> list[str]:
@@ -153,10 +171,12 @@ class LocalSwarm:
         extra_args: Sequence[str] = (),
         wait: bool = True,
         timeout_s: float = 90.0,
+        host: str | None = None,
     ) -> PeerProcess:
         """Start ``swarm-peer join``; joins the first ready peer unless ``initial_peers`` is given.
 
         With ``wait`` (default) returns once the peer is serving; otherwise call ``wait_ready`` yourself.
+        With ``host`` it runs in that host's namespace of ``net``, listening on the host's address.
         """
         name = name or f"peer{len(self.peers)}"
         if initial_peers is None:
@@ -165,12 +185,16 @@ class LocalSwarm:
         maddr_file.unlink(missing_ok=True)
         log_path = self.dir / f"{name}.log"
         args = [*SWARM_PEER, "join", "--model", self.model, "--layers", layers, "--name", name]
-        args += ["--maddr-file", str(maddr_file), "--host", "127.0.0.1"]
+        address = "127.0.0.1" if host is None else self._net().address(host)
+        args += ["--maddr-file", str(maddr_file), "--host", address]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         args += [*self.DEFAULT_PEER_ARGS, *extra_args]
         proc: Process
-        if fork_peers():  # tests: the imports are done once (swarm/testing/zygote.py)
+        if host is not None:
+            with open(log_path, "wb") as log:
+                proc = self.popen(host, args, stdout=log, stderr=subprocess.STDOUT, track=False)
+        elif fork_peers():  # tests: the imports are done once (swarm/testing/zygote.py)
             proc = zygote().start(args[len(SWARM_PEER) :], self.env, REPO, log_path)
         else:
             with open(log_path, "wb") as log:
@@ -185,6 +209,24 @@ class LocalSwarm:
             peer.wait_ready(timeout_s)
         return peer
 
+    def popen(
+        self, host: str, argv: Sequence[str], track: bool = True, **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside ``host``'s namespace of ``net`` (e.g. a client), with the peers' environment and
+        working directory and a session of its own; unless ``track`` is False it is stopped at ``close``."""
+        kwargs = {"env": self.env, "cwd": REPO, "start_new_session": True, **kwargs}
+        proc: subprocess.Popen[bytes] = subprocess.Popen(self._net().exec_argv(host, argv), **kwargs)
+        if track:
+            self.others.append(proc)
+        return proc
+
+    def _net(self) -> EmulatedNet:
+        if self.net is None:
+            raise ValueError(
+                "a host was given but this LocalSwarm has no net: LocalSwarm(..., net=EmulatedNet(...))"
+            )
+        return self.net
+
     def wait_all_ready(self, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
         for peer in self.peers:
@@ -198,6 +240,8 @@ class LocalSwarm:
                     peer.proc.send_signal(signal.SIGTERM)
         for peer in self.peers:
             peer.stop(grace_s=20.0)
+        for other in self.others:
+            stop_process_group(other, grace_s=5.0)
 
     def __enter__(self) -> LocalSwarm:
         return self
