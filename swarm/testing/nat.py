@@ -4,12 +4,14 @@
         result = nat_relay_case(swarm)               # loopback: the middle peer listens nowhere (--no-listen)
     result["nat_relay_ok"]                           # True: served through a relay, greedy tokens equal
 
-Two public peers hold the first and last thirds of the model; the third peer starts with ``nat_args`` (on
-loopback ``--no-listen``; in an emulated network, whatever puts it behind the NAT) and holds the middle. A
-client process (``python -m client.cli --prompt-ids``; ``client_argv`` may wrap its command line, e.g. to run
-it in a namespace of its own) then generates greedily. The result says whether the middle peer announced only
-circuit addresses, logged that it serves through a relay, and whether the session through it gave the
-reference's tokens.
+    with EmulatedNet("fsr", ["p0", "p1", "nat", "cl"], nat_hosts=["nat"]) as net, \
+            LocalSwarm(tmp_path, net=net) as swarm:
+        result = nat_relay_case(swarm, hosts=("p0", "p1", "nat"), client_host="cl")   # behind a real NAT
+
+Two public peers hold the first and last thirds of the model; the third peer, which no one can dial, holds the
+middle. A client process (``python -m client.cli --prompt-ids``) then generates greedily. The result says
+whether the middle peer announced only circuit addresses, logged that it serves through a relay, and whether
+the session through it gave the reference's tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from swarm.dht.node import RELAY_FAILED, RELAY_OK
@@ -34,26 +36,32 @@ FIXED_LAYERS = ("--no-follow-plan",)  # the middle peer must keep the middle lay
 def nat_relay_case(
     swarm: LocalSwarm,
     *,
-    nat_args: Sequence[str] = ("--no-listen",),
-    public_args: Sequence[str] = (),
+    hosts: Sequence[str] | None = None,
+    client_host: str | None = None,
+    relay: bool = True,
     new_tokens: int = 8,
     timeout_s: float = 120.0,
-    client_argv: Callable[[list[str]], list[str]] = lambda argv: argv,
 ) -> dict[str, Any]:
     """Start the three peers in ``swarm`` (empty), run one greedy session, and report (see the module doc).
 
+    ``hosts``: the (public, public, behind-NAT) hosts of ``swarm.net`` the peers run on, and ``client_host``
+    the client's; None runs all on loopback, the middle peer listening nowhere. ``relay`` False starts the
+    middle peer with --no-relay-when-unreachable: it must then say why it cannot serve.
+
     Keys: ``nat_relay_ok``, ``relayed`` (only circuit addresses announced, and the relay line logged),
     ``tokens_equal``, ``through_nat_peer`` (the session's route used it), ``relay_line`` (the peer's verdict:
-    relayed, or exactly why not), ``nat_ready_s``, ``tokens``, ``reference``."""
+    relayed, or exactly why not), ``nat_ready_s``, ``tokens``, ``route``, ``reference``."""
+    public0, public1, behind = hosts if hosts is not None else (None, None, None)
     num_layers = resolve_model(swarm.model).spec.num_layers
     third = num_layers // 3
-    public = [*FIXED_LAYERS, *public_args]
-    swarm.start_peer(f"0:{third}", name="public0", extra_args=public, timeout_s=timeout_s)
-    swarm.start_peer(
-        f"{num_layers - third}:{num_layers}", name="public1", extra_args=public, timeout_s=timeout_s
+    swarm.start_peer(f"0:{third}", name="public0", extra_args=FIXED_LAYERS, timeout_s=timeout_s, host=public0)
+    last = f"{num_layers - third}:{num_layers}"
+    swarm.start_peer(last, name="public1", extra_args=FIXED_LAYERS, timeout_s=timeout_s, host=public1)
+    nat_args = [*FIXED_LAYERS, *(["--no-listen"] if behind is None else [])]
+    nat_args += [] if relay else ["--no-relay-when-unreachable"]
+    nat = swarm.start_peer(
+        f"{third}:{num_layers - third}", name="nat", extra_args=nat_args, wait=False, host=behind
     )
-    middle = f"{third}:{num_layers - third}"
-    nat = swarm.start_peer(middle, name="nat", extra_args=[*FIXED_LAYERS, *nat_args], wait=False)
     line = wait_for_verdict(nat, timeout_s)
     result: dict[str, Any] = {"relay_line": line, "nat_ready_s": None, "tokens": [], "route": []}
     relayed = line.startswith(RELAY_OK)
@@ -62,7 +70,7 @@ def nat_relay_case(
         relayed = all("/p2p-circuit/" in m for m in nat.maddrs)
         result["nat_ready_s"] = nat.ready_after_s
     if relayed:
-        result.update(generate(swarm, new_tokens, timeout_s, client_argv))
+        result.update(generate(swarm, new_tokens, timeout_s, client_host))
     result["reference"] = greedy_reference(resolve_model(swarm.model), PROMPT_IDS, new_tokens)
     result["relayed"] = relayed
     result["through_nat_peer"] = relayed and nat.peer_id in result["route"]
@@ -71,10 +79,9 @@ def nat_relay_case(
     return result
 
 
-def generate(
-    swarm: LocalSwarm, new_tokens: int, timeout_s: float, client_argv: Callable[[list[str]], list[str]]
-) -> dict[str, Any]:
-    """{"tokens", "route"} of one greedy session after PROMPT_IDS, from a client process of its own."""
+def generate(swarm: LocalSwarm, new_tokens: int, timeout_s: float, host: str | None) -> dict[str, Any]:
+    """{"tokens", "route"} of one greedy session after PROMPT_IDS, from a client process of its own (in
+    ``host``'s namespace when given)."""
     argv = [
         sys.executable,
         "-m",
@@ -85,12 +92,19 @@ def generate(
         swarm.model,
     ]
     argv += ["--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", str(new_tokens), "--json"]
-    done = subprocess.run(
-        client_argv(argv), env=swarm.env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the client failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    reply: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if host is None:
+        proc = subprocess.Popen(argv, env=swarm.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    else:
+        proc = swarm.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client failed ({proc.returncode}):\n{err.decode(errors='replace')[-3000:]}")
+    reply: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return reply
 
 
