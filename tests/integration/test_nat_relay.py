@@ -14,10 +14,12 @@ import pytest
 
 from swarm.dht import DHTConfig, ReachabilityConfig, SwarmDHT
 from swarm.dht.node import RELAY_FAILED, RELAY_OK
+from swarm.models.loading import resolve_model
 from swarm.peer.config import SessionConfig
 from swarm.peer.reach import check_before_join
 from swarm.testing import LocalSwarm
-from swarm.testing.nat import nat_relay_case, wait_for_verdict
+from swarm.testing.nat import PROMPT_IDS, generate, nat_relay_case, wait_for_verdict
+from swarm.testing.reference import greedy_reference
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +45,27 @@ def test_with_relaying_off_the_peer_says_exactly_why_it_cannot_serve(tmp_path: P
     assert line.startswith(RELAY_FAILED)
     assert "turned off (--no-relay-when-unreachable)" in line
     assert "could not dial us back" in line
+
+
+@pytest.mark.timeout(400)
+def test_when_one_of_its_relays_leaves_the_peer_is_reached_through_another(tmp_path: Path) -> None:
+    fixed = ["--no-follow-plan"]
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        first = swarm.start_peer("0:2", name="first", extra_args=fixed)
+        swarm.start_peer("4:6", name="last", extra_args=fixed)
+        spare = swarm.start_peer("4:6", name="spare", extra_args=fixed)
+        relays = [spare.maddrs[0], first.maddrs[0]]  # both answer its dial-back: it serves through both
+        nat = swarm.start_peer(
+            "2:4", name="nat", extra_args=[*fixed, "--no-listen"], initial_peers=relays, wait=False
+        )
+        assert wait_for_verdict(nat, timeout_s=120).startswith(RELAY_OK)
+        nat.wait_ready(60)
+        assert sorted(m.split("/p2p-circuit/")[0] for m in nat.maddrs) == sorted(relays)
+        spare.stop()
+        answer = generate(swarm, 6, 180, None)
+        expected = greedy_reference(resolve_model("tiny"), PROMPT_IDS, 6)
+    assert nat.peer_id in answer["route"] and spare.peer_id not in answer["route"]
+    assert answer["tokens"] == expected
 
 
 @pytest.mark.timeout(120)

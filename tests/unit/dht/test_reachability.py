@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import pytest
 
 from swarm.dht import DHTConfig, ReachabilityConfig
-from swarm.dht.node import circuit_maddr
-from swarm.peer.reach import needs_check, relaying_off_reason
+from swarm.dht.node import RELAY_FAILED, circuit_maddr
+from swarm.peer.reach import needs_check, relaying_off_reason, watch_relays
 
 RELAY = "/ip4/10.0.0.1/tcp/4000/p2p/QmRelay"
 
@@ -74,3 +77,17 @@ def test_the_check_before_joining_is_skipped_for_the_first_peer_and_on_loopback(
     assert not needs_check(DHTConfig(initial_peers=(RELAY,), host="127.0.0.1"))
     assert needs_check(DHTConfig(initial_peers=(RELAY,), host="127.0.0.1", listen=False))
     assert needs_check(DHTConfig(initial_peers=(RELAY,), host="10.0.0.2"))
+
+
+def test_a_relayed_peer_says_so_once_every_relay_it_serves_through_has_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reads = iter([{"QmRelay", "QmOther"}, {"QmOther"}])
+
+    async def read_live() -> set[str]:
+        return next(reads)
+
+    with caplog.at_level(logging.ERROR, logger="swarm.peer.reach"):
+        asyncio.run(asyncio.wait_for(watch_relays(read_live, (RELAY,), period_s=0.001), timeout=5))
+    (record,) = caplog.records
+    assert record.getMessage().startswith(RELAY_FAILED) and "(QmRelay) has left" in record.getMessage()
