@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 
 from swarm.dht import DHTConfig, ReachabilityConfig
 from swarm.dht.node import RELAY_FAILED, circuit_maddr
-from swarm.peer.reach import needs_check, relaying_off_reason, watch_relays
+from swarm.errors import CapacityError
+from swarm.peer.reach import MAX_DIAL_BACKS, DialBack, needs_check, relaying_off_reason, watch_relays
 
 RELAY = "/ip4/10.0.0.1/tcp/4000/p2p/QmRelay"
 
@@ -91,3 +93,24 @@ def test_a_relayed_peer_says_so_once_every_relay_it_serves_through_has_left(
         asyncio.run(asyncio.wait_for(watch_relays(read_live, (RELAY,), period_s=0.001), timeout=5))
     (record,) = caplog.records
     assert record.getMessage().startswith(RELAY_FAILED) and "(QmRelay) has left" in record.getMessage()
+
+
+def test_a_peer_dials_back_at_most_a_few_others_at_once() -> None:
+    async def run() -> None:
+        started = asyncio.Event()
+
+        async def start_never() -> Any:  # the bare node never comes up: the dial-backs wait on it
+            started.set()
+            await asyncio.Event().wait()
+
+        dial = DialBack(timeout_s=1.0, start=start_never)
+        waiting = [asyncio.create_task(dial(f"Qm{i}", ())) for i in range(MAX_DIAL_BACKS)]
+        await started.wait()
+        with pytest.raises(CapacityError, match="already dialling"):
+            await dial("QmOneMore", ())
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        assert dial._running == 0  # cancelled dial-backs gave their places back
+
+    asyncio.run(run())
