@@ -63,6 +63,9 @@ class ReachabilityConfig:
         1024**3, "bytes one relayed connection may carry each way before we reset it"
     )
     relay_time_limit_s: float = setting(3600.0, "longest a relayed connection may last before we reset it")
+    relay_watch_interval_s: float = setting(
+        15.0, "how often a peer served through relays looks whether they are still in the swarm"
+    )
     nat_port_map: bool = setting(False, "ask the router for a port mapping (UPnP / NAT-PMP)")
     auto_nat: bool = setting(False, "run the AutoNAT service: ask others whether we are reachable")
     announce_maddrs: tuple[str, ...] = setting(
@@ -74,7 +77,7 @@ class ReachabilityConfig:
 
     def __post_init__(self) -> None:
         positive(self, "relay_max_reservations", "relay_max_circuits", "relay_data_limit_bytes")
-        positive(self, "relay_time_limit_s")
+        positive(self, "relay_time_limit_s", "relay_watch_interval_s")
 
     def p2p_kwargs(self, relays: tuple[str, ...] = ()) -> dict[str, Any]:
         """hivemind P2P.create's options. ``relays``: multiaddrs of the peers we serve through (we cannot be

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
-from swarm.dht import DHTConfig, Directory, ReachabilityConfig
+from swarm.dht import DHTConfig, Directory, PeerRecord, ReachabilityConfig
 from swarm.dht import probe as bare
-from swarm.dht.node import RELAY_FAILED
 from swarm.errors import CapacityError, ProtocolError
 from swarm.transport import call_probe
 from swarm.transport.channel import forget_peer, serve_raw
@@ -118,8 +117,8 @@ async def check_after_join(
 async def watch_relays(
     read_live: Callable[[], Awaitable[Collection[str]]], relays: Sequence[str], period_s: float
 ) -> None:
-    """Log once when every relay we serve through has left the swarm: no one can reach us any more. p2pd takes
-    its relays at start only, so picking others means restarting the peer."""
+    """Return once every relay we serve through has left the swarm: no one can reach us any more. p2pd takes
+    its relays at start only, so the peer then rejoins through others (swarm.peer.server)."""
     relay_ids = {m.rsplit("/p2p/", 1)[1] for m in relays}
     while True:
         await asyncio.sleep(period_s)
@@ -129,13 +128,22 @@ async def watch_relays(
             logger.debug("could not read the swarm: %r", e)
             continue
         if not relay_ids & set(live):
-            logger.error(
-                "%s every relay we serve through (%s) has left the swarm: no one can reach us now; restart this "
-                "peer to serve through others",
-                RELAY_FAILED,
+            logger.warning(
+                "every relay we serve through (%s) has left the swarm: no one can reach us now",
                 ", ".join(sorted(r[-8:] for r in relay_ids)),
             )
             return
+
+
+def relay_candidates(peers: Mapping[str, PeerRecord], own_id: str, limit: int = MAX_ASKED) -> tuple[str, ...]:
+    """Multiaddrs of up to ``limit`` live peers that others can dial directly (found reachable, not relayed):
+    whom to ask for a dial-back, and relay through, when rejoining."""
+    found = []
+    for peer_id, record in peers.items():
+        direct = [m for m in record.maddrs if "/p2p-circuit" not in m]
+        if peer_id != own_id and record.reachable and direct and record.state == "serving":
+            found.append(direct[0] if direct[0].endswith(f"/p2p/{peer_id}") else f"{direct[0]}/p2p/{peer_id}")
+    return tuple(found[:limit])
 
 
 class DialBack:

@@ -59,6 +59,7 @@ from swarm.peer.reach import (
     check_after_join,
     check_before_join,
     needs_check,
+    relay_candidates,
     relaying_off_reason,
     watch_relays,
 )
@@ -81,7 +82,6 @@ REACHABILITY_ADVICE = (
 BATCH_LOG_INTERVAL_S = 5.0
 RELAY_CHECK_ATTEMPTS = 5  # dial-backs through our relays before we say we cannot serve through them
 RELAY_CHECK_PAUSE_S = 2.0
-RELAY_WATCH_PERIOD_S = 30.0  # how often a relayed peer looks whether its relays are still in the swarm
 
 
 class _Leave(Exception):
@@ -89,37 +89,46 @@ class _Leave(Exception):
 
 
 async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
-    """Run a peer until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM), then leave cleanly."""
+    """Run a peer until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM), then leave cleanly. A peer served
+    through relays that all left the swarm leaves and joins again, through live peers others can dial."""
     stop = stop or asyncio.Event()
     began = time.monotonic()
     logger.info("resolving model %s", config.model)
     source = await asyncio.to_thread(resolve_model, config.model)
     if config.layers != "auto":  # a bad range fails now, before we join the swarm
         LayerRange.parse(config.layers).check_within(source.spec.num_layers)
-    dht_config = DHTConfig(
-        initial_peers=config.initial_peers,
-        host=config.host,
-        port=config.port,
-        identity_path=config.identity_path,
-        reachability=config.reachability,
-        p2pd_threads=config.p2pd_threads,
-        listen=config.listen,
-    )
-    dht_config = await _reach_before_join(config, dht_config)
-    logger.info("joining the DHT (%s)", "new swarm" if not config.initial_peers else "via initial peers")
-    dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
-    try:
-        p2p = await dht.replicate_p2p()
-        await _serve(config, source, dht, p2p, stop, began)
-    finally:
-        await dht.aclose()
-        logger.info("left the swarm")
+    via: tuple[str, ...] = ()  # live peers to join through, when rejoining
+    while True:
+        dht_config = DHTConfig(
+            initial_peers=(*via, *config.initial_peers),
+            host=config.host,
+            port=config.port,
+            identity_path=config.identity_path,
+            reachability=config.reachability,
+            p2pd_threads=config.p2pd_threads,
+            listen=config.listen,
+        )
+        dht_config = await _reach_before_join(config, dht_config)
+        logger.info(
+            "joining the DHT (%s)", "new swarm" if not dht_config.initial_peers else "via initial peers"
+        )
+        dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
+        try:
+            p2p = await dht.replicate_p2p()
+            via = await _serve(config, source, dht, p2p, stop, began)
+        finally:
+            await dht.aclose()
+            logger.info("left the swarm")
+        if not via:
+            return
+        logger.info("rejoining through %s", ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in via))
 
 
 async def _serve(
     config: PeerConfig, source: ModelSource, dht: SwarmDHT, p2p: P2P, stop: asyncio.Event, began: float
-) -> None:
-    """Wire the components around one Peer under one TaskGroup; return once the peer has left."""
+) -> tuple[str, ...]:
+    """Wire the components around one Peer under one TaskGroup; return once the peer has left: with the peers
+    to rejoin through when it left because every relay it was served through had left, else ()."""
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
     directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
     directory = Directory(dht, directory_config, shape=shape)
@@ -161,13 +170,19 @@ async def _serve(
             peer.reachable = await _check_reachable(
                 config, p2p, directory, peer.peer_id, dht.relays, identity
             )
+            relays_lost = asyncio.Event()
             if dht.relays and peer.reachable:
-                tg.create_task(watch_relays(_live_ids(directory), dht.relays, RELAY_WATCH_PERIOD_S))
-            await stop.wait()
+                watch = watch_relays(
+                    _live_ids(directory), dht.relays, config.reachability.relay_watch_interval_s
+                )
+                tg.create_task(_set_when_done(watch, relays_lost))
+            await _first_set(stop, relays_lost)
             await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
+            via = await _rejoin_via(directory, peer.peer_id) if relays_lost.is_set() else ()
             raise _Leave
     except* _Leave:
         pass
+    return via
 
 
 async def _log_batches(executor: Executor, forwarder: Forwarder, interval_s: float) -> None:
@@ -402,6 +417,33 @@ async def _check_reachable(
     else:
         logger.warning("%s (%s)", REACHABILITY_ADVICE, detail)
     return ok
+
+
+async def _rejoin_via(directory: Directory, own_id: str) -> tuple[str, ...]:
+    """Live peers others can dial, to rejoin through once every relay we were served through left."""
+    try:
+        via = relay_candidates(await directory.read_peers(), own_id)
+    except (TimeoutError, OSError, RuntimeError) as e:
+        logger.error("%s every relay left, and reading the swarm for others failed: %r", RELAY_FAILED, e)
+        return ()
+    if not via:
+        logger.error("%s every relay left, and no live peer that others can dial is left", RELAY_FAILED)
+    return via
+
+
+async def _set_when_done(work: Awaitable[None], done: asyncio.Event) -> None:
+    await work
+    done.set()
+
+
+async def _first_set(*events: asyncio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def _live_ids(directory: Directory) -> Callable[[], Awaitable[Collection[str]]]:

@@ -7,6 +7,7 @@ come through a relay. The namespaced case, behind an emulated masquerading NAT, 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import psutil
@@ -17,7 +18,7 @@ from swarm.dht.node import RELAY_FAILED, RELAY_OK
 from swarm.models.loading import resolve_model
 from swarm.peer.config import SessionConfig
 from swarm.peer.reach import check_before_join
-from swarm.testing import LocalSwarm
+from swarm.testing import LocalSwarm, PeerProcess
 from swarm.testing.nat import PROMPT_IDS, generate, nat_relay_case, wait_for_verdict
 from swarm.testing.reference import greedy_reference
 
@@ -66,6 +67,45 @@ def test_when_one_of_its_relays_leaves_the_peer_is_reached_through_another(tmp_p
         expected = greedy_reference(resolve_model("tiny"), PROMPT_IDS, 6)
     assert nat.peer_id in answer["route"] and spare.peer_id not in answer["route"]
     assert answer["tokens"] == expected
+
+
+@pytest.mark.timeout(400)
+def test_when_its_only_relay_leaves_the_peer_rejoins_through_another(tmp_path: Path) -> None:
+    fixed = ["--no-follow-plan"]
+    with LocalSwarm(tmp_path, model="tiny") as swarm:
+        swarm.start_peer("0:2", name="first", extra_args=fixed)
+        swarm.start_peer("4:6", name="last", extra_args=fixed)
+        spare = swarm.start_peer("4:6", name="spare", extra_args=fixed)
+        args = [*fixed, "--no-listen", "--relay-watch-interval-s", "1"]
+        nat = swarm.start_peer("2:4", name="nat", extra_args=args, initial_peers=spare.maddrs[:1], wait=False)
+        verdict = wait_for_verdict(nat, timeout_s=120)
+        assert verdict.startswith(RELAY_OK) and spare.peer_id[-8:] in verdict
+        nat.wait_ready(60)
+        spare.stop()
+        rejoined = _wait_for_log(nat, "rejoining through", timeout_s=120)
+        lines = _wait_for_lines(nat, RELAY_OK, count=2, timeout_s=120)
+        nat.maddrs = []  # it wrote its new addresses before logging the second line: read them again
+        nat.wait_ready(5)
+        answer = generate(swarm, 6, 180, None)
+        expected = greedy_reference(resolve_model("tiny"), PROMPT_IDS, 6)
+    assert spare.peer_id[-8:] not in rejoined and spare.peer_id[-8:] not in lines[-1]
+    assert all(spare.peer_id not in m for m in nat.maddrs)
+    assert nat.peer_id in answer["route"] and answer["tokens"] == expected
+
+
+def _wait_for_log(peer: PeerProcess, text: str, timeout_s: float) -> str:
+    return _wait_for_lines(peer, text, 1, timeout_s)[0]
+
+
+def _wait_for_lines(peer: PeerProcess, text: str, count: int, timeout_s: float) -> list[str]:
+    """The first ``count`` lines of the peer's log holding ``text``, once there are that many."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [line for line in peer.log_tail(500_000).splitlines() if text in line]
+        if len(lines) >= count:
+            return lines[:count]
+        time.sleep(0.2)
+    raise TimeoutError(f"{count} lines with {text!r} not in the log of {peer.name}:\n{peer.log_tail()}")
 
 
 @pytest.mark.timeout(120)

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from swarm.dht import DHTConfig, ReachabilityConfig
-from swarm.dht.node import RELAY_FAILED, circuit_maddr
+from swarm.dht.node import circuit_maddr
 from swarm.errors import CapacityError
-from swarm.peer.reach import MAX_DIAL_BACKS, DialBack, needs_check, relaying_off_reason, watch_relays
+from swarm.peer.reach import (
+    MAX_DIAL_BACKS,
+    DialBack,
+    needs_check,
+    relay_candidates,
+    relaying_off_reason,
+    watch_relays,
+)
 
 RELAY = "/ip4/10.0.0.1/tcp/4000/p2p/QmRelay"
 
@@ -81,18 +89,32 @@ def test_the_check_before_joining_is_skipped_for_the_first_peer_and_on_loopback(
     assert needs_check(DHTConfig(initial_peers=(RELAY,), host="10.0.0.2"))
 
 
-def test_a_relayed_peer_says_so_once_every_relay_it_serves_through_has_left(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_the_watch_ends_once_every_relay_it_serves_through_has_left(caplog: pytest.LogCaptureFixture) -> None:
     reads = iter([{"QmRelay", "QmOther"}, {"QmOther"}])
 
     async def read_live() -> set[str]:
         return next(reads)
 
-    with caplog.at_level(logging.ERROR, logger="swarm.peer.reach"):
+    with caplog.at_level(logging.WARNING, logger="swarm.peer.reach"):
         asyncio.run(asyncio.wait_for(watch_relays(read_live, (RELAY,), period_s=0.001), timeout=5))
     (record,) = caplog.records
-    assert record.getMessage().startswith(RELAY_FAILED) and "(QmRelay) has left" in record.getMessage()
+    assert "every relay we serve through (QmRelay) has left" in record.getMessage()
+
+
+def test_a_peer_rejoins_through_live_serving_peers_that_others_can_dial() -> None:
+    def record(peer_id: str, maddrs: list[str], reachable: bool | None, state: str = "serving") -> Any:
+        return SimpleNamespace(peer_id=peer_id, maddrs=maddrs, reachable=reachable, state=state)
+
+    peers = {
+        "QmMe": record("QmMe", ["/ip4/10.0.0.9/tcp/1/p2p/QmMe"], True),
+        "QmA": record("QmA", ["/ip4/10.0.0.1/tcp/1/p2p/QmA"], True),
+        "QmRelayed": record("QmRelayed", [f"{RELAY}/p2p-circuit/p2p/QmRelayed"], True),
+        "QmUnknown": record("QmUnknown", ["/ip4/10.0.0.3/tcp/1/p2p/QmUnknown"], None),
+        "QmGoing": record("QmGoing", ["/ip4/10.0.0.4/tcp/1/p2p/QmGoing"], True, "leaving"),
+        "QmB": record("QmB", ["/ip4/10.0.0.2/tcp/1"], True),
+    }
+    assert relay_candidates(peers, "QmMe") == ("/ip4/10.0.0.1/tcp/1/p2p/QmA", "/ip4/10.0.0.2/tcp/1/p2p/QmB")
+    assert relay_candidates(peers, "QmMe", limit=1) == ("/ip4/10.0.0.1/tcp/1/p2p/QmA",)
 
 
 def test_a_peer_dials_back_at_most_a_few_others_at_once() -> None:
