@@ -178,7 +178,8 @@ async def _serve(
                 tg.create_task(_set_when_done(watch, relays_lost))
             await _first_set(stop, relays_lost)
             await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
-            via = await _rejoin_via(directory, peer.peer_id) if relays_lost.is_set() else ()
+            rejoin = relays_lost.is_set() and not stop.is_set()
+            via = await _rejoin_via(directory, peer.peer_id) if rejoin else ()
             raise _Leave
     except* _Leave:
         pass
@@ -369,7 +370,11 @@ async def _reach_before_join(config: PeerConfig, dht_config: DHTConfig) -> DHTCo
     client served through the relays of those that answered (swarm.peer.reach)."""
     if not needs_check(dht_config):
         return dht_config
-    check = await check_before_join(dht_config, config.sessions.dial_back_timeout_s)
+    try:
+        check = await check_before_join(dht_config, config.sessions.dial_back_timeout_s)
+    except Exception as e:  # e.g. the port is taken: the DHT's own start reports that better
+        logger.warning("could not check reachability before joining: %r", e)
+        return dht_config
     logger.info("reachability before joining: %s", check.detail)
     if check.reachable is not False:
         return dht_config
