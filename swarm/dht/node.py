@@ -1,9 +1,9 @@
 """SwarmDHT: the hivemind DHT of one peer or client, with signed, schema-checked FlowSwarm records.
 
 hivemind.DHT runs its node (and its p2pd daemon) in a child process; calls go through a pipe and come back as
-MPFutures, which we await. hivemind's P2P turns on UPnP/NAT-PMP port mapping, AutoNAT and relays by default,
-which send traffic towards the gateway and the public internet: we pass every one of them explicitly, OFF
-unless a home user opts in through ReachabilityConfig.
+MPFutures, which we await. hivemind's P2P turns on UPnP/NAT-PMP port mapping and AutoNAT by default, which send
+traffic towards the gateway and the public internet: we pass both explicitly, OFF unless a home user opts in
+through ReachabilityConfig. Circuit relays stay on, bounded (ReachabilityConfig.daemon_flags).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_o
 from swarm.dht.process import ParentBoundDHT
 from swarm.dht.schemas import FlowSwarmSchema, model_key
 from swarm.errors import TransportError
-from swarm.settings import setting
+from swarm.settings import positive, setting
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +35,37 @@ logger = logging.getLogger(__name__)
 # its echo on an open stream cost both daemons 350-440 us of CPU, and 260 us with one thread, in as much time.
 P2PD_THREADS = 1
 
+# How a peer's log line on its relay starts: it serves through one (and was dialled back through it), or it
+# cannot, followed by exactly why (swarm.peer.reach; tests and benchmarks look for these).
+RELAY_OK = "serving through relay"
+RELAY_FAILED = "cannot serve through a relay:"
+
 
 @dataclass(frozen=True)
 class ReachabilityConfig:
-    """Reachability behind a home NAT: all opt-in, off by default (LAN / loopback)"""
+    """Reachability behind a NAT. Circuit relaying is on: a reachable peer relays, within the bounds below, for
+    peers that cannot accept connections, and a peer that finds at join that no one can dial it serves through
+    such a relay (swarm.peer.reach). UPnP / NAT-PMP and AutoNAT stay opt-in: they send traffic to the gateway."""
 
-    use_relay: bool = setting(False, "reach and be reached through libp2p circuit relays")
-    use_auto_relay: bool = setting(False, "look for relays when behind NAT (needs --use-relay)")
+    use_relay: bool = setting(
+        True,
+        "never use circuit relays: neither dial peers behind NAT through them, nor relay for them",
+        flag="no-relay",
+    )
+    relay_when_unreachable: bool = setting(
+        True,
+        "when no peer can dial us at join, do not serve through another peer's relay (just say why)",
+        flag="no-relay-when-unreachable",
+    )
+    relay_max_reservations: int = setting(32, "most peers behind NAT we relay for at once")
+    relay_max_circuits: int = setting(16, "most relayed connections at once to or from one peer")
+    relay_data_limit_bytes: int = setting(
+        1024**3, "bytes one relayed connection may carry each way before we reset it"
+    )
+    relay_time_limit_s: float = setting(3600.0, "longest a relayed connection may last before we reset it")
+    relay_watch_interval_s: float = setting(
+        15.0, "how often a peer served through relays looks whether they are still in the swarm"
+    )
     nat_port_map: bool = setting(False, "ask the router for a port mapping (UPnP / NAT-PMP)")
     auto_nat: bool = setting(False, "run the AutoNAT service: ask others whether we are reachable")
     announce_maddrs: tuple[str, ...] = setting(
@@ -51,19 +75,47 @@ class ReachabilityConfig:
         metavar="MADDR",
     )
 
-    def p2p_kwargs(self) -> dict[str, Any]:
-        if self.use_auto_relay and not self.use_relay:
-            raise ValueError("use_auto_relay needs use_relay")
+    def __post_init__(self) -> None:
+        positive(self, "relay_max_reservations", "relay_max_circuits", "relay_data_limit_bytes")
+        positive(self, "relay_time_limit_s", "relay_watch_interval_s")
+
+    def p2p_kwargs(self, relays: tuple[str, ...] = ()) -> dict[str, Any]:
+        """hivemind P2P.create's options. ``relays``: multiaddrs of the peers we serve through (we cannot be
+        dialled): we reserve a slot at each of them and relay for no one."""
+        if relays and not self.use_relay:
+            raise ValueError("serving through relays needs use_relay")
         kwargs: dict[str, Any] = {
             "use_relay": self.use_relay,
-            "use_auto_relay": self.use_auto_relay,
+            "use_auto_relay": bool(relays),  # reservations at the given relays only (see daemon_flags)
             "nat_port_map": self.nat_port_map,
             "auto_nat": self.auto_nat,
             "use_ipfs": False,  # never bootstrap from the public IPFS network
         }
+        if relays:  # our reachability is known: start the relay client at once, AutoNAT is not asked
+            kwargs["force_reachability"] = "private"
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
         return kwargs
+
+    def daemon_flags(self, relays: tuple[str, ...] = (), relay_service: bool = True) -> dict[str, str]:
+        """p2pd flags that hivemind's P2P.create has no option for (swarm.dht.process appends them).
+
+        With ``relays``, the static-relay mode: p2pd's relay discovery would wait for four candidates or three
+        minutes before its first reservation. ``relay_service``: relay for others within our bounds (a client,
+        or a peer that is itself behind NAT, does not)."""
+        if not self.use_relay:
+            return {}
+        if relays:
+            return {"trustedRelays": ",".join(relays), "relayDiscovery": "0", "relayService": "0"}
+        if not relay_service:
+            return {"relayService": "0"}
+        return {
+            "relayService": "1",
+            "relayMaxReservations": str(self.relay_max_reservations),
+            "relayMaxCircuits": str(self.relay_max_circuits),
+            "relayDataLimit": str(self.relay_data_limit_bytes),
+            "relayTimeLimit": f"{self.relay_time_limit_s:g}s",
+        }
 
 
 @dataclass(frozen=True)
@@ -76,6 +128,10 @@ class DHTConfig:
     identity_path: str | None = None  # persistent libp2p identity (RSA key); None = fresh, temporary one
     client_mode: bool = False  # a client asks the DHT but stores nothing for others and is not dialled
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    relays: tuple[
+        str, ...
+    ] = ()  # serve through these peers' circuit relays (we cannot be dialled); see p2p_kwargs
+    listen: bool = True  # False listens on no address: no one can dial us (a NAT without inbound, for tests)
     start_timeout_s: float = 60.0  # bootstrap deadline
     request_timeout_s: float = 3.0  # hivemind's wait_timeout for one DHT RPC
     p2pd_threads: int = P2PD_THREADS  # the daemon's GOMAXPROCS; 0 leaves Go's default (or the environment's)
@@ -85,15 +141,23 @@ class DHTConfig:
             raise ValueError(f"port {self.port} out of range 0..65535")
         if self.p2pd_threads < 0:
             raise ValueError(f"p2pd_threads must be >= 0, got {self.p2pd_threads}")
+        if self.relays and not self.client_mode:
+            raise ValueError("a node served through relays cannot answer DHT requests: set client_mode")
 
 
 class SwarmDHT:
     """A running hivemind DHT node for one model. Create with `SwarmDHT.create(...)`, end with `shutdown()`."""
 
     def __init__(
-        self, dht: hivemind.DHT, model_hash: str, identity_path: Path, temporary_identity: bool
+        self,
+        dht: hivemind.DHT,
+        model_hash: str,
+        identity_path: Path,
+        temporary_identity: bool,
+        relays: tuple[str, ...] = (),
     ) -> None:
         self._dht = dht
+        self.relays = relays  # the relays we serve through (multiaddrs ending in /p2p/<relay id>)
         self.model_hash = model_hash
         self._identity_path = identity_path
         self._temporary_identity = temporary_identity
@@ -148,15 +212,21 @@ class SwarmDHT:
         except Exception as e:
             where = f"via {', '.join(config.initial_peers)}" if config.initial_peers else "as the first node"
             raise TransportError(f"could not join the DHT {where}: {type(e).__name__}: {e}") from e
-        return cls(dht, model_hash, identity_path, temporary)
+        return cls(dht, model_hash, identity_path, temporary, config.relays)
 
     @property
     def hivemind_dht(self) -> hivemind.DHT:
         return self._dht
 
     def visible_maddrs(self) -> list[str]:
-        """Multiaddrs others can dial, each ending in /p2p/<peer id>: pass them as initial_peers."""
-        return [str(m) for m in self._dht.get_visible_maddrs()]
+        """Multiaddrs others can dial, each ending in /p2p/<peer id>: pass them as initial_peers. Served through
+        relays, the circuit addresses through each of them; listening nowhere and not relayed, none."""
+        if self.relays:
+            return [circuit_maddr(relay, self.peer_id) for relay in self.relays]
+        try:
+            return [str(m) for m in self._dht.get_visible_maddrs()]
+        except ValueError:  # hivemind raises when the daemon listens nowhere
+            return []
 
     async def replicate_p2p(self) -> P2P:
         """The hivemind P2P of this node's daemon, for RPC handlers and callers (lives while the DHT does)."""
@@ -221,16 +291,28 @@ def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporar
         SchemaValidator(FlowSwarmSchema, allow_extra_keys=True, prefix=model_key(model_hash)),
     ]
     ip = "ip6" if ":" in config.host else "ip4"
+    reach = config.reachability
+    listen = (
+        {"host_maddrs": [f"/{ip}/{config.host}/tcp/{config.port}"]} if config.listen else {"no_listen": True}
+    )
     return ParentBoundDHT(
         initial_peers=list(config.initial_peers) or None,
         start=True,
         await_ready=False,
         record_validators=validators,
         client_mode=config.client_mode,
-        host_maddrs=[f"/{ip}/{config.host}/tcp/{config.port}"],
         identity_path=str(identity_path),
         check_if_identity_free=not temporary,  # a fresh key cannot be taken; skip the probe
         wait_timeout=config.request_timeout_s,
         p2pd_threads=config.p2pd_threads,
-        **config.reachability.p2p_kwargs(),
+        p2pd_flags=reach.daemon_flags(config.relays, relay_service=not config.client_mode),
+        **listen,
+        **reach.p2p_kwargs(config.relays),
     )
+
+
+def circuit_maddr(relay_maddr: str, peer_id: str) -> str:
+    """Where ``peer_id`` is reached through the relay at ``relay_maddr`` (which ends in /p2p/<relay id>)."""
+    if "/p2p/" not in relay_maddr:
+        raise ValueError(f"a relay's multiaddr must end in /p2p/<its peer id>: {relay_maddr}")
+    return f"{relay_maddr}/p2p-circuit/p2p/{peer_id}"

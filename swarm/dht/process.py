@@ -16,23 +16,43 @@ from typing import Any
 
 import hivemind
 import psutil
+from hivemind.p2p import P2P
 
 WATCH_INTERVAL_S = 0.5
 
 
 class ParentBoundDHT(hivemind.DHT):
     """A hivemind.DHT whose child process, and everything it started, ends when the process that forked it ends.
-    ``p2pd_threads`` > 0 runs its p2pd daemon with that many Go threads (GOMAXPROCS; swarm.dht.node)."""
+    ``p2pd_threads`` > 0 runs its p2pd daemon with that many Go threads (GOMAXPROCS; swarm.dht.node);
+    ``p2pd_flags`` are added to its command line (``{"relayService": "0"}`` -> ``-relayService=0``)."""
 
-    def __init__(self, *args: Any, p2pd_threads: int = 0, **kwargs: Any) -> None:
-        self._p2pd_threads = p2pd_threads  # before hivemind's __init__, which may fork the child already
+    def __init__(
+        self, *args: Any, p2pd_threads: int = 0, p2pd_flags: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        # before hivemind's __init__, which may fork the child already
+        self._p2pd_threads = p2pd_threads
+        self._p2pd_flags = dict(p2pd_flags or {})
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:  # runs in the child
         start_parent_watch(os.getppid(), before_exit=lambda: reap_descendants(os.getpid()))
         if self._p2pd_threads > 0:  # hivemind starts p2pd with this process's environment
             os.environ["GOMAXPROCS"] = str(self._p2pd_threads)
+        if self._p2pd_flags:
+            add_daemon_flags(self._p2pd_flags)
         super().run()
+
+
+def add_daemon_flags(flags: dict[str, str]) -> None:
+    """Make every p2pd this process starts get ``flags`` too. hivemind's P2P.create has no option for p2pd's
+    relay settings (limits, static relays), but builds the command line in one static method: this wraps it.
+    Only in the DHT's own child process, where every P2P started is the one this DHT runs on."""
+    build = P2P._make_process_args
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return [*build(*args, **kwargs), *(f"-{name}={value}" for name, value in flags.items())]
+
+    P2P._make_process_args = staticmethod(with_flags)
 
 
 def start_parent_watch(parent_pid: int, before_exit: Callable[[], None] = lambda: None) -> None:

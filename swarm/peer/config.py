@@ -257,6 +257,11 @@ class PeerConfig:
     )
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "port to listen on (0: any free)")
+    listen: bool = setting(
+        True,
+        "TEST ONLY: listen on no address, so no one can dial us (a NAT without inbound)",
+        flag="--no-listen",
+    )
     p2pd_threads: int = setting(
         P2PD_THREADS, "Go threads of our p2pd daemon (GOMAXPROCS; 0: Go's default, a thread per core)"
     )

@@ -40,8 +40,9 @@ from swarm.peer.executor import Group, StepResult
 from swarm.peer.forwarding import Forwarder
 from swarm.peer.handoff import Handoff, Parked
 from swarm.peer.handover import Handovers
+from swarm.peer.reach import DialBack
 from swarm.peer.state import Peer, Served, session_key
-from swarm.transport.calls import call_close, call_probe, call_step, call_step_acked, call_step_batch
+from swarm.transport.calls import call_close, call_step, call_step_acked, call_step_batch
 from swarm.transport.serving import error_reply
 from swarm.types import LayerRange
 from swarm.wire import (
@@ -89,6 +90,12 @@ class PeerHandlers:
         # wait_result steps on to their next hop, a batch's steps for one peer in one message
         self.forwarder = Forwarder(self._send_step, self._send_steps)
         self.codecs: dict[str, str] = {}  # the codec our output last took to each next hop (swarm.codec)
+        # others' reachability checks: dialled from a node of its own (swarm.peer.reach); close with aclose()
+        self.dial_back = DialBack(self.config.dial_back_timeout_s)
+
+    async def aclose(self) -> None:
+        """Stop what the handlers started (the dial-back node)."""
+        await self.dial_back.aclose()
 
     @contextlib.contextmanager
     def _admit(self, remote_id: str) -> Iterator[None]:
@@ -361,17 +368,8 @@ class PeerHandlers:
         if request.dial_back_peer_id:
             if request.dial_back_peer_id != remote_id:
                 raise ProtocolError("dial-back is only to the peer that asks for it")
-            try:
-                await call_probe(
-                    self.p2p,
-                    remote_id,
-                    maddrs=request.dial_back_maddrs,
-                    timeout_s=self.config.dial_back_timeout_s,
-                )
-                ok = True
-            except Exception as e:  # any failure to dial back is the answer, not an error of this call
-                logger.debug("could not dial %s back: %r", remote_id[-8:], e)
-                ok, error = False, DIAL_BACK_FAILED
+            ok = await self.dial_back(remote_id, request.dial_back_maddrs)
+            error = "" if ok else DIAL_BACK_FAILED
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
 

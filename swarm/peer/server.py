@@ -1,11 +1,12 @@
 """The peer process: join the DHT, pick and load layers, measure, serve RPCs, announce, leave cleanly.
 
 run(config, stop)                       # returns after ``stop`` is set and the peer has left
-  SwarmDHT.create                       # hivemind DHT + p2pd, reachability options off unless opted in
+  dial-back check before joining        # can others dial us? if not, join through another peer's relay
+  SwarmDHT.create                       # hivemind DHT + p2pd (UPnP, AutoNAT off unless opted in)
   choose layers (auto: least covered)   # from a DHT snapshot and the memory budget
   load blocks, measure compute          # on the executor thread
   TaskGroup: executor, announcer, idle-session reaper, link monitor, planner service, plan follower
-  dial-back check                       # another peer probes us: are we reachable?
+  dial-back check                       # another peer dials us at our record's addresses (relayed or not)
   stop: refuse new sessions, drain open ones (grace), withdraw the record, stop the DHT
 
 The Peer (swarm.peer.state) owns all mutable state; every component here gets it and acts through it.
@@ -14,9 +15,11 @@ The Peer (swarm.peer.state) owns all mutable state; every component here gets it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 
 from hivemind.p2p import P2P
@@ -32,6 +35,7 @@ from swarm.dht import (
     SwarmDHT,
     coverage,
 )
+from swarm.dht.node import RELAY_FAILED, RELAY_OK
 from swarm.models.faults import OutputFaults, seed_of
 from swarm.models.heap import freeze_loaded
 from swarm.models.loading import ModelSource, resolve_model
@@ -51,23 +55,33 @@ from swarm.peer.measure import (
     packing_bytes,
 )
 from swarm.peer.planner_service import PlannerService
+from swarm.peer.reach import (
+    check_after_join,
+    check_before_join,
+    needs_check,
+    relay_candidates,
+    relaying_off_reason,
+    watch_relays,
+)
 from swarm.peer.state import Identity, Peer, Served
 from swarm.peer.turns import SharedDevice
 from swarm.planner import ModelInfo
-from swarm.transport import call_probe, serve
+from swarm.transport import serve
 from swarm.types import DTYPE_BYTES, LayerRange
-from swarm.wire import ProbeRequest
 
 logger = logging.getLogger(__name__)
 
 REACHABILITY_ADVICE = (
     "this peer is NOT reachable from the swarm: others cannot send it requests. If you are behind a home "
-    "router, rerun with --use-relay --use-auto-relay (reach others through relays), or --nat-port-map (UPnP), "
-    "or forward a port and pass --port N --announce-maddr /ip4/PUBLIC_IP/tcp/N"
+    "router, let it serve through another peer's relay (the default; check --no-relay and "
+    "--no-relay-when-unreachable), or try --nat-port-map (UPnP), or forward a port and pass --port N "
+    "--announce-maddr /ip4/PUBLIC_IP/tcp/N"
 )
 
 
 BATCH_LOG_INTERVAL_S = 5.0
+RELAY_CHECK_ATTEMPTS = 5  # dial-backs through our relays before we say we cannot serve through them
+RELAY_CHECK_PAUSE_S = 2.0
 
 
 class _Leave(Exception):
@@ -75,35 +89,46 @@ class _Leave(Exception):
 
 
 async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
-    """Run a peer until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM), then leave cleanly."""
+    """Run a peer until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM), then leave cleanly. A peer served
+    through relays that all left the swarm leaves and joins again, through live peers others can dial."""
     stop = stop or asyncio.Event()
     began = time.monotonic()
     logger.info("resolving model %s", config.model)
     source = await asyncio.to_thread(resolve_model, config.model)
     if config.layers != "auto":  # a bad range fails now, before we join the swarm
         LayerRange.parse(config.layers).check_within(source.spec.num_layers)
-    dht_config = DHTConfig(
-        initial_peers=config.initial_peers,
-        host=config.host,
-        port=config.port,
-        identity_path=config.identity_path,
-        reachability=config.reachability,
-        p2pd_threads=config.p2pd_threads,
-    )
-    logger.info("joining the DHT (%s)", "new swarm" if not config.initial_peers else "via initial peers")
-    dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
-    try:
-        p2p = await dht.replicate_p2p()
-        await _serve(config, source, dht, p2p, stop, began)
-    finally:
-        await dht.aclose()
-        logger.info("left the swarm")
+    via: tuple[str, ...] = ()  # live peers to join through, when rejoining
+    while True:
+        dht_config = DHTConfig(
+            initial_peers=(*via, *config.initial_peers),
+            host=config.host,
+            port=config.port,
+            identity_path=config.identity_path,
+            reachability=config.reachability,
+            p2pd_threads=config.p2pd_threads,
+            listen=config.listen,
+        )
+        dht_config = await _reach_before_join(config, dht_config)
+        logger.info(
+            "joining the DHT (%s)", "new swarm" if not dht_config.initial_peers else "via initial peers"
+        )
+        dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
+        try:
+            p2p = await dht.replicate_p2p()
+            via = await _serve(config, source, dht, p2p, stop, began)
+        finally:
+            await dht.aclose()
+            logger.info("left the swarm")
+        if not via:
+            return
+        logger.info("rejoining through %s", ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in via))
 
 
 async def _serve(
     config: PeerConfig, source: ModelSource, dht: SwarmDHT, p2p: P2P, stop: asyncio.Event, began: float
-) -> None:
-    """Wire the components around one Peer under one TaskGroup; return once the peer has left."""
+) -> tuple[str, ...]:
+    """Wire the components around one Peer under one TaskGroup; return once the peer has left: with the peers
+    to rejoin through when it left because every relay it was served through had left, else ()."""
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
     directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
     directory = Directory(dht, directory_config, shape=shape)
@@ -118,11 +143,12 @@ async def _serve(
         p2p, peer.peer_id, _reading_live(directory, peer), config.links, on_change=peer.set_links
     )
     try:
-        async with asyncio.TaskGroup() as tg:
+        async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
             tg.create_task(shared.run())
             await _load_and_measure(config, source, peer, layers)
             handlers = PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name))
+            stack.push_async_callback(handlers.aclose)
             await serve(p2p, handlers)
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
@@ -141,12 +167,23 @@ async def _serve(
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
             _report_serving(config, peer, began)
-            peer.reachable = await _check_reachable(p2p, directory, peer.peer_id, list(identity.maddrs))
-            await stop.wait()
+            peer.reachable = await _check_reachable(
+                config, p2p, directory, peer.peer_id, dht.relays, identity
+            )
+            relays_lost = asyncio.Event()
+            if dht.relays and peer.reachable:
+                watch = watch_relays(
+                    _live_ids(directory), dht.relays, config.reachability.relay_watch_interval_s
+                )
+                tg.create_task(_set_when_done(watch, relays_lost))
+            await _first_set(stop, relays_lost)
             await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
+            rejoin = relays_lost.is_set() and not stop.is_set()
+            via = await _rejoin_via(directory, peer.peer_id) if rejoin else ()
             raise _Leave
     except* _Leave:
         pass
+    return via
 
 
 async def _log_batches(executor: Executor, forwarder: Forwarder, interval_s: float) -> None:
@@ -328,32 +365,97 @@ async def _choose_layers(
     return held
 
 
-async def _check_reachable(p2p: P2P, directory: Directory, own_id: str, maddrs: list[str]) -> bool | None:
-    """Ask another live peer to dial us back; None when we are alone."""
+async def _reach_before_join(config: PeerConfig, dht_config: DHTConfig) -> DHTConfig:
+    """Ask initial peers to dial us back before joining; when none can and relaying is allowed, join as a DHT
+    client served through the relays of those that answered (swarm.peer.reach)."""
+    if not needs_check(dht_config):
+        return dht_config
     try:
-        others = {pid: r for pid, r in (await directory.read_peers()).items() if pid != own_id}
-    except (TimeoutError, OSError, RuntimeError):
-        return None
-    for peer_id, other in list(others.items())[:3]:
-        try:
-            reply = await call_probe(
-                p2p,
-                peer_id,
-                ProbeRequest(dial_back_peer_id=own_id, dial_back_maddrs=tuple(maddrs)),
-                maddrs=other.maddrs,
-                timeout_s=10.0,
-            )
-        except Exception as e:  # that peer is down: ask the next one
-            logger.debug("dial-back request to %s failed: %s", peer_id[-8:], e)
-            continue
-        if reply.dial_back_ok:
-            logger.info("reachability: %s dialled us back", peer_id[-8:])
-            return True
-        logger.warning(
-            "%s (%s could not dial back: %s)", REACHABILITY_ADVICE, peer_id[-8:], reply.dial_back_error
+        check = await check_before_join(dht_config, config.sessions.dial_back_timeout_s)
+    except Exception as e:  # e.g. the port is taken: the DHT's own start reports that better
+        logger.warning("could not check reachability before joining: %r", e)
+        return dht_config
+    logger.info("reachability before joining: %s", check.detail)
+    if check.reachable is not False:
+        return dht_config
+    why_not = relaying_off_reason(config.reachability)
+    if why_not:
+        logger.warning("%s %s: %s (%s)", RELAY_FAILED, why_not, REACHABILITY_ADVICE, check.detail)
+        return dht_config
+    relay_ids = ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in check.relays)
+    logger.info("no one can dial us: joining through the relay of %s", relay_ids)
+    return replace(dht_config, relays=check.relays, client_mode=True)
+
+
+async def _check_reachable(
+    config: PeerConfig,
+    p2p: P2P,
+    directory: Directory,
+    own_id: str,
+    relays: tuple[str, ...],
+    identity: Identity,
+) -> bool | None:
+    """Ask another live peer to dial us back at our record's addresses; log the verdict. None when alone.
+    Through relays, ask a few times: p2pd reserves its slots at them in the background."""
+    timeout_s = config.sessions.dial_back_timeout_s
+    attempts = RELAY_CHECK_ATTEMPTS if relays else 1
+    for attempt in range(attempts):
+        ok, detail = await check_after_join(p2p, directory, own_id, identity.maddrs, timeout_s)
+        if ok is not False or attempt == attempts - 1:
+            break
+        await asyncio.sleep(RELAY_CHECK_PAUSE_S)
+    relay_ids = ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in relays)
+    if ok is None:
+        logger.info("reachability unknown: %s", detail)
+    elif relays and ok:
+        logger.info("%s %s: %s through it", RELAY_OK, relay_ids, detail)
+    elif relays:
+        logger.error(
+            "%s %s (the relays %s may relay for no one: they run with --no-relay, or are full: "
+            "--relay-max-reservations)",
+            RELAY_FAILED,
+            detail,
+            relay_ids,
         )
-        return False
-    return None
+    elif ok:
+        logger.info("reachability: %s", detail)
+    else:
+        logger.warning("%s (%s)", REACHABILITY_ADVICE, detail)
+    return ok
+
+
+async def _rejoin_via(directory: Directory, own_id: str) -> tuple[str, ...]:
+    """Live peers others can dial, to rejoin through once every relay we were served through left."""
+    try:
+        via = relay_candidates(await directory.read_peers(), own_id)
+    except (TimeoutError, OSError, RuntimeError) as e:
+        logger.error("%s every relay left, and reading the swarm for others failed: %r", RELAY_FAILED, e)
+        return ()
+    if not via:
+        logger.error("%s every relay left, and no live peer that others can dial is left", RELAY_FAILED)
+    return via
+
+
+async def _set_when_done(work: Awaitable[None], done: asyncio.Event) -> None:
+    await work
+    done.set()
+
+
+async def _first_set(*events: asyncio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def _live_ids(directory: Directory) -> Callable[[], Awaitable[Collection[str]]]:
+    async def read() -> Collection[str]:
+        return (await directory.read_peers()).keys()
+
+    return read
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -42,14 +42,16 @@ def test_every_leaf_setting_is_one_option_with_help() -> None:
 def test_options_reach_nested_components_and_each_loop_has_its_own_knob() -> None:
     args = _parser().parse_args(
         ["--planner-check-interval-s", "2", "--follow-check-interval-s", "7", "--session-idle-timeout-s", "9",
-         "--no-plan", "--use-relay", "--announce-maddr", "/ip4/1.2.3.4/tcp/5", "--layers", "0:4"]
+         "--no-plan", "--no-relay", "--announce-maddr", "/ip4/1.2.3.4/tcp/5", "--layers", "0:4"]
     )  # fmt: skip
     config = from_arguments(PeerConfig, args)
     assert config.planner == PlannerConfig(check_interval_s=2.0)
     assert config.follow == FollowConfig(check_interval_s=7.0)
     assert config.sessions == SessionConfig(idle_timeout_s=9.0)
     assert (config.plan, config.follow_plan, config.layers) == (False, True, "0:4")
-    assert config.reachability.use_relay and config.reachability.announce_maddrs == ("/ip4/1.2.3.4/tcp/5",)
+    assert not config.reachability.use_relay and config.reachability.announce_maddrs == (
+        "/ip4/1.2.3.4/tcp/5",
+    )
 
 
 @pytest.mark.parametrize(

@@ -160,23 +160,22 @@ def test_pick_plan_takes_only_the_lease_holders_plan():
     assert pick_plan({}, None) is None
 
 
-def test_reachability_is_off_unless_opted_in():
+def test_gateway_options_are_off_unless_opted_in_and_relays_are_on():
     from swarm.dht import ReachabilityConfig
 
     kwargs = ReachabilityConfig().p2p_kwargs()
     assert kwargs == {
-        "use_relay": False,
+        "use_relay": True,  # bounded (test_reachability.py); sends nothing to the gateway
         "use_auto_relay": False,
         "nat_port_map": False,
         "auto_nat": False,
         "use_ipfs": False,
     }
-    home = ReachabilityConfig(
-        use_relay=True, use_auto_relay=True, announce_maddrs=("/ip4/1.2.3.4/tcp/31337",)
-    )
+    home = ReachabilityConfig(nat_port_map=True, announce_maddrs=("/ip4/1.2.3.4/tcp/31337",))
     assert home.p2p_kwargs()["announce_maddrs"] == ["/ip4/1.2.3.4/tcp/31337"]
+    assert home.p2p_kwargs()["nat_port_map"] is True
     with pytest.raises(ValueError, match="needs use_relay"):
-        ReachabilityConfig(use_auto_relay=True).p2p_kwargs()
+        ReachabilityConfig(use_relay=False).p2p_kwargs(("/ip4/1.2.3.4/tcp/1/p2p/QmRelay",))
 
 
 def _older(*ranges: tuple[int, int, int]) -> list[dict[str, int]]:
