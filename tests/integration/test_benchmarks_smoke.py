@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from swarm.codec import Q8_BLOCK
+from swarm.testing.wan import namespaces_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -638,3 +639,23 @@ def test_bench_ranges_quick(tmp_path: Path) -> None:
     assert set(out["ratios"]) == {
         f"{prefix}{name}_vs_kept" for prefix in ("", "aggregate_") for name in ("moved", "direct", "budget")
     }
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+def test_bench_wan_quick(tmp_path: Path) -> None:
+    """The delay-and-bandwidth grid on the tiny model; the slow link and the NAT case have their own tests
+    (test_wan_slow_link.py, test_nat_relay_netns.py), which run the same code the benchmark calls."""
+    out_file = tmp_path / "wan.json"
+    args = ["scripts/bench_wan.py", "--quick", "--skip", "slow_link", "nat", "--json", str(out_file)]
+    out = _run_json(args, 360)
+    assert isinstance(out, dict) and json.loads(out_file.read_text()) == out
+    by_link = ("decode_tok_s", "floor_tok_s", "decode_over_floor", "ttft_s", "aggregate8_tok_s")
+    for key in by_link:
+        assert set(out[key]) == {"100"} and set(out[key]["100"]) == {"0", "10"}, (key, out[key])
+    assert all(_positive(out[k]["100"][d]) for k in ("decode_tok_s", "floor_tok_s") for d in ("0", "10"))
+    assert out["decode_over_floor"]["100"]["0"] == 1.0  # the floor's compute is the 0 ms figure itself
+    assert all(_positive(t) for row in out["ttft_s"]["100"].values() for t in row.values())
+    assert out["grid_tokens_equal"] is True  # greedy tokens through the emulated links equal transformers'
+    assert set(out["targets"]) == {"decode_within_15pct_of_floor"}
+    assert "slow_link_flow_share" not in out and "nat_relay_ok" not in out
