@@ -44,7 +44,7 @@ def test_peers_announce_both_directions_of_a_slow_long_link(tmp_path: Path, tiny
             out, err = reader.communicate(timeout=240)
             assert reader.returncode == 0, err.decode(errors="replace")[-3000:]
     links = json.loads(out.decode().strip().splitlines()[-1])
-    print(json.dumps(links))  # the figures, for docs/notes-links.md
+    print(json.dumps(links))  # the figures (docs/benchmarks.md)
     for src, dst, up, down in (
         (first, second, UP_BITS_S, DOWN_BITS_S),
         (second, first, DOWN_BITS_S, UP_BITS_S),
