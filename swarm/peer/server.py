@@ -74,8 +74,8 @@ logger = logging.getLogger(__name__)
 REACHABILITY_ADVICE = (
     "this peer is NOT reachable from the swarm: others cannot send it requests. If you are behind a home "
     "router, let it serve through another peer's relay (the default; check --no-relay and "
-    "--no-relay-when-unreachable), or try --nat-port-map (UPnP), or forward a port and pass --port N "
-    "--announce-maddr /ip4/PUBLIC_IP/tcp/N"
+    "--no-relay-when-unreachable), or try --nat-port-map (UPnP), or forward a port and pass --host 0.0.0.0 "
+    "--port N --announce-maddr /ip4/PUBLIC_IP/tcp/N"
 )
 
 
