@@ -390,12 +390,21 @@ def run_nat(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         EmulatedNet(PREFIX, ["p0", "p1", "nat", "cl"], LinkSpec(0.010, 100 * MBIT), nat_hosts=["nat"]) as net,
         LocalSwarm(tmp, model=args.model, net=net) as swarm,
     ):
-        result = nat_relay_case(swarm, hosts=("p0", "p1", "nat"), client_host="cl", timeout_s=300)
+        prompt = chat_prompt_ids(resolve_model(args.model), QUESTION)
+        result = nat_relay_case(
+            swarm,
+            hosts=("p0", "p1", "nat"),
+            client_host="cl",
+            timeout_s=300,
+            prompt_ids=prompt,
+            new_tokens=16,
+        )
     log(f"NAT case: {result['relay_line']}")
     return {
         "nat_relay_ok": result["nat_relay_ok"],
         "nat": {
-            k: result[k] for k in ("relay_line", "relayed", "through_nat_peer", "tokens_equal", "nat_ready_s")
+            k: result[k]
+            for k in ("relay_line", "relayed", "through_nat_peer", "tokens_equal", "nat_ready_s", "tokens")
         },
     }
 

@@ -41,6 +41,7 @@ def nat_relay_case(
     relay: bool = True,
     new_tokens: int = 8,
     timeout_s: float = 120.0,
+    prompt_ids: Sequence[int] = PROMPT_IDS,
 ) -> dict[str, Any]:
     """Start the three peers in ``swarm`` (empty), run one greedy session, and report (see the module doc).
 
@@ -70,8 +71,9 @@ def nat_relay_case(
         relayed = all("/p2p-circuit/" in m for m in nat.maddrs)
         result["nat_ready_s"] = nat.ready_after_s
     if relayed:
-        result.update(generate(swarm, new_tokens, timeout_s, client_host))
-    result["reference"] = greedy_reference(resolve_model(swarm.model), PROMPT_IDS, new_tokens)
+        result.update(generate(swarm, new_tokens, timeout_s, client_host, prompt_ids))
+    source = resolve_model(swarm.model)
+    result["reference"] = _until_eos(greedy_reference(source, prompt_ids, new_tokens), source.tokenizer())
     result["relayed"] = relayed
     result["through_nat_peer"] = relayed and nat.peer_id in result["route"]
     result["tokens_equal"] = result["tokens"] == result["reference"]
@@ -79,8 +81,14 @@ def nat_relay_case(
     return result
 
 
-def generate(swarm: LocalSwarm, new_tokens: int, timeout_s: float, host: str | None) -> dict[str, Any]:
-    """{"tokens", "route"} of one greedy session after PROMPT_IDS, from a client process of its own (in
+def generate(
+    swarm: LocalSwarm,
+    new_tokens: int,
+    timeout_s: float,
+    host: str | None,
+    prompt_ids: Sequence[int] = PROMPT_IDS,
+) -> dict[str, Any]:
+    """{"tokens", "route"} of one greedy session after ``prompt_ids``, from a client process of its own (in
     ``host``'s namespace when given)."""
     argv = [
         sys.executable,
@@ -91,7 +99,7 @@ def generate(swarm: LocalSwarm, new_tokens: int, timeout_s: float, host: str | N
         "--model",
         swarm.model,
     ]
-    argv += ["--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", str(new_tokens), "--json"]
+    argv += ["--prompt-ids", ",".join(map(str, prompt_ids)), "--max-new-tokens", str(new_tokens), "--json"]
     if host is None:
         proc = subprocess.Popen(argv, env=swarm.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     else:
@@ -121,3 +129,10 @@ def wait_for_verdict(peer: PeerProcess, timeout_s: float) -> str:
             raise RuntimeError(f"peer {peer.name} exited with {peer.proc.returncode}:\n{peer.log_tail()}")
         time.sleep(0.2)
     raise TimeoutError(f"peer {peer.name} said neither that it relays nor why not:\n{peer.log_tail()}")
+
+
+def _until_eos(tokens: list[int], tokenizer: Any) -> list[int]:
+    """The reference's tokens before its first EOS: the client stops there (the tiny model has no tokenizer and
+    no EOS, so all of them)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
