@@ -347,6 +347,7 @@ class BatchedSession(InferenceSession):
             prefill_chunk_tokens,
         )
         self.batcher = batcher
+        self.full_head = batcher.head  # a verified step's head runs on its own, outside the rounds
         self.lane = batcher.lane()  # the group of sessions whose rounds we share
         self.round: Round | None = None  # the round of our last logits: our next decode step goes with it
 
@@ -374,6 +375,13 @@ class BatchedSession(InferenceSession):
             raise
         logits, self.round = await self.batcher.logits_in_round(hidden, self, self.lane, argmax_only)
         return logits
+
+    async def forward_all(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor:
+        """logits[T, V] after each of `new_ids` (InferenceSession); like a prefill, the step leaves its round."""
+        round_, self.round, self.batch = self.round, None, NO_BATCH
+        if round_ is not None:
+            round_.leave(self)
+        return await super().forward_all(new_ids, argmax_only)
 
     async def close(self) -> None:
         if self.round is not None:  # our generation ended: our round's next steps go without us

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from client.batching import BatchedSession, HeadBatcher
 from client.chain import RemoteChain
 from client.config import ClientConfig
+from client.drafting import make_speculation
 from client.generation import GenerationRequest, generate_ids, generate_text
 from client.liveness import LivenessConfig, StepWatch
 from client.retry import RetryPolicy
@@ -211,6 +212,7 @@ class AsyncSwarmClient:
             self.watch,
             self.config.prefill_chunk_tokens,
         )
+        session.speculation = make_speculation(self.config.speculate, self.config.draft_tokens)
         self.last_session = session
         return session
 
@@ -233,7 +235,9 @@ class AsyncSwarmClient:
         sampler = _sampler(temperature, top_p, top_k, repetition_penalty, seed)
         session = self.new_session(len(request.prompt_ids) + max_new_tokens)
         try:
-            pieces_of = generate_text(session, request, sampler.sample, self.tokenizer, sampler.params.greedy)
+            pieces_of = generate_text(
+                session, request, sampler.sample, self.tokenizer, sampler.params.greedy, session.speculation
+            )
             async with aclosing(pieces_of) as pieces:
                 async for piece in pieces:
                     yield piece
@@ -253,7 +257,10 @@ class AsyncSwarmClient:
         request = GenerationRequest(tuple(input_ids), max_new_tokens, self.eos_ids, yield_eos=yield_eos)
         session = self.new_session(len(input_ids) + max_new_tokens)
         try:
-            return [t async for t in generate_ids(session, request, Sampler(params).sample, params.greedy)]
+            tokens = generate_ids(
+                session, request, Sampler(params).sample, params.greedy, session.speculation
+            )
+            return [t async for t in tokens]
         finally:
             await session.close()
 

@@ -12,6 +12,8 @@ from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.settings import component, setting
 from swarm.types import DTYPE_BYTES
 
+SPECULATE_CHOICES = ("off", "lookup")
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -89,6 +91,14 @@ class ClientConfig:
     spot_check_seed: int | None = setting(
         None, "seed of the draw of which steps are checked (default: unpredictable, as against real liars)"
     )
+    # Greedy generation only: a step carries the drafter's guesses and keeps those the model agrees with
+    # (client.drafting), so the tokens are those of plain decoding in fewer trips where the guesses are right.
+    speculate: str = setting(
+        "off",
+        "draft tokens to verify in one step: off, or lookup (n-grams of the prompt and answer so far)",
+        choices=SPECULATE_CHOICES,
+    )
+    draft_tokens: int = setting(4, "most drafted tokens one speculative step carries")
     # The chunks go all at once, so the route's peers compute different chunks at the same time.
     prefill_chunk_tokens: int = setting(
         256,
@@ -146,6 +156,12 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}"
             )
+        if self.speculate not in SPECULATE_CHOICES:
+            raise ValueError(
+                f"ClientConfig.speculate must be one of {', '.join(SPECULATE_CHOICES)}, got {self.speculate!r}"
+            )
+        if self.draft_tokens < 1:
+            raise ValueError(f"ClientConfig.draft_tokens must be >= 1, got {self.draft_tokens}")
         if self.batch_lanes < 1:
             raise ValueError(f"ClientConfig.batch_lanes must be >= 1, got {self.batch_lanes}")
         if self.max_retries < 0:

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from client.drafting import Speculation, Verifier, accept
+
 Pick = Callable[[torch.Tensor, Sequence[int]], int]  # (logits[V], token ids so far) -> next token id
 
 
@@ -43,14 +45,25 @@ class GenerationRequest:
 
 
 async def generate_ids(
-    session: Forward, request: GenerationRequest, pick: Pick, argmax_only: bool = False
+    session: Forward,
+    request: GenerationRequest,
+    pick: Pick,
+    argmax_only: bool = False,
+    speculation: Speculation | None = None,
 ) -> AsyncGenerator[int, None]:
     """Yield new token ids as they are sampled; stops at an EOS id or after max_new_tokens.
 
     The prompt goes through the swarm as one prefill step, then each sampled token as one decode step; the
     last sampled token is never sent, since nothing would read its output. ``argmax_only`` says that `pick`
-    reads only the argmax of the logits (greedy, SamplingParams.greedy): the head may then skip the rest.
+    reads only the argmax of the logits (greedy, SamplingParams.greedy): the head may then skip the rest, and
+    ``speculation``, if given, drafts tokens to verify several in one step.
     """
+    if speculation is not None and argmax_only and isinstance(session, Verifier):
+        # drafts only with a greedy pick: the same tokens as the loop below (client.drafting)
+        async with aclosing(speculative_ids(session, request, pick, speculation, argmax_only)) as tokens:
+            async for token in tokens:
+                yield token
+        return
     if request.max_new_tokens == 0:
         return
     history = list(request.prompt_ids)
@@ -65,6 +78,60 @@ async def generate_ids(
         yield token
         if i + 1 < request.max_new_tokens:
             logits = await session.forward([token], argmax_only)
+
+
+async def speculative_ids(
+    session: Verifier,
+    request: GenerationRequest,
+    pick: Pick,
+    spec: Speculation,
+    argmax_only: bool = True,
+) -> AsyncGenerator[int, None]:
+    """`generate_ids` with drafts: the same tokens as plain greedy decoding (``pick`` must be deterministic),
+    stopping at an EOS id or after max_new_tokens exactly; fewer trips where the drafter guesses right."""
+    if request.max_new_tokens == 0:
+        return
+    history = list(request.prompt_ids)
+    logits = await session.forward(request.prompt_ids, argmax_only)
+    token = pick(logits, history)
+    emitted = 0
+    while True:
+        if token in request.eos_ids:
+            if request.yield_eos:
+                yield token
+            return
+        history.append(token)
+        yield token
+        emitted += 1
+        remaining = request.max_new_tokens - emitted
+        if remaining == 0:
+            return
+        # a fully accepted step yields its drafts and one more token: never past max_new_tokens
+        drafts = spec.drafter.propose(history, min(spec.draft_tokens, remaining - 1)) if remaining > 1 else []
+        if not drafts:
+            token = pick(await session.forward([token], argmax_only), history)
+            continue
+        position = len(history) - 1  # where `token` goes: the session holds history[:-1]
+        rows = await session.forward_all([token, *drafts], argmax_only)  # [k + 1, V]
+        picks: list[int] = []
+        for i in range(len(drafts) + 1):
+            picks.append(pick(rows[i], [*history, *drafts[:i]]))
+            if i < len(drafts) and picks[i] != drafts[i]:
+                break
+        kept = accept(drafts, picks)
+        session.rewind(position + len(kept))  # the session now holds history[:-1], token, kept[:-1]
+        spec.steps += 1
+        spec.drafted += len(drafts)
+        spec.accepted += len(kept) - 1
+        for t in kept[:-1]:  # accepted drafts, each checked like a plain pick
+            if t in request.eos_ids:
+                if request.yield_eos:
+                    yield t
+                return
+            history.append(t)
+            yield t
+            emitted += 1
+        token = kept[-1]
 
 
 async def timed_ids(
@@ -155,12 +222,17 @@ def _overlap(text: str, stop: str) -> int:
 
 
 async def generate_text(
-    session: Forward, request: GenerationRequest, pick: Pick, tokenizer: Any, argmax_only: bool = False
+    session: Forward,
+    request: GenerationRequest,
+    pick: Pick,
+    tokenizer: Any,
+    argmax_only: bool = False,
+    speculation: Speculation | None = None,
 ) -> AsyncGenerator[str, None]:
     """Yield text pieces as tokens arrive; stop strings end generation and are not yielded."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(request.stop)
-    async with aclosing(generate_ids(session, request, pick, argmax_only)) as tokens:
+    async with aclosing(generate_ids(session, request, pick, argmax_only, speculation)) as tokens:
         async for token in tokens:
             text, stopped = stops.push(detok.push(token))
             if text:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from client.chunks import chunked
+from client.drafting import Speculation
 from client.liveness import StepWatch
 from client.retry import Action, Decision, RetryPolicy
 from client.spot import CheckChain, SpotChecker, WrongOutput
@@ -144,6 +145,7 @@ class InferenceSession:
         self.chain = chain
         self.routes = routes
         self.head = head
+        self.full_head = head  # scores every position of a step (BatchedSession's head keeps only the last)
         self.policy = policy
         self.step_timeout_s = step_timeout_s
         self.max_length_tokens = max_length_tokens  # KV cache reserved on each peer: prompt + new tokens
@@ -170,6 +172,7 @@ class InferenceSession:
         self._check: asyncio.Task[NodeID | None] | None = None  # the spot-check running beside our steps
         # (id, size) of the decode steps of other sessions our next one is sent with (see client.batching)
         self.batch = NO_BATCH
+        self.speculation: Speculation | None = None  # drafts to verify in greedy generation (client.drafting)
 
     def _avoid(self) -> frozenset[NodeID]:
         excluded = self.checker.excluded if self.checker is not None else set()
@@ -186,6 +189,25 @@ class InferenceSession:
     async def forward(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor:
         """Send `new_ids` through the swarm and return the logits[V] after the last of them (with
         ``argmax_only``, only their argmax is sure to be exact: Head.logits)."""
+        out = await self._send(new_ids)
+        return self.head.logits(out[-1:], argmax_only)[0]
+
+    async def forward_all(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor:
+        """Send `new_ids` through the swarm and return logits[T, V], row i after new_ids[i] (a speculative
+        step: client.drafting)."""
+        out = await self._send(new_ids)
+        return self.full_head.logits(out, argmax_only)
+
+    def rewind(self, length: int) -> None:
+        """Forget the tokens at positions >= ``length`` (rejected drafts). No message: the next step goes at
+        position ``length``, and each peer cuts its cache back to a step's position before running it."""
+        if not 0 <= length <= self.position:
+            raise ValueError(f"cannot rewind a session of {self.position} tokens to {length}")
+        del self.token_ids[length:]
+
+    async def _send(self, new_ids: Sequence[int]) -> torch.Tensor:
+        """Send `new_ids` through the route at the session's position, failing over as the policy says:
+        the last stage's hidden [T, H]."""
         self._check_forward(new_ids)
         if not self.stages:
             await self.open()
@@ -203,7 +225,7 @@ class InferenceSession:
         self._filled = set(self.stages)
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
-        return self.head.logits(out[-1:], argmax_only)[0]
+        return out
 
     def _check_forward(self, new_ids: Sequence[int]) -> None:
         """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""

@@ -1,0 +1,183 @@
+"""Speculative decoding on the client: the prompt-lookup drafter, greedy acceptance, and generation with drafts
+over the in-process chain, which must give exactly the tokens of plain greedy decoding."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client.config import ClientConfig
+from client.drafting import PromptLookup, Speculation, accept, make_speculation
+from client.generation import GenerationRequest, generate_ids
+from client.local import LocalChain, in_process_client
+from swarm.models.head import Sampler, SamplingParams
+from swarm.models.loading import ModelSource
+
+pytestmark = pytest.mark.timeout(120)
+
+SPLIT = {"a": (0, 3), "b": (3, 6)}
+PROMPT_IDS = [5, 17, 42, 99, 7, 3, 250, 11] * 3  # repeats itself: lookup has something to propose
+
+
+# --- the drafter and acceptance -------------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_match_of_the_longest_tail() -> None:
+    drafter = PromptLookup(max_ngram=3)
+    assert drafter.propose([1, 2, 3, 4, 9, 2, 3, 5, 2, 3], 2) == [5, 2]  # latest match of [2, 3]
+    assert drafter.propose([7, 1, 2, 8, 3, 1, 2], 4) == [8, 3, 1, 2]  # [1, 2] beats the [2] at its own tail
+    assert drafter.propose([1, 2, 3], 4) == []  # nothing repeats
+    assert drafter.propose([4], 4) == []
+
+
+@given(st.lists(st.integers(0, 5), max_size=40), st.integers(1, 6), st.integers(1, 4))
+def test_a_lookup_proposal_continues_an_earlier_copy_of_the_tail(history: list[int], k: int, n: int) -> None:
+    proposal = PromptLookup(max_ngram=n).propose(history, k)
+    assert len(proposal) <= k
+    copies = [
+        start
+        for size in range(1, n + 1)
+        for start in range(len(history) - size)
+        if len(history) > size and history[start : start + size] == history[-size:]
+    ]
+    if not proposal:
+        assert not copies  # any earlier copy of the last token has something after it
+        return
+    assert any(
+        history[start : start + len(proposal)] == proposal
+        for size in range(1, n + 1)
+        for start in range(size, len(history))
+        if history[start - size : start] == history[-size:]
+    )
+
+
+@given(st.lists(st.integers(0, 3), max_size=8), st.data())
+def test_accept_keeps_the_agreeing_prefix_and_the_targets_next_pick(drafts: list[int], data: Any) -> None:
+    picks = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
+    kept = accept(drafts, picks)
+    agree = next((i for i, (d, p) in enumerate(zip(drafts, picks, strict=False)) if d != p), len(drafts))
+    assert kept == picks[: agree + 1]
+
+
+def test_speculation_is_off_unless_asked_for() -> None:
+    assert ClientConfig().speculate == "off" and make_speculation("off", 4) is None
+    spec = make_speculation("lookup", 3)
+    assert spec is not None and spec.draft_tokens == 3
+    with pytest.raises(ValueError):
+        ClientConfig(speculate="tree")
+    with pytest.raises(ValueError):
+        ClientConfig(draft_tokens=0)
+
+
+# --- generation with drafts over the in-process chain ---------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_source: ModelSource) -> list[int]:
+    """Greedy decoding of PROMPT_IDS for 24 tokens by full forward passes of the transformers model."""
+    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
+    with torch.inference_mode():
+        for _ in range(24):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(PROMPT_IDS) :]
+
+
+class Scripted:
+    """Drafts from a known answer: its true continuation (``right``) or a token off by one at each place."""
+
+    def __init__(self, answer: Sequence[int], right: bool) -> None:
+        self.answer, self.right = list(answer), right
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        done = len(history) - len(PROMPT_IDS)
+        guess = self.answer[done : done + k]
+        return guess if self.right else [t + 1 for t in guess]
+
+
+def _client(source: ModelSource, **settings: Any) -> tuple[Any, LocalChain]:
+    blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in SPLIT.items()}
+    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0, **settings)
+    client = in_process_client(source.load_head(), blocks, None, config)
+    assert isinstance(client.chain, LocalChain)
+    return client, client.chain
+
+
+def _generate(source: ModelSource, spec: Speculation, request: GenerationRequest) -> list[int]:
+    """The tokens of generating `request` with `spec`; checks that each trip but the prompt's gave one token
+    the target picked, plus the accepted drafts before it."""
+    client, chain = _client(source)
+
+    async def run() -> list[int]:
+        session = client.new_session(len(request.prompt_ids) + request.max_new_tokens)
+        try:
+            return [
+                t async for t in generate_ids(session, request, Sampler(SamplingParams()).sample, True, spec)
+            ]
+        finally:
+            await session.close()
+
+    tokens = asyncio.run(run())
+    trips = len([c for c in chain.calls if c[0] == "a"])
+    if not request.eos_ids:
+        assert trips == len(tokens) - spec.accepted
+    return tokens
+
+
+def test_lookup_drafts_give_the_plain_greedy_tokens_in_fewer_steps(
+    tiny_source: ModelSource, reference: list[int]
+) -> None:
+    client, chain = _client(tiny_source, speculate="lookup", draft_tokens=4)
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, 24, SamplingParams()))
+    assert got == reference
+    spec = client.last_session.speculation
+    assert spec is not None and spec.accepted > 0 and spec.drafted >= spec.accepted
+    first_hop = [c for c in chain.calls if c[0] == "a"]
+    # the prefill, then one step per token that came from the target rather than an accepted draft
+    assert len(first_hop) == 1 + 23 - spec.accepted
+    assert all(not block.active_sessions for block in chain.blocks.values())
+
+
+def test_drafts_that_are_always_wrong_still_give_the_plain_greedy_tokens(
+    tiny_source: ModelSource, reference: list[int]
+) -> None:
+    spec = Speculation(Scripted(reference, right=False), 4)
+    request = GenerationRequest(tuple(PROMPT_IDS), 24, frozenset())
+    assert _generate(tiny_source, spec, request) == reference
+    # every decode step carried drafts but the last, which has room for no more tokens
+    assert spec.steps == 22 and spec.drafted > 0 and spec.accepted == 0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 24])
+def test_right_drafts_stop_exactly_at_max_new_tokens(
+    tiny_source: ModelSource, reference: list[int], max_new_tokens: int
+) -> None:
+    spec = Speculation(Scripted(reference, right=True), 4)
+    request = GenerationRequest(tuple(PROMPT_IDS), max_new_tokens, frozenset())
+    assert _generate(tiny_source, spec, request) == reference[:max_new_tokens]
+    # each trip with drafts takes all it carries; the last trip goes without: no room for more tokens
+    assert spec.accepted == spec.drafted and (spec.accepted > 0) == (max_new_tokens > 2)
+
+
+@pytest.mark.parametrize("yield_eos", [False, True])
+def test_an_accepted_draft_that_is_eos_ends_generation_there(
+    tiny_source: ModelSource, reference: list[int], yield_eos: bool
+) -> None:
+    eos = reference[6]
+    end = reference.index(eos)
+    spec = Speculation(Scripted(reference, right=True), 8)
+    request = GenerationRequest(tuple(PROMPT_IDS), 24, frozenset({eos}), yield_eos=yield_eos)
+    assert _generate(tiny_source, spec, request) == reference[: end + 1 if yield_eos else end]
