@@ -181,3 +181,40 @@ def test_an_accepted_draft_that_is_eos_ends_generation_there(
     spec = Speculation(Scripted(reference, right=True), 8)
     request = GenerationRequest(tuple(PROMPT_IDS), 24, frozenset({eos}), yield_eos=yield_eos)
     assert _generate(tiny_source, spec, request) == reference[: end + 1 if yield_eos else end]
+
+
+def test_a_peer_killed_mid_speculation_fails_over_and_replays_only_accepted_tokens(
+    tiny_source: ModelSource, reference: list[int]
+) -> None:
+    """The second hop dies after a few steps with drafts; the failover replays the session's tokens on its
+    replica. Rejected drafts are no part of them: the answer is still the greedy one."""
+    client, chain = _client(tiny_source, speculate="lookup", draft_tokens=4)
+    blocks = {"b2": tiny_source.load_blocks(3, 6, cache_tokens=4096)}
+    chain.blocks.update(blocks)
+    positions: list[int] = []
+
+    def kill_second_hop(step: int) -> None:
+        session = client.last_session
+        if step == 5 and session is not None:
+            positions.append(session.position)
+            chain.dead.add(session.stages[1].peer_id)
+
+    chain.on_step = kill_second_hop
+    assert asyncio.run(client.generate_ids(PROMPT_IDS, 24, SamplingParams())) == reference
+    session = client.last_session
+    assert session is not None and session.failovers == 1 and session.speculation is not None
+    assert session.speculation.accepted > 0
+    # the replay carried the tokens the session held when the step failed: accepted ones only
+    assert [r.tokens for r in session.replays] == positions
+
+
+def test_concurrent_generations_with_drafts_give_each_its_greedy_tokens(
+    tiny_source: ModelSource, reference: list[int]
+) -> None:
+    """Sessions whose decode steps go batched in rounds, each leaving its round for a step with drafts."""
+    client, _ = _client(tiny_source, speculate="lookup", draft_tokens=3)
+    rows = [PROMPT_IDS, PROMPT_IDS[:8], PROMPT_IDS]
+    got = asyncio.run(client.generate_ids_batch(rows, 24, SamplingParams()))
+    plain, _ = _client(tiny_source)
+    assert got[0] == got[2] == reference
+    assert got[1] == asyncio.run(plain.generate_ids(PROMPT_IDS[:8], 24, SamplingParams()))
