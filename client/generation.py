@@ -107,7 +107,8 @@ async def speculative_ids(
         if remaining == 0:
             return
         # a fully accepted step yields its drafts and one more token: never past max_new_tokens
-        drafts = spec.drafter.propose(history, min(spec.draft_tokens, remaining - 1)) if remaining > 1 else []
+        k = min(spec.draft_tokens, remaining - 1)
+        drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
         if not drafts:
             token = pick(await session.forward([token], argmax_only), history)
             continue
