@@ -8,6 +8,12 @@ only what crosses the emulated network counts (a peer's talk with its own p2pd d
 
   idle_tx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer sent (IP packets, headers included)
   idle_rx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer received
+  by_cause                   at --by-cause-size peers, by ablation: the swarm measured again with one periodic loop
+                             stretched to never run again after start-up (--peer-args of each cause below); a
+                             cause's {"tx", "rx"} is the mean per peer of the plain run minus that run's, and
+                             "rest" is what is left with all of them stretched (record announcements, election
+                             leases, the DHT's own maintenance). Two runs differ by noise too: a small or negative
+                             figure means "lost in the noise".
 
     sudo .venv/bin/python scripts/bench_dht.py --json dht.json             # sizes 4 8 12 16
     sudo .venv/bin/python scripts/bench_dht.py --quick                     # 4 peers, short settle and window
@@ -37,6 +43,12 @@ from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
 
 PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
+NEVER_S = "1000000"  # a loop interval longer than any run
+CAUSES = {  # what each cause's loop is stretched by (swarm-peer join options)
+    "link_probes_and_polls": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
+    "plan_reads": ["--follow-check-interval-s", NEVER_S],
+    "planner_checks": ["--planner-check-interval-s", NEVER_S],
+}
 
 
 def log(message: str) -> None:
@@ -49,13 +61,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=30.0, help="idle time after every peer serves")
     p.add_argument("--window-s", type=float, default=60.0, help="the measured window")
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments for every peer")
+    p.add_argument("--by-cause-size", type=int, default=8, help="swarm size of the by_cause runs (0: none)")
     p.add_argument("--json", help="also write the JSON object here")
-    p.add_argument("--quick", action="store_true", help="4 peers, 5 s settle, 10 s window (a smoke test)")
+    p.add_argument(
+        "--quick", action="store_true", help="4 peers, 5 s settle, 10 s window, no by_cause (smoke)"
+    )
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.settle_s, args.window_s = [4], 5.0, 10.0
-    if any(n < 2 for n in args.sizes) or args.window_s <= 0 or args.settle_s < 0:
-        p.error("sizes must be >= 2, --window-s > 0, --settle-s >= 0")
+        args.sizes, args.settle_s, args.window_s, args.by_cause_size = [4], 5.0, 10.0, 0
+    if any(n < 2 for n in args.sizes) or args.window_s <= 0 or args.settle_s < 0 or args.by_cause_size == 1:
+        p.error("sizes must be >= 2, --window-s > 0, --settle-s >= 0, --by-cause-size 0 or >= 2")
     return args
 
 
@@ -76,10 +91,14 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     return {"mean": round(statistics.fmean(values), 1), "max": round(max(values), 1)}
 
 
-def measure_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def measure_size(n: int, args: argparse.Namespace, stretched: Sequence[str] = ()) -> dict[str, Any]:
     """One idle swarm of ``n`` peers: per-peer tx and rx bytes/s over the window."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp:
+        return _measure_size(n, args, Path(tmp), [*shlex.split(args.peer_args), *stretched])
+
+
+def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict[str, Any]:
     hosts = [f"p{i}" for i in range(n)]
-    extra = shlex.split(args.peer_args)
     with (
         EmulatedNet(f"{PREFIX}{n}", hosts, LinkSpec()) as net,
         LocalSwarm(tmp, model="tiny", net=net) as swarm,
@@ -106,16 +125,32 @@ def measure_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"tx": summary(tx), "rx": summary(rx)}
 
 
+def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> dict[str, Any]:
+    """Mean tx and rx bytes/s per peer by cause, by ablation (see the module's doc); ``plain``: the plain run
+    of ``n`` peers if it was measured already."""
+    plain = plain or measure_size(n, args)
+    causes: dict[str, Any] = {"size": n}
+    for cause, stretched in CAUSES.items():
+        log(f"by_cause: {cause} stretched")
+        without = measure_size(n, args, stretched)
+        causes[cause] = {k: round(plain[k]["mean"] - without[k]["mean"], 1) for k in ("tx", "rx")}
+    log("by_cause: all stretched")
+    rest = measure_size(n, args, [a for stretched in CAUSES.values() for a in stretched])
+    causes["rest"] = {k: rest[k]["mean"] for k in ("tx", "rx")}
+    causes["total"] = {k: plain[k]["mean"] for k in ("tx", "rx")}
+    return causes
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    tx: dict[str, dict[str, float]] = {}
-    rx: dict[str, dict[str, float]] = {}
-    for n in args.sizes:
-        with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp:
-            result = measure_size(n, args, Path(tmp))
-        tx[str(n)], rx[str(n)] = result["tx"], result["rx"]
+    results = {n: measure_size(n, args) for n in args.sizes}
+    report: dict[str, Any] = {
+        "idle_tx_bytes_s_per_peer": {str(n): r["tx"] for n, r in results.items()},
+        "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
+    }
+    if args.by_cause_size:
+        report["by_cause"] = by_cause(args.by_cause_size, args, results.get(args.by_cause_size))
     return {
-        "idle_tx_bytes_s_per_peer": tx,
-        "idle_rx_bytes_s_per_peer": rx,
+        **report,
         "settle_s": args.settle_s,
         "window_s": args.window_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
