@@ -659,3 +659,28 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
     assert out["grid_tokens_equal"] is True  # greedy tokens through the emulated links equal transformers'
     assert set(out["targets"]) == {"decode_within_15pct_of_floor"}
     assert "slow_link_flow_share" not in out and "nat_relay_ok" not in out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+def test_bench_dht_quick(tmp_path: Path) -> None:
+    """An idle swarm of 4 peers, each in its own namespace: every peer sends and receives something (the DHT
+    and the plan keep talking), and the swarm's bytes sent equal its bytes received (one closed network)."""
+    out_file = tmp_path / "dht.json"
+    out = _run_json(["scripts/bench_dht.py", "--quick", "--json", str(out_file)], 150)
+    assert isinstance(out, dict) and json.loads(out_file.read_text()) == out
+    _check(
+        out,
+        {
+            "idle_tx_bytes_s_per_peer": lambda v: set(v) == {"4"},
+            "idle_rx_bytes_s_per_peer": lambda v: set(v) == {"4"},
+            "settle_s": _non_negative,
+            "window_s": _positive,
+            "machine": lambda v: isinstance(v, str),
+        },
+    )
+    tx, rx = out["idle_tx_bytes_s_per_peer"]["4"], out["idle_rx_bytes_s_per_peer"]["4"]
+    assert all(_positive(s[k]) for s in (tx, rx) for k in ("mean", "max")), (tx, rx)
+    assert tx["mean"] <= tx["max"] and rx["mean"] <= rx["max"]
+    # the router forwards every packet between the 4 hosts, and nothing leaves: what they send they receive
+    assert math.isclose(tx["mean"], rx["mean"], rel_tol=0.05), (tx, rx)

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Background traffic of idle swarms: bytes each peer sends and receives per second. Prints ONE JSON object.
+
+For each swarm size N, N `swarm-peer join` processes of the tiny model (half on layers 0:3, half on 3:6), each
+on a host of its own (a network namespace of swarm/testing/wan, links without delay; needs root), no client.
+After --settle-s of settling, each host's TUN device counters are read at the start and the end of --window-s:
+only what crosses the emulated network counts (a peer's talk with its own p2pd daemon stays on loopback).
+
+  idle_tx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer sent (IP packets, headers included)
+  idle_rx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer received
+  by_cause                   at --by-cause-size peers, by ablation: the swarm measured again with one periodic loop
+                             stretched to never run again after start-up (--peer-args of each cause below); a
+                             cause's {"tx", "rx"} is the mean per peer of the plain run minus that run's, and
+                             "rest" is what is left with all of them stretched (record announcements, election
+                             leases, the DHT's own maintenance). Two runs differ by noise too: a small or negative
+                             figure means "lost in the noise".
+
+    sudo .venv/bin/python scripts/bench_dht.py --json dht.json             # sizes 4 8 12 16
+    sudo .venv/bin/python scripts/bench_dht.py --quick                     # 4 peers, short settle and window
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ["FLOWSWARM_THREADS"] = "1"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from swarm.testing import LocalSwarm  # noqa: E402
+from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
+
+PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
+NEVER_S = "1000000"  # a loop interval longer than any run
+CAUSES = {  # what each cause's loop is stretched by (swarm-peer join options)
+    "link_probes_and_polls": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
+    "plan_reads": ["--follow-check-interval-s", NEVER_S],
+    "planner_checks": ["--planner-check-interval-s", NEVER_S],
+}
+
+
+def log(message: str) -> None:
+    print(f"[bench_dht {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 12, 16], help="swarm sizes (peers)")
+    p.add_argument("--settle-s", type=float, default=30.0, help="idle time after every peer serves")
+    p.add_argument("--window-s", type=float, default=60.0, help="the measured window")
+    p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments for every peer")
+    p.add_argument("--by-cause-size", type=int, default=8, help="swarm size of the by_cause runs (0: none)")
+    p.add_argument("--json", help="also write the JSON object here")
+    p.add_argument(
+        "--quick", action="store_true", help="4 peers, 5 s settle, 10 s window, no by_cause (smoke)"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.settle_s, args.window_s, args.by_cause_size = [4], 5.0, 10.0, 0
+    if any(n < 2 for n in args.sizes) or args.window_s <= 0 or args.settle_s < 0 or args.by_cause_size == 1:
+        p.error("sizes must be >= 2, --window-s > 0, --settle-s >= 0, --by-cause-size 0 or >= 2")
+    return args
+
+
+def device_bytes(net: EmulatedNet, host: str) -> tuple[int, int]:
+    """(tx, rx) bytes so far of ``host``'s TUN device, read inside its namespace."""
+    device = f"{net.prefix}{net.hosts.index(host)}"
+    done = subprocess.run(
+        ["ip", "-n", net.namespace(host), "-j", "-s", "link", "show", "dev", device],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stats = json.loads(done.stdout)[0]["stats64"]
+    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": round(statistics.fmean(values), 1), "max": round(max(values), 1)}
+
+
+def measure_size(n: int, args: argparse.Namespace, stretched: Sequence[str] = ()) -> dict[str, Any]:
+    """One idle swarm of ``n`` peers: per-peer tx and rx bytes/s over the window."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp:
+        return _measure_size(n, args, Path(tmp), [*shlex.split(args.peer_args), *stretched])
+
+
+def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict[str, Any]:
+    hosts = [f"p{i}" for i in range(n)]
+    with (
+        EmulatedNet(f"{PREFIX}{n}", hosts, LinkSpec()) as net,
+        LocalSwarm(tmp, model="tiny", net=net) as swarm,
+    ):
+        started = time.monotonic()
+        swarm.start_peer("0:3", name=hosts[0], host=hosts[0], extra_args=extra)
+        for i, host in enumerate(hosts[1:], start=1):
+            layers = "0:3" if i < n // 2 else "3:6"
+            swarm.start_peer(layers, name=host, host=host, extra_args=extra, wait=False)
+        swarm.wait_all_ready(timeout_s=60.0 + 20.0 * n)
+        log(f"{n} peers serving after {time.monotonic() - started:.0f} s; settling {args.settle_s:.0f} s")
+        time.sleep(args.settle_s)
+        before = {h: device_bytes(net, h) for h in hosts}
+        t0 = time.monotonic()
+        time.sleep(args.window_s)
+        after = {h: device_bytes(net, h) for h in hosts}
+        elapsed = time.monotonic() - t0
+        for peer in swarm.peers:
+            if peer.proc.poll() is not None:
+                raise RuntimeError(f"peer {peer.name} exited during the window:\n{peer.log_tail()}")
+    tx = [(after[h][0] - before[h][0]) / elapsed for h in hosts]
+    rx = [(after[h][1] - before[h][1]) / elapsed for h in hosts]
+    log(f"{n} peers: tx {statistics.fmean(tx) / 1024:.1f} KiB/s, rx {statistics.fmean(rx) / 1024:.1f} KiB/s")
+    return {"tx": summary(tx), "rx": summary(rx)}
+
+
+def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> dict[str, Any]:
+    """Mean tx and rx bytes/s per peer by cause, by ablation (see the module's doc); ``plain``: the plain run
+    of ``n`` peers if it was measured already."""
+    plain = plain or measure_size(n, args)
+    causes: dict[str, Any] = {"size": n}
+    for cause, stretched in CAUSES.items():
+        log(f"by_cause: {cause} stretched")
+        without = measure_size(n, args, stretched)
+        causes[cause] = {k: round(plain[k]["mean"] - without[k]["mean"], 1) for k in ("tx", "rx")}
+    log("by_cause: all stretched")
+    rest = measure_size(n, args, [a for stretched in CAUSES.values() for a in stretched])
+    causes["rest"] = {k: rest[k]["mean"] for k in ("tx", "rx")}
+    causes["total"] = {k: plain[k]["mean"] for k in ("tx", "rx")}
+    return causes
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results = {n: measure_size(n, args) for n in args.sizes}
+    report: dict[str, Any] = {
+        "idle_tx_bytes_s_per_peer": {str(n): r["tx"] for n, r in results.items()},
+        "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
+    }
+    if args.by_cause_size:
+        report["by_cause"] = by_cause(args.by_cause_size, args, results.get(args.by_cause_size))
+    return {
+        **report,
+        "settle_s": args.settle_s,
+        "window_s": args.window_s,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
+    reason = namespaces_unavailable()
+    if reason:
+        sys.exit(f"bench_dht needs network namespaces: {reason}")
+    text = json.dumps(run(args))
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
