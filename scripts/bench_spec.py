@@ -72,6 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mbit", type=float, default=1000)
     p.add_argument("--new-tokens", type=int, default=96, help="decode tokens per session")
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8], help="lookup's draft lengths")
+    p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments")
     p.add_argument("--json", help="also write the JSON object here")
     p.add_argument(
         "--quick", action="store_true", help="tiny model, delays 0 and 10 ms, few tokens (a smoke test)"
@@ -82,7 +83,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.delays_ms, args.new_tokens, args.draft_tokens = "tiny", [0, 10], 16, [4]
-    args.peer_args = ""  # bench_wan's grid_swarm reads it
     return args
 
 
@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delays_ms": args.delays_ms,
         "bandwidth_mbit": args.bandwidth_mbit,
         "new_tokens": args.new_tokens,
+        "peer_args": args.peer_args,
         "prompt_tokens": {name: len(ids) for name, ids in prompt_ids.items()},
         "total_s": round(time.perf_counter() - began, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
