@@ -133,12 +133,20 @@ async def _together(client: SwarmClient, n: int, ids: Sequence[int], new_tokens:
 
 
 class Worker:
-    """This script with --worker, run on the client's host; orders go by stdin, answers come back by stdout."""
+    """`script` (this one by default) with --worker, run on the client's host; orders go by stdin, answers come
+    back by stdout."""
 
-    def __init__(self, swarm: LocalSwarm, host: str, initial_peers: Sequence[str], args: argparse.Namespace):
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        host: str,
+        initial_peers: Sequence[str],
+        args: argparse.Namespace,
+        script: str = __file__,
+    ):
         argv = [
             sys.executable,
-            __file__,
+            script,
             "--worker",
             "--model",
             args.model,
@@ -160,13 +168,15 @@ class Worker:
             raise RuntimeError(f"client process exited with {self.proc.wait()}:\n{tail}")
         return json.loads(line)
 
-    def sessions(self, n: int, ids: Sequence[int], new_tokens: int) -> list[dict[str, Any]]:
+    def ask(self, order: dict[str, Any]) -> Any:
+        """Send one order line; the worker's answer."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            json.dumps({"n": n, "ids": list(ids), "new_tokens": new_tokens}).encode() + b"\n"
-        )
+        self.proc.stdin.write(json.dumps(order).encode() + b"\n")
         self.proc.stdin.flush()
-        return list(self._read()["sessions"])
+        return self._read()
+
+    def sessions(self, n: int, ids: Sequence[int], new_tokens: int) -> list[dict[str, Any]]:
+        return list(self.ask({"n": n, "ids": list(ids), "new_tokens": new_tokens})["sessions"])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -181,9 +191,13 @@ class Worker:
 
 @contextlib.contextmanager
 def worker(
-    swarm: LocalSwarm, host: str, initial_peers: Sequence[str], args: argparse.Namespace
+    swarm: LocalSwarm,
+    host: str,
+    initial_peers: Sequence[str],
+    args: argparse.Namespace,
+    script: str = __file__,
 ) -> Iterator[Worker]:
-    w = Worker(swarm, host, initial_peers, args)
+    w = Worker(swarm, host, initial_peers, args, script)
     try:
         yield w
     finally:
@@ -224,6 +238,29 @@ def trip_links(peers: int) -> int:
     return peers + 1
 
 
+@contextlib.contextmanager
+def grid_swarm(
+    args: argparse.Namespace, tmp: Path, prefix: str, peers: int = 3
+) -> Iterator[tuple[EmulatedNet, LocalSwarm]]:
+    """The grid's swarm: `peers` peers on hosts p1..pN holding equal cuts of args.model's layers, a host
+    "client" for the worker, every link without delay until the caller sets them."""
+    source = resolve_model(args.model)
+    hosts = ["client", *(f"p{i}" for i in range(1, peers + 1))]
+    cuts = layer_cuts(source.spec.num_layers, peers)
+    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", "--activations", args.activations]
+    fixed += args.peer_args.split()
+    with (
+        EmulatedNet(prefix, hosts, LinkSpec(0.0, None)) as net,
+        LocalSwarm(tmp, model=args.model, net=net) as swarm,
+    ):
+        for i in range(peers):  # the first one founds the swarm; the rest join it together
+            layers, name = f"{cuts[i]}:{cuts[i + 1]}", f"p{i + 1}"
+            swarm.start_peer(layers, name=name, host=name, wait=i == 0, timeout_s=300, extra_args=fixed)
+        swarm.wait_all_ready(timeout_s=300)
+        log(f"peers serving {cuts} on {hosts[1:]}")
+        yield net, swarm
+
+
 def run_grid(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
@@ -233,20 +270,8 @@ def run_grid(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     local_prefill_s = min(local_ttft(reference, long_ids) for _ in range(args.repeats))
     del reference
     peers = 3
-    hosts = ["client", *(f"p{i}" for i in range(1, peers + 1))]
-    cuts = layer_cuts(source.spec.num_layers, peers)
-    fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", "--activations", args.activations]
-    fixed += args.peer_args.split()
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    with (
-        EmulatedNet(PREFIX, hosts, LinkSpec(0.0, None)) as net,
-        LocalSwarm(tmp, model=args.model, net=net) as swarm,
-    ):
-        for i in range(peers):  # the first one founds the swarm; the rest join it together
-            layers, name = f"{cuts[i]}:{cuts[i + 1]}", f"p{i + 1}"
-            swarm.start_peer(layers, name=name, host=name, wait=i == 0, timeout_s=300, extra_args=fixed)
-        swarm.wait_all_ready(timeout_s=300)
-        log(f"peers serving {cuts} on {hosts[1:]}")
+    with grid_swarm(args, tmp, PREFIX, peers) as (net, swarm):
         with worker(swarm, "client", swarm.initial_peers, args) as w:
             w.sessions(1, ids, 2)  # warm: routes, connections, the peers' first calls
             for mbit in args.bandwidths_mbit:

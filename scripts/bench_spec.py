@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""Speculative decoding over emulated internet links: plain greedy against drafted-and-verified greedy. Prints
+ONE JSON object.
+
+The swarm of bench_wan's grid (3 peers x 10 layers of the default model, every peer and the client on a host of
+its own, links changed live; needs root). For each one-way delay and prompt, one greedy session without drafts
+and one per draft length with the prompt-lookup drafter (client.drafting.PromptLookup), EOS ignored:
+
+  tok_s          delay -> drafter -> prompt: tokens/s after the first token ("plain": no drafts)
+  speedup        delay -> drafter -> prompt: tok_s over plain's
+  acceptance     delay -> drafter -> prompt: accepted drafts / drafted ones
+  mean_accepted  delay -> drafter -> prompt: accepted drafts per verification step
+  tokens_equal   every speculative session's tokens equal the plain session's, and those equal local
+                 transformers' greedy tokens
+
+Prompts, through the model's chat template: "essay" (a short essay, little to copy) and "edit" (rewrite a given
+paragraph changing one word, where lookup should accept long runs).
+
+    sudo .venv/bin/python scripts/bench_spec.py --json spec.json      # default model, delays 0 25 50 ms
+    sudo .venv/bin/python scripts/bench_spec.py --quick               # tiny model, delays 0 10 ms (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+os.environ["FLOWSWARM_THREADS"] = "1"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from bench_e2e import local_decode  # noqa: E402
+from bench_wan import MBIT, STEP_TIMEOUT_S, Worker, decode_tok_s, greedy, grid_swarm, log, worker  # noqa: E402
+
+from client import SwarmClient  # noqa: E402
+from client.drafting import make_speculation  # noqa: E402
+from client.generation import generate_ids, speculative_ids  # noqa: E402
+from swarm.codec import ActivationConfig  # noqa: E402
+from swarm.models import ModelSource, Sampler, SamplingParams, resolve_model  # noqa: E402
+from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
+from swarm.testing.wan import LinkSpec, namespaces_unavailable  # noqa: E402
+
+PREFIX = "fsb"  # this benchmark's namespaces and devices
+ESSAY = "Write a short essay about the history of the bicycle."
+PARAGRAPH = (
+    "The bicycle changed how ordinary people moved through their towns and cities. Before the bicycle, a worker "
+    "who lived far from the factory had to walk for an hour or pay for a seat on a crowded tram. With a bicycle, "
+    "the same trip took a quarter of the time and cost nothing once the machine was bought. Women found in the "
+    "bicycle a new kind of freedom: they could ride out alone, and the long skirts of the day soon gave way to "
+    "clothes that suited riding. Doctors at first warned that the bicycle would ruin the health of its riders, "
+    "but within a few years they were recommending it as exercise. Road clubs formed, maps were printed for "
+    "riders, and many of the smooth roads we drive on today were first paved because people on a bicycle asked "
+    "for them. Few machines have done so much with so little."
+)
+EDIT = f"Rewrite this paragraph, changing only 'bicycle' to 'bike':\n\n{PARAGRAPH}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 25, 50])
+    p.add_argument("--bandwidth-mbit", type=float, default=1000)
+    p.add_argument("--new-tokens", type=int, default=96, help="decode tokens per session")
+    p.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8], help="lookup's draft lengths")
+    p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments")
+    p.add_argument("--json", help="also write the JSON object here")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, delays 0 and 10 ms, few tokens (a smoke test)"
+    )
+    p.add_argument("--activations", default="exact", choices=["exact"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.delays_ms, args.new_tokens, args.draft_tokens = "tiny", [0, 10], 16, [4]
+    return args
+
+
+# --- the client process, on its own host ---------------------------------------------------------------------
+
+
+async def _session(client: SwarmClient, order: dict[str, Any]) -> dict[str, Any]:
+    """One greedy session as the order says: tokens, their arrival times, the speculation's counters."""
+    ids, new_tokens = order["ids"], order["new_tokens"]
+    spec = make_speculation(order["speculate"], order["draft_tokens"])
+    pick = Sampler(SamplingParams()).sample
+    session = client.aclient.new_session(len(ids) + new_tokens)
+    tokens, times = [], [time.perf_counter()]
+    try:
+        request = greedy(ids, new_tokens)
+        if spec is None:
+            stream = generate_ids(session, request, pick, argmax_only=True)
+        else:
+            stream = speculative_ids(session, request, pick, spec, argmax_only=True)
+        async with aclosing(stream) as tokens_of:
+            async for token in tokens_of:
+                times.append(time.perf_counter())
+                tokens.append(token)
+    finally:
+        await session.close()
+    counters = {"steps": spec.steps, "drafted": spec.drafted, "accepted": spec.accepted} if spec else None
+    return {"tokens": tokens, "times": times, "speculation": counters}
+
+
+def worker_main(initial_peers: Sequence[str], model: str) -> None:
+    """Connect, say ready, then answer one order line at a time until stdin ends."""
+    codec = ActivationConfig(mode="exact")
+    with SwarmClient(initial_peers, model=model, step_timeout_s=STEP_TIMEOUT_S, activations=codec) as client:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            print(json.dumps(client.run(_session(client, json.loads(line)))), flush=True)
+
+
+def ask(w: Worker, ids: Sequence[int], new_tokens: int, speculate: str, draft_tokens: int) -> dict[str, Any]:
+    order = {"ids": list(ids), "new_tokens": new_tokens, "speculate": speculate, "draft_tokens": draft_tokens}
+    return dict(w.ask(order))
+
+
+# --- the measurements ---------------------------------------------------------------------------------------
+
+
+def prompts(source: ModelSource) -> dict[str, list[int]]:
+    essay, edit = chat_prompt_ids(source, ESSAY), chat_prompt_ids(source, EDIT)
+    if source.tokenizer() is None:  # the tiny model: fixed ids, so make the edit prompt repeat itself
+        edit = edit[:8] * 4
+    return {"essay": essay, "edit": edit}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.perf_counter()
+    source = resolve_model(args.model)
+    prompt_ids = prompts(source)
+    reference = source.load_reference_model("cpu", "float32")
+    local = {name: local_decode(reference, ids, args.new_tokens)[1] for name, ids in prompt_ids.items()}
+    del reference
+    drafters = {f"lookup-k{k}": k for k in args.draft_tokens}
+    tok_s: dict[str, dict[str, dict[str, float]]] = {}
+    counters: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+    equal: dict[str, bool] = {}
+    with tempfile.TemporaryDirectory(prefix="flowswarm-spec-") as tmp:
+        with grid_swarm(args, Path(tmp), PREFIX) as (net, swarm):
+            with worker(swarm, "client", swarm.initial_peers, args, script=__file__) as w:
+                ask(w, prompt_ids["essay"], 2, "off", 1)  # warm: routes, connections, the peers' first calls
+                for delay_ms in sorted(args.delays_ms):
+                    net.set_all(LinkSpec(delay_ms / 1000, args.bandwidth_mbit * MBIT))
+                    d = f"{delay_ms:g}"
+                    for name, ids in prompt_ids.items():
+                        plain = ask(w, ids, args.new_tokens, "off", 1)
+                        tok_s.setdefault(d, {}).setdefault("plain", {})[name] = decode_tok_s(plain["times"])
+                        equal[f"{d}/plain/{name}"] = plain["tokens"] == local[name]
+                        for drafter, k in drafters.items():
+                            spec = ask(w, ids, args.new_tokens, "lookup", k)
+                            tok_s[d].setdefault(drafter, {})[name] = decode_tok_s(spec["times"])
+                            counters.setdefault(d, {}).setdefault(drafter, {})[name] = spec["speculation"]
+                            equal[f"{d}/{drafter}/{name}"] = spec["tokens"] == plain["tokens"]
+                        log(
+                            f"{d} ms, {name}: " + ", ".join(f"{k} {v[name]:.2f}" for k, v in tok_s[d].items())
+                        )
+    report = _report(tok_s, counters)
+    return report | {
+        "tokens_equal": all(equal.values()),
+        "tokens_equal_by": equal,
+        "model": args.model,
+        "delays_ms": args.delays_ms,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "new_tokens": args.new_tokens,
+        "peer_args": args.peer_args,
+        "prompt_tokens": {name: len(ids) for name, ids in prompt_ids.items()},
+        "total_s": round(time.perf_counter() - began, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _report(
+    tok_s: dict[str, dict[str, dict[str, float]]], counters: dict[str, dict[str, dict[str, dict[str, int]]]]
+) -> dict[str, Any]:
+    return {
+        "tok_s": {
+            d: {k: {p: round(v, 2) for p, v in row.items()} for k, row in by.items()}
+            for d, by in tok_s.items()
+        },
+        "speedup": {
+            d: {
+                k: {p: _ratio(v, by["plain"][p]) for p, v in row.items()}
+                for k, row in by.items()
+                if k != "plain"
+            }
+            for d, by in tok_s.items()
+        },
+        "acceptance": {
+            d: {k: {p: _ratio(c["accepted"], c["drafted"]) for p, c in row.items()} for k, row in by.items()}
+            for d, by in counters.items()
+        },
+        "mean_accepted": {
+            d: {k: {p: _ratio(c["accepted"], c["steps"]) for p, c in row.items()} for k, row in by.items()}
+            for d, by in counters.items()
+        },
+        "speculation": counters,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
+    if args.worker:
+        worker_main(args.initial_peers, args.model)
+        return
+    reason = namespaces_unavailable()
+    if reason:
+        sys.exit(f"bench_spec needs network namespaces: {reason}")
+    text = json.dumps(run(args))
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
