@@ -196,7 +196,7 @@ class Executor:
         window would go through F.linear instead, at every hop)."""
         if job.step is None or job.blocks is None:
             return False
-        if not self.schedule.rides_along(job.tokens, job.long_prefill, self.clock()):
+        if not self.schedule.rides_along(job.tokens, job.long_prefill, self.clock(), job.session_id):
             return False
         return job.blocks.same_form(self.schedule.decode_rows, job.tokens)
 

@@ -104,6 +104,9 @@ class Schedule:
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         self.last_decode_s = -math.inf  # when a one-token step of a session last arrived
+        # the two latest sessions to send one here, each with when: a short step waits to ride along only for
+        # another session's decode step (a client verifying drafted tokens sends no decode step meanwhile)
+        self.last_decoders: tuple[tuple[str, float], ...] = ()
         # when the decode lane's last two forward calls with a decode step began: their period (ride_wait_s)
         self.decode_calls = (-math.inf, -math.inf)
         self.decode_rows = 1  # how many decode steps the decode lane's last such call ran
@@ -118,6 +121,8 @@ class Schedule:
         """A step of ``session_id`` came (before it waits for its session's order)."""
         if tokens == 1:
             self.last_decode_s = now
+            others = tuple(seen for seen in self.last_decoders if seen[0] != session_id)
+            self.last_decoders = ((session_id, now), *others[:1])
             if paced:
                 self.arrivals.note(session_id, now)
 
@@ -177,12 +182,14 @@ class Schedule:
         period = last - previous if previous > -math.inf else 0.0
         return min(self.config.ride_wait_s, period + self.config.batch_window_s)
 
-    def rides_along(self, tokens: int, long_prefill: bool, now: float) -> bool:
-        """Whether a prefill of ``tokens`` goes to the decode lane's next forward call: short enough
-        (``ride_along_tokens``), and a decode step came here within the wait it would have, so one more is
-        likely within it. The runner adds whether its rows keep the call's form of products."""
+    def rides_along(self, tokens: int, long_prefill: bool, now: float, session_id: str | None = None) -> bool:
+        """Whether a prefill of ``tokens`` (of ``session_id``) goes to the decode lane's next forward call: short
+        enough (``ride_along_tokens``), and another session's decode step came here within the wait it would
+        have, so one more is likely within it. The runner adds whether its rows keep the call's form of
+        products."""
         short = 1 < tokens <= self.config.ride_along_tokens and not long_prefill
-        return short and now - self.last_decode_s < self.ride_wait_s()
+        wait = self.ride_wait_s()
+        return short and any(sid != session_id and now - t < wait for sid, t in self.last_decoders)
 
     def prefill_turn(self, jobs: Sequence[Queued], now: float) -> tuple[Turn, bool]:
         """The device turn a prefill call takes (while others decode here: alone for a long prompt's chunk,

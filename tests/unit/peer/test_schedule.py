@@ -346,6 +346,20 @@ def test_a_short_prefill_rides_only_while_a_decode_call_is_likely_within_its_wai
     assert schedule.riders_wait_s(0.4) == pytest.approx(0.1) and schedule.riders_wait_s(0.6) == 0.0
 
 
+def test_a_sessions_own_drafted_step_does_not_wait_for_its_own_decode_step() -> None:
+    """A client verifying drafted tokens sends a short step and no decode step until it is answered: the step
+    rides along only when another session decodes here, never waiting for its own session's next token."""
+    schedule = _schedule(ride_along_tokens=16, batch_window_s=0.05, ride_wait_s=0.5)
+    schedule.arrived("spec", 1, paced=False, now=0.0)
+    assert not schedule.rides_along(5, long_prefill=False, now=0.01, session_id="spec")
+    assert schedule.rides_along(5, long_prefill=False, now=0.01, session_id="other")
+    schedule.arrived("d", 1, paced=False, now=0.02)
+    assert schedule.rides_along(5, long_prefill=False, now=0.03, session_id="spec")
+    for _ in range(3):  # one session decoding again and again keeps the other one remembered
+        schedule.arrived("d", 1, paced=False, now=0.03)
+    assert schedule.rides_along(5, long_prefill=False, now=0.04, session_id="d")
+
+
 def test_a_prefill_takes_the_devices_turn_only_while_others_decode() -> None:
     schedule = _schedule(decode_recent_s=1.0)
     chunk, short = Job("p", 8, long_prefill=True, yields_to_device=True), Job("s", 4)
