@@ -14,8 +14,11 @@ from swarm.models.loading import ModelSource
 from swarm.testing import LocalSwarm
 from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable
 
+# The figures it checks are measured rates through libp2p on a shared machine: run apart, as the other
+# wallclock tests are, so another test's load does not read as a slow link.
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.wallclock,
     pytest.mark.timeout(400),
     pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable())),
 ]
