@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -75,9 +75,15 @@ class PeerHandlers:
     """Implements swarm.transport.RpcHandler for ``peer``."""
 
     def __init__(
-        self, peer: Peer, p2p: P2P, config: SessionConfig | None = None, faults: OutputFaults | None = None
+        self,
+        peer: Peer,
+        p2p: P2P,
+        config: SessionConfig | None = None,
+        faults: OutputFaults | None = None,
+        on_probe: Callable[[str], None] = lambda remote_id: None,
     ) -> None:
         self.peer = peer
+        self.on_probe = on_probe  # told who probes our links (swarm.peer.measure.LinkMonitor.heard_probe)
         self.p2p = p2p
         self.config = config or SessionConfig()
         self.in_flight: Counter[str] = Counter()  # steps being served, per remote peer
@@ -370,6 +376,8 @@ class PeerHandlers:
                 raise ProtocolError("dial-back is only to the peer that asks for it")
             ok = await self.dial_back(remote_id, request.dial_back_maddrs)
             error = "" if ok else DIAL_BACK_FAILED
+        else:
+            self.on_probe(remote_id)
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
 

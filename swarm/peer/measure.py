@@ -6,6 +6,9 @@ gives ``max_layers``: the weights of that many layers plus the KV cache they nee
 Links are measured with probe RPCs to a bounded set of live peers (the k lowest-RTT ones seen so far plus a
 random sample), refreshed periodically, so the cost stays constant as the swarm grows; each in both directions,
 with probes sized for the link (swarm.transport.linkprobe), so the other peer need not measure it too.
+Two peers probing each other's link at once share it and both read it slow (the sized probes queue behind
+each other): the peer with the greater id yields, dropping its measurement as soon as the other's probes
+arrive, and measures again once the other has been quiet for ``poll_s``.
 """
 
 from __future__ import annotations
@@ -174,19 +177,52 @@ class LinkMonitor:
         config: LinkConfig | None = None,
         rng: random.Random | None = None,
         on_change: Callable[[Mapping[str, LinkMeasure]], None] = lambda links: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.p2p = p2p
+        self.clock = clock
         self.own_peer_id = own_peer_id
         self.live_peers = live_peers
         self.config = config or LinkConfig()
         self.rng = rng or random.Random()
         self.links: dict[str, LinkMeasure] = {}
         self.on_change = on_change  # told the links whenever they were re-measured
+        self.probed_at: dict[str, float] = {}  # peer id -> when its last probe reached us (monotonic)
+        self.yielding: dict[str, asyncio.Event] = {}  # peers we are measuring, set if we must give way
         self.sizes = ProbeSizes(
             min_bytes=self.config.min_payload_bytes,
             max_bytes=self.config.payload_bytes,
             probe_s=self.config.probe_s,
         )
+
+    def heard_probe(self, peer_id: str) -> None:
+        """A probe from ``peer_id`` reached us: it is measuring our link (the probe handler calls this)."""
+        self.probed_at[peer_id] = self.clock()
+        if peer_id < self.own_peer_id and peer_id in self.yielding:
+            self.yielding[peer_id].set()
+
+    def _being_probed(self, peer_id: str) -> bool:
+        return self.clock() - self.probed_at.get(peer_id, float("-inf")) < self.config.poll_s
+
+    async def _measure(self, peer_id: str, maddrs: tuple[str, ...]) -> LinkMeasure | None:
+        """The link to ``peer_id``; None if we gave way to its own measurement of it."""
+        if peer_id < self.own_peer_id and self._being_probed(peer_id):
+            return None
+        give_way = self.yielding[peer_id] = asyncio.Event()
+        measuring = asyncio.ensure_future(
+            measure_link(self.p2p, peer_id, maddrs=maddrs, sizes=self.sizes, timeout_s=self.config.timeout_s)
+        )
+        yielded = asyncio.ensure_future(give_way.wait())
+        try:
+            await asyncio.wait([measuring, yielded], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            del self.yielding[peer_id]
+            yielded.cancel()
+            if not measuring.done():
+                measuring.cancel()
+        if not measuring.done() or measuring.cancelled():
+            return None
+        return link_measure(measuring.result())
 
     def pick(self, candidates: list[str]) -> list[str]:
         """The k nearest by last RTT, plus a random sample of the rest."""
@@ -209,17 +245,12 @@ class LinkMonitor:
         fresh: dict[str, LinkMeasure] = {}
         for peer_id in targets:
             try:
-                timing = await measure_link(
-                    self.p2p,
-                    peer_id,
-                    maddrs=peers[peer_id].maddrs,
-                    sizes=self.sizes,
-                    timeout_s=self.config.timeout_s,
-                )
+                measured = await self._measure(peer_id, tuple(peers[peer_id].maddrs))
             except Exception as e:  # an unreachable peer just has no link entry this round
                 logger.debug("link to %s not measured: %s", peer_id[-8:], e)
                 continue
-            fresh[peer_id] = link_measure(timing)
+            if measured is not None:
+                fresh[peer_id] = measured
         # Keep older measurements of live peers that were not measured now; drop peers that left.
         self.links = {p: m for p, m in self.links.items() if p in peers and p not in fresh} | fresh
         self.on_change(self.links)

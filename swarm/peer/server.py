@@ -147,7 +147,9 @@ async def _serve(
             tg.create_task(executor.run())
             tg.create_task(shared.run())
             await _load_and_measure(config, source, peer, layers)
-            handlers = PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name))
+            handlers = PeerHandlers(
+                peer, p2p, config.sessions, _faults(config, identity.name), on_probe=links.heard_probe
+            )
             stack.push_async_callback(handlers.aclose)
             await serve(p2p, handlers)
             tg.create_task(announcer.run())

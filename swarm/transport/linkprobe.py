@@ -13,7 +13,9 @@ So, per direction:
 
 Bandwidth = bytes / (probe time - RTT), the best over the direction's probes: delays (slow start, a busy
 peer) only ever make a probe slower, so the largest figure is the nearest. RTT is the best of ``pings``
-empty probes. Upload sends the bytes and asks nothing back; download sends nothing and asks them back
+empty probes before each direction (and of the probes themselves). A probe whose transfer time is within the
+RTT's noise (``NOISE`` of it) gives no rate, only a cue to send a larger one: on a long link a small probe's
+few milliseconds are jitter, not bandwidth. Upload sends the bytes and asks nothing back; download sends nothing and asks them back
 (ProbeRequest.reply_bytes), so one peer measures both directions of its link. Traffic per direction and
 measurement is at most ``rounds * max_bytes`` (sizes double at most: min_bytes * (2 ** rounds - 1) when that
 is less); on a 20 Mbit/s link about min_bytes + 2 * probe_s * 2.5 MB/s.
@@ -29,6 +31,7 @@ Probe = Callable[[int, int], Awaitable[None]]  # (bytes sent, bytes asked back) 
 Clock = Callable[[], float]
 
 MIN_TRANSFER_S = 1e-6  # a probe no slower than a ping (loopback) still gives a finite bandwidth
+NOISE = 0.05  # a transfer shorter than this share of the RTT is read as noise, not as a rate
 SETTLED = 1.5  # an estimate (or probe size) that grows less than this per probe has settled
 
 
@@ -40,7 +43,7 @@ class ProbeSizes:
     min_bytes: int = 32 * 1024  # the first probe of each direction
     max_bytes: int = 256 * 1024  # the largest probe
     probe_s: float = 0.05  # target time of a sized probe on the link
-    rounds: int = 4  # most probes per direction
+    rounds: int = 5  # most probes per direction
 
     def __post_init__(self) -> None:
         if (
@@ -67,20 +70,42 @@ async def _timed(probe: Probe, sent: int, back: int, clock: Clock) -> float:
     return clock() - started
 
 
-async def _direction(probe: Probe, upload: bool, rtt_s: float, sizes: ProbeSizes, clock: Clock) -> float:
-    """Best bytes/s of one direction over up to ``sizes.rounds`` probes, each sized by the best estimate."""
-    best, size, sent = 0.0, sizes.min_bytes, 0
+def _floor_s(rtt_s: float) -> float:
+    """The shortest transfer time read as a rate: below it a probe's time is the round trip's noise."""
+    return NOISE * rtt_s + MIN_TRANSFER_S
+
+
+def _best(probes: list[tuple[int, float]], rtt_s: float) -> float:
+    """The best rate over ``probes`` ((size, time) pairs). A probe lost in the noise counts as crossing in the
+    noise floor: a lower bound, large but finite on loopback, and never a division by a near-zero jitter."""
+    return max(size / max(took - rtt_s, _floor_s(rtt_s)) for size, took in probes)
+
+
+async def _direction(
+    probe: Probe, upload: bool, rtt_s: float, sizes: ProbeSizes, clock: Clock
+) -> list[tuple[int, float]]:
+    """Up to ``sizes.rounds`` probes of one direction, each sized by the best estimate so far: (size, time)."""
+    probes: list[tuple[int, float]] = []
+    size, sent = sizes.min_bytes, 0
     for i in range(sizes.rounds):
         took = await _timed(probe, size if upload else 0, 0 if upload else size, clock)
+        before = _best(probes, rtt_s) if probes else 0.0
+        probes.append((size, took))
         sent += size
-        before, best = best, max(best, size / max(took - rtt_s, MIN_TRANSFER_S))
+        best = _best(probes, rtt_s)
         wanted = int(min(max(best * sizes.probe_s, sizes.min_bytes), sizes.max_bytes))
-        if i > 0 and best < before * SETTLED and wanted < size * SETTLED:
+        if took - rtt_s < _floor_s(rtt_s):
+            wanted = sizes.max_bytes  # lost in the noise: larger, as fast as the window allows
+        elif i > 0 and best < before * SETTLED and wanted < size * SETTLED:
             break  # the estimate settled and the probe is as large as it asks: another would tell little
         # In slow start the window grows by each byte acknowledged: a probe no larger than what was sent
         # so far fits in it, so it crosses in one round trip.
         size = max(min(wanted, sent), size)
-    return best
+    return probes
+
+
+async def _rtt(probe: Probe, pings: int, clock: Clock) -> float:
+    return min([await _timed(probe, 0, 0, clock) for _ in range(pings)])
 
 
 async def measure_both_ways(
@@ -88,9 +113,12 @@ async def measure_both_ways(
 ) -> LinkTiming:
     """RTT and the bandwidth each way of the link ``probe`` crosses (see the module docstring)."""
     sizes = sizes or ProbeSizes()
-    rtt_s = float("inf")
-    for _ in range(sizes.pings):
-        rtt_s = min(rtt_s, await _timed(probe, 0, 0, clock))
+    rtt_s = await _rtt(probe, sizes.pings, clock)
     up = await _direction(probe, True, rtt_s, sizes, clock)
+    # Pinged again between the directions: on a busy host every ping of a round may come back late, and an
+    # RTT read too long makes a small probe look instant (and its rate huge). Both directions are then read
+    # with the least RTT seen, and a probe faster than that RTT shortens it: no probe beats a round trip.
+    rtt_s = min(rtt_s, await _rtt(probe, sizes.pings, clock))
     down = await _direction(probe, False, rtt_s, sizes, clock)
-    return LinkTiming(rtt_s, up, down)
+    rtt_s = min([rtt_s, *(took for _, took in up + down)])
+    return LinkTiming(rtt_s, _best(up, rtt_s), _best(down, rtt_s))

@@ -19,11 +19,6 @@ from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.wallclock,
-    # Known bug, open: the sized probes sometimes misread this link (0.35 and 3.19 MB/s for 2.5 seen; a probe
-    # back within the pinged RTT reads size / MIN_TRANSFER_S) - swarm/transport/linkprobe.py _direction.
-    pytest.mark.xfail(
-        reason="link probes misread a slow long link at times (linkprobe._direction)", strict=False
-    ),
     pytest.mark.timeout(400),
     pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable())),
 ]

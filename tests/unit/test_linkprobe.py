@@ -5,6 +5,8 @@ back-to-back probes) on a virtual clock."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,8 +19,11 @@ class ModelLink:
     """One round trip `rtt_s`, `up`/`down` bytes/s; each direction's window starts at 10 segments and grows by
     the bytes acknowledged (slow start), so it doubles per round trip while a transfer is window-limited."""
 
-    def __init__(self, rtt_s: float, up_bytes_s: float, down_bytes_s: float) -> None:
+    def __init__(
+        self, rtt_s: float, up_bytes_s: float, down_bytes_s: float, late_s: Callable[[], float] = lambda: 0.0
+    ) -> None:
         self.rtt_s = rtt_s
+        self.late_s = late_s  # extra time each call takes (a busy host, a queue on the way)
         self.rate = {"up": up_bytes_s, "down": down_bytes_s}
         self.window = {"up": INITIAL_WINDOW_BYTES, "down": INITIAL_WINDOW_BYTES}
         self.now = 0.0
@@ -40,7 +45,7 @@ class ModelLink:
         return spent + left / rate
 
     async def probe(self, sent: int, back: int) -> None:
-        self.now += self.rtt_s + self._transfer_s("up", sent) + self._transfer_s("down", back)
+        self.now += self.rtt_s + self._transfer_s("up", sent) + self._transfer_s("down", back) + self.late_s()
 
 
 def measure(link: ModelLink, sizes: ProbeSizes | None = None) -> LinkTiming:
@@ -82,6 +87,36 @@ def test_one_large_probe_on_a_fresh_window_would_underestimate() -> None:
     link = ModelLink(0.1, 2.5e6, 2.5e6)
     single = ProbeSizes(min_bytes=256 * 1024, max_bytes=256 * 1024, rounds=1)
     assert measure(link, single).up_bytes_s < 0.5 * 2.5e6
+
+
+def late_pings_first(late_s: float) -> Callable[[], float]:
+    """The first round of pings all come back ``late_s`` late (a busy host); everything after is on time."""
+    delays: Iterator[float] = iter([late_s] * ProbeSizes().pings)
+    return lambda: next(delays, 0.0)
+
+
+@pytest.mark.parametrize("down_bytes_s", [2.5e6, 12.5e6])
+def test_late_pings_do_not_make_a_probe_look_instant(down_bytes_s: float) -> None:
+    # 10 ms late pings on a 100 ms link: a 32 KiB probe at 100 Mbit/s crosses in 2.6 ms, so against the late
+    # RTT it would come back "before" the round trip and read as a near-infinite rate.
+    link = ModelLink(0.1, 2.5e6, down_bytes_s, late_pings_first(0.010))
+    timing = measure(link)
+    assert timing.rtt_s == pytest.approx(0.1)
+    assert timing.up_bytes_s == pytest.approx(2.5e6, rel=0.1)
+    assert timing.down_bytes_s == pytest.approx(down_bytes_s, rel=0.1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("up_bytes_s", "down_bytes_s"), [(2.5e6, 12.5e6), (12.5e6, 2.5e6)])
+def test_jitter_on_a_long_link_keeps_rates_near(seed: int, up_bytes_s: float, down_bytes_s: float) -> None:
+    # Every call, ping or probe, up to 3 ms late at random: the figures stay within a quarter, no reading
+    # runs away on a probe that jitter made look fast.
+    rng = random.Random(seed)
+    link = ModelLink(0.1, up_bytes_s, down_bytes_s, lambda: rng.uniform(0.0, 0.003))
+    timing = measure(link)
+    assert timing.rtt_s == pytest.approx(0.1, abs=0.003)
+    assert timing.up_bytes_s == pytest.approx(up_bytes_s, rel=0.25)
+    assert timing.down_bytes_s == pytest.approx(down_bytes_s, rel=0.25)
 
 
 def test_probe_traffic_is_bounded_by_rounds_and_max_bytes() -> None:
