@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -48,7 +47,8 @@ from client.generation import generate_ids, speculative_ids  # noqa: E402
 from swarm.codec import ActivationConfig  # noqa: E402
 from swarm.models import ModelSource, Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
-from swarm.testing.wan import LinkSpec, namespaces_unavailable  # noqa: E402
+from swarm.testing.wan import LinkSpec  # noqa: E402
+from swarm.testing.wan.bench import bench_main  # noqa: E402
 
 PREFIX = "fsb"  # this benchmark's namespaces and devices
 ESSAY = "Write a short essay about the history of the bicycle."
@@ -216,17 +216,10 @@ def _report(
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
     if args.worker:
         worker_main(args.initial_peers, args.model)
         return
-    reason = namespaces_unavailable()
-    if reason:
-        sys.exit(f"bench_spec needs network namespaces: {reason}")
-    text = json.dumps(run(args))
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    bench_main("bench_spec", lambda: run(args), args.json)
 
 
 if __name__ == "__main__":

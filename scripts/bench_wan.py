@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,8 @@ from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.nat import nat_relay_case  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
-from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
+from swarm.testing.wan import EmulatedNet, LinkSpec  # noqa: E402
+from swarm.testing.wan.bench import bench_main  # noqa: E402
 
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
 STEP_TIMEOUT_S = 600.0
@@ -467,17 +467,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
     if args.worker:
         worker_main(args.initial_peers, args.model, args.activations)
         return
-    reason = namespaces_unavailable()
-    if reason:
-        sys.exit(f"bench_wan needs network namespaces: {reason}")
-    text = json.dumps(run(args))
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    bench_main("bench_wan", lambda: run(args), args.json)
 
 
 if __name__ == "__main__":

@@ -208,28 +208,31 @@ class Router:
     def set_link(self, src: int, dst: int, spec: dict[str, Any]) -> None:
         self.links[src][dst].configure(spec["delay_s"], spec["bandwidth_bits_s"])
 
+    def _through_nat(self, host: int, packet: bytes, outbound: bool) -> bytes | None:
+        """``packet`` as ``host``'s NAT passes it, out of its home network or into it; None if dropped."""
+        nat = self.nats[host]
+        if nat is None:
+            return packet
+        passed = nat.outbound(packet) if outbound else nat.inbound(packet)
+        if passed is None:
+            self.counts["dropped_nat"] += 1
+        return passed
+
     def receive(self, src: int, packet: bytes, now: float) -> None:
         """Route one packet read from host ``src``'s TUN."""
         if len(packet) < 20 or packet[0] >> 4 != 4:
             return  # not IPv4 (the kernel's IPv6 chatter): nobody here listens to it
-        nat = self.nats[src]
-        if nat is not None:
-            masqueraded = nat.outbound(packet)
-            if masqueraded is None:
-                self.counts["dropped_nat"] += 1
-                return
-            packet = masqueraded
-        dst = self.by_address.get(packet[16:20])
+        masqueraded = self._through_nat(src, packet, outbound=True)
+        if masqueraded is None:
+            return
+        dst = self.by_address.get(masqueraded[16:20])
         if dst is None or dst == src:
             self.counts["dropped_unknown"] += 1
             return
-        nat = self.nats[dst]
-        if nat is not None:
-            admitted = nat.inbound(packet)
-            if admitted is None:
-                self.counts["dropped_nat"] += 1
-                return
-            packet = admitted
+        admitted = self._through_nat(dst, masqueraded, outbound=False)
+        if admitted is None:
+            return
+        packet = admitted
         arrival = self.links[src][dst].arrival(now, len(packet))
         if arrival is None:
             self.counts["dropped_queue"] += 1

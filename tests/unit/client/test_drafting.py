@@ -4,11 +4,10 @@ over the in-process chain, which must give exactly the tokens of plain greedy de
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,6 +17,7 @@ from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain, in_process_client
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
+from swarm.testing.reference import greedy_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,22 +78,10 @@ def test_speculation_is_off_unless_asked_for() -> None:
 # --- generation with drafts over the in-process chain ---------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_source: ModelSource) -> list[int]:
     """Greedy decoding of PROMPT_IDS for 24 tokens by full forward passes of the transformers model."""
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(24):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, 24)
 
 
 class Scripted:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from swarm.errors import TransportError
 from swarm.models.faults import OutputFaults
 from swarm.models.head import SamplingParams
 from swarm.models.loading import ModelSource
+from swarm.testing.reference import greedy_reference
 from swarm.types import LayerRange, NodeID
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,21 +49,9 @@ class ShiftedOutputs(OutputFaults):
         return hidden + 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(10):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, 10)
 
 
 def make_client(
