@@ -235,8 +235,10 @@ class AsyncSwarmClient:
         sampler = _sampler(temperature, top_p, top_k, repetition_penalty, seed)
         session = self.new_session(len(request.prompt_ids) + max_new_tokens)
         try:
+            greedy = sampler.params.greedy
+            target = None if greedy else sampler  # a greedy pick verifies drafts by itself
             pieces_of = generate_text(
-                session, request, sampler.sample, self.tokenizer, sampler.params.greedy, session.speculation
+                session, request, sampler.sample, self.tokenizer, greedy, session.speculation, target
             )
             async with aclosing(pieces_of) as pieces:
                 async for piece in pieces:
@@ -257,8 +259,10 @@ class AsyncSwarmClient:
         request = GenerationRequest(tuple(input_ids), max_new_tokens, self.eos_ids, yield_eos=yield_eos)
         session = self.new_session(len(input_ids) + max_new_tokens)
         try:
+            sampler = Sampler(params)
+            target = None if params.greedy else sampler
             tokens = generate_ids(
-                session, request, Sampler(params).sample, params.greedy, session.speculation
+                session, request, sampler.sample, params.greedy, session.speculation, target
             )
             return [t async for t in tokens]
         finally:

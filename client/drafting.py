@@ -6,6 +6,10 @@ the pick after the last kept one, so the output is exactly that of plain greedy 
 need no extra message: `rewind` moves the session's position back, and the peers cut their caches back to
 the position of the next step that reaches them (swarm.models.blocks.BlockRange.forward). The decode loop
 with drafts is client.generation.speculative_ids.
+
+Sampled verification (temperature > 0) is speculative sampling for drafts that are one guess each (the
+drafter's distribution q is all on its token): `sampled_accept` keeps each token distributed exactly as plain
+sampling would draw it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ class Verifier(Protocol):
     async def forward_all(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor: ...
 
     def rewind(self, length: int) -> None: ...  # forget the tokens at positions >= length
+
+
+class Target(Protocol):
+    """A sampler's distribution and its random draws (swarm.models.head.Sampler)."""
+
+    def distribution(self, logits: torch.Tensor, previous_token_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def draw(self, probs: torch.Tensor) -> int: ...
+
+    def uniform(self) -> float: ...
 
 
 class PromptLookup:
@@ -79,6 +93,27 @@ def accept(drafts: Sequence[int], picks: Sequence[int]) -> list[int]:
         if draft != pick:
             return kept
     kept.append(picks[len(drafts)])
+    return kept
+
+
+def sampled_accept(
+    drafts: Sequence[int], rows: torch.Tensor, history: Sequence[int], target: Target
+) -> list[int]:
+    """The tokens a verified step yields when sampling: row i of ``rows`` is the logits after
+    history + drafts[:i]. Draft i is kept with probability p_i(draft); at the first one refused, a token is
+    drawn from p_i without the draft (max(p - q, 0) renormalised, q being all on the draft), and that ends
+    the step; if all are kept, one more is drawn from the last row. Each token is then distributed as plain
+    sampling would draw it after the tokens before it."""
+    kept: list[int] = []
+    for i, draft in enumerate(drafts):
+        probs = target.distribution(rows[i], [*history, *kept])
+        if target.uniform() < float(probs[draft]):
+            kept.append(draft)
+            continue
+        probs[draft] = 0.0
+        kept.append(target.draw(probs))
+        return kept
+    kept.append(target.draw(target.distribution(rows[len(drafts)], [*history, *kept])))
     return kept
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from client.drafting import Speculation, Verifier, accept
+from client.drafting import Speculation, Target, Verifier, accept, sampled_accept
 
 Pick = Callable[[torch.Tensor, Sequence[int]], int]  # (logits[V], token ids so far) -> next token id
 
@@ -50,17 +50,20 @@ async def generate_ids(
     pick: Pick,
     argmax_only: bool = False,
     speculation: Speculation | None = None,
+    target: Target | None = None,
 ) -> AsyncGenerator[int, None]:
     """Yield new token ids as they are sampled; stops at an EOS id or after max_new_tokens.
 
     The prompt goes through the swarm as one prefill step, then each sampled token as one decode step; the
     last sampled token is never sent, since nothing would read its output. ``argmax_only`` says that `pick`
     reads only the argmax of the logits (greedy, SamplingParams.greedy): the head may then skip the rest, and
-    ``speculation``, if given, drafts tokens to verify several in one step.
+    ``speculation``, if given, drafts tokens to verify several in one step. ``target`` is the sampler `pick`
+    draws from: with it, drafts are verified when sampling too (a greedy pick does not need it).
     """
-    if speculation is not None and argmax_only and isinstance(session, Verifier):
-        # drafts only with a greedy pick: the same tokens as the loop below (client.drafting)
-        async with aclosing(speculative_ids(session, request, pick, speculation, argmax_only)) as tokens:
+    if speculation is not None and (argmax_only or target is not None) and isinstance(session, Verifier):
+        # drafts with a greedy pick, or with the sampler `target` that `pick` draws from (client.drafting)
+        spec_tokens = speculative_ids(session, request, pick, speculation, argmax_only, target)
+        async with aclosing(spec_tokens) as tokens:
             async for token in tokens:
                 yield token
         return
@@ -86,9 +89,12 @@ async def speculative_ids(
     pick: Pick,
     spec: Speculation,
     argmax_only: bool = True,
+    target: Target | None = None,
 ) -> AsyncGenerator[int, None]:
-    """`generate_ids` with drafts: the same tokens as plain greedy decoding (``pick`` must be deterministic),
-    stopping at an EOS id or after max_new_tokens exactly; fewer trips where the drafter guesses right."""
+    """`generate_ids` with drafts, stopping at an EOS id or after max_new_tokens exactly; fewer trips where
+    the drafter guesses right. Without ``target``, the same tokens as plain greedy decoding (``pick`` must be
+    deterministic); with it (``pick`` is its sample), tokens drawn as plain sampling draws them
+    (client.drafting.sampled_accept)."""
     if request.max_new_tokens == 0:
         return
     history = list(request.prompt_ids)
@@ -114,12 +120,15 @@ async def speculative_ids(
             continue
         position = len(history) - 1  # where `token` goes: the session holds history[:-1]
         rows = await session.forward_all([token, *drafts], argmax_only)  # [k + 1, V]
-        picks: list[int] = []
-        for i in range(len(drafts) + 1):
-            picks.append(pick(rows[i], [*history, *drafts[:i]]))
-            if i < len(drafts) and picks[i] != drafts[i]:
-                break
-        kept = accept(drafts, picks)
+        if target is not None:
+            kept = sampled_accept(drafts, rows, history, target)
+        else:
+            picks: list[int] = []
+            for i in range(len(drafts) + 1):
+                picks.append(pick(rows[i], [*history, *drafts[:i]]))
+                if i < len(drafts) and picks[i] != drafts[i]:
+                    break
+            kept = accept(drafts, picks)
         session.rewind(position + len(kept))  # the session now holds history[:-1], token, kept[:-1]
         spec.steps += 1
         spec.drafted += len(drafts)
@@ -229,11 +238,12 @@ async def generate_text(
     tokenizer: Any,
     argmax_only: bool = False,
     speculation: Speculation | None = None,
+    target: Target | None = None,
 ) -> AsyncGenerator[str, None]:
     """Yield text pieces as tokens arrive; stop strings end generation and are not yielded."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(request.stop)
-    async with aclosing(generate_ids(session, request, pick, argmax_only, speculation)) as tokens:
+    async with aclosing(generate_ids(session, request, pick, argmax_only, speculation, target)) as tokens:
         async for token in tokens:
             text, stopped = stops.push(detok.push(token))
             if text:

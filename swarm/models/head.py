@@ -108,9 +108,41 @@ class Sampler:
         """logits [V] -> the next token id."""
         if logits.ndim != 1:
             raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
-        p = self.params
-        if p.greedy:  # nothing to rewrite, so no copy
+        if self.params.greedy:  # nothing to rewrite, so no copy
             return int(logits.detach().argmax())
+        scores = self._scores(logits, previous_token_ids)
+        if self.params.temperature == 0.0:
+            return int(scores.argmax())
+        return self.draw(scores.softmax(-1))
+
+    def distribution(
+        self, logits: torch.Tensor, previous_token_ids: Sequence[int] | torch.Tensor = ()
+    ) -> torch.Tensor:
+        """The probabilities [V] that `sample` draws from (all on one token where it picks the top one):
+        what speculative sampling checks drafts against."""
+        if logits.ndim != 1:
+            raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
+        if self.params.greedy or self.params.temperature == 0.0:
+            scores = (
+                logits.detach().float().cpu()
+                if self.params.greedy
+                else self._scores(logits, previous_token_ids)
+            )
+            return torch.nn.functional.one_hot(scores.argmax(), scores.numel()).float()
+        return self._scores(logits, previous_token_ids).softmax(-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token drawn from ``probs`` [V] (not necessarily normalised) with this sampler's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from this sampler's generator."""
+        return float(torch.rand((), generator=self.generator))
+
+    def _scores(self, logits: torch.Tensor, previous_token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """logits after the repetition penalty and, unless the temperature is 0, temperature, top-k and top-p
+        (dropped tokens at -inf)."""
+        p = self.params
         scores = logits.detach().float().cpu().clone()  # [V]
         if p.repetition_penalty != 1.0 and len(previous_token_ids):
             seen = torch.as_tensor(previous_token_ids, dtype=torch.long).unique()
@@ -119,7 +151,7 @@ class Sampler:
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
         if p.temperature == 0.0:
-            return int(scores.argmax())
+            return scores
         scores = scores / p.temperature
         if 0 < p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
@@ -130,5 +162,4 @@ class Sampler:
             # drop a token when the tokens before it already reach top_p (the top token always stays)
             drop = (cumulative - sorted_scores.softmax(-1)) >= p.top_p
             scores[order[drop]] = float("-inf")
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return scores

@@ -4,12 +4,15 @@ over the in-process chain, which must give exactly the tokens of plain greedy de
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.stats import chisquare
 
 from client.config import ClientConfig
 from client.drafting import PromptLookup, Speculation, accept, make_speculation
@@ -206,3 +209,115 @@ def test_concurrent_generations_with_drafts_give_each_its_greedy_tokens(
     plain, _ = _client(tiny_source)
     assert got[0] == got[2] == reference
     assert got[1] == asyncio.run(plain.generate_ids(PROMPT_IDS[:8], 24, SamplingParams()))
+
+
+# --- sampling with drafts: the plain distribution, exactly ---------------------------------------------
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=3, seed=7)
+SAMPLES = 600
+
+
+def _exact_joint(source: ModelSource, n: int) -> dict[tuple[int, ...], float]:
+    """P(first n tokens) under plain sampling with SAMPLED, from full forward passes of transformers."""
+    model, sampler = source.load_reference_model(), Sampler(SAMPLED)
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(n):
+            grown: dict[tuple[int, ...], float] = {}
+            for prefix, mass in joint.items():
+                history = [*PROMPT_IDS, *prefix]
+                probs = sampler.distribution(model(torch.tensor([history])).logits[0, -1], history)
+                for token in probs.nonzero().flatten().tolist():
+                    grown[(*prefix, token)] = mass * float(probs[token])
+            joint = grown
+    return joint
+
+
+class AlwaysKeeps:
+    """A broken verifier for the control: every draft kept, whatever its probability."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def distribution(self, logits: torch.Tensor, previous: Sequence[int]) -> torch.Tensor:
+        return self.sampler.distribution(logits, previous)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return self.sampler.draw(probs)
+
+    def uniform(self) -> float:
+        return 0.0
+
+
+def _sampled_counts(
+    source: ModelSource, n: int, drafts: Sequence[int] | None, broken: bool = False
+) -> Counter[tuple[int, ...]]:
+    """How often each first-n-tokens answer came in SAMPLES generations, with ``drafts`` proposed (the same
+    guesses at each place) or without speculation. With drafts, some must have been kept and some refused."""
+    client, _ = _client(source)
+    sampler = Sampler(SAMPLED)
+    target: Any = AlwaysKeeps(sampler) if broken else sampler
+    request = GenerationRequest(tuple(PROMPT_IDS), n, frozenset())
+
+    kept = drafted = 0
+
+    async def run() -> Counter[tuple[int, ...]]:
+        nonlocal kept, drafted
+        counts: Counter[tuple[int, ...]] = Counter()
+        for _ in range(SAMPLES):
+            spec = None if drafts is None else Speculation(Scripted(drafts, right=True), 2)
+            session = client.new_session(len(PROMPT_IDS) + n)
+            try:
+                got = generate_ids(session, request, sampler.sample, False, spec, target)
+                counts[tuple([t async for t in got])] += 1
+            finally:
+                await session.close()
+            if spec is not None:
+                kept, drafted = kept + spec.accepted, drafted + spec.drafted
+        return counts
+
+    counts = asyncio.run(run())
+    assert drafts is None or 0 < kept < drafted
+    return counts
+
+
+def _fit_p_value(counts: Counter[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``exact``; answers expected fewer than 5 times pooled."""
+    total = sum(counts.values())
+    assert set(counts) <= set(exact)  # nothing plain sampling could not give
+    cells = [a for a in exact if exact[a] * total >= 5]
+    observed = [counts[a] for a in cells] + [total - sum(counts[a] for a in cells)]
+    expected = [exact[a] * total for a in cells] + [total - sum(exact[a] * total for a in cells)]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    scale = total / sum(expected)  # the float sums of the exact masses stop a hair short of 1
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def exact_three(tiny_source: ModelSource) -> dict[tuple[int, ...], float]:
+    return _exact_joint(tiny_source, 3)
+
+
+@pytest.fixture(scope="module")
+def guesses(exact_three: dict[tuple[int, ...], float]) -> list[int]:
+    """The likeliest answer, as Scripted drafts it: its second token is drafted after any first one (kept
+    at times, refused at others), and the step that checks it draws the third."""
+    likeliest: tuple[int, ...] = max(exact_three, key=exact_three.__getitem__)
+    return list(likeliest)
+
+
+def test_sampling_with_drafts_draws_the_plain_distribution(
+    tiny_source: ModelSource, exact_three: dict[tuple[int, ...], float], guesses: list[int]
+) -> None:
+    """Three tokens: the first from the prompt's step, the next two from one step with a draft. Their
+    joint distribution over SAMPLES answers fits the exact one of plain sampling, as plain sampling does."""
+    assert _fit_p_value(_sampled_counts(tiny_source, 3, None), exact_three) > 1e-3
+    assert _fit_p_value(_sampled_counts(tiny_source, 3, guesses), exact_three) > 1e-3
+
+
+def test_the_fit_sees_a_verifier_that_keeps_every_draft(
+    tiny_source: ModelSource, exact_three: dict[tuple[int, ...], float], guesses: list[int]
+) -> None:
+    """The control: keeping drafts regardless of their probability skews the answers, and the test says so."""
+    assert _fit_p_value(_sampled_counts(tiny_source, 3, guesses, broken=True), exact_three) < 1e-6
