@@ -14,7 +14,8 @@ sampling would draw it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -79,7 +80,7 @@ def make_speculation(speculate: str, draft_tokens: int) -> Speculation | None:
     if speculate == "off":
         return None
     if speculate == "lookup":
-        return Speculation(PromptLookup(), draft_tokens)
+        return Speculation(PromptLookup(), draft_tokens, DraftLength(draft_tokens))
     raise ValueError(f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, got {speculate!r}")
 
 
@@ -117,12 +118,107 @@ def sampled_accept(
     return kept
 
 
+class DraftLength:
+    """Each step's number of drafts, from the session's own measurements: the chance ``alpha`` that a draft
+    is kept once those before it were, and the time of a step of n tokens, t(n) = a + b n (a: the route's
+    round trip and per-step costs; b: each token's compute). A step with k drafts yields on average
+    (1 - alpha^(k+1)) / (1 - alpha) tokens; the k with the most tokens per second wins, and k = 0 (no drafts)
+    wins where drafts do not pay, e.g. on a fast link with a weak drafter. While off, a step with drafts now
+    and then (``probe_every``, doubling up to ``max_probe_every`` while they keep not paying) re-measures."""
+
+    def __init__(
+        self, max_k: int, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64
+    ) -> None:
+        if max_k < 1 or not 0 < decay < 1 or not 1 <= probe_every <= max_probe_every:
+            raise ValueError(f"bad draft length settings: {max_k}, {decay}, {probe_every}, {max_probe_every}")
+        self.max_k = max_k
+        self.decay = decay
+        self.min_probe_every = self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.kept = (
+            1.0  # decayed drafts kept, and drafts judged (kept or the one refused): alpha = kept / judged
+        )
+        self.judged = 2.0  # (a prior of 1 in 2, worth two drafts)
+        self.times: dict[int, float] = {}  # tokens in a step -> its decayed mean time, seconds
+        self.since_drafts = 0  # plain steps since the last one with drafts
+
+    @property
+    def alpha(self) -> float:
+        return min(self.kept / self.judged, 0.99)
+
+    def step_s(self, tokens: int) -> float | None:
+        """t(tokens) from the means seen, on the line through the two nearest counts; None before two."""
+        if tokens in self.times:
+            return self.times[tokens]
+        if len(self.times) < 2:
+            return None
+        (n1, t1), (n2, t2) = sorted(self.times.items(), key=lambda item: abs(item[0] - tokens))[:2]
+        slope = max((t2 - t1) / (n2 - n1), 0.0)  # a token never makes a step faster
+        return max(t1 + slope * (tokens - n1), 1e-9)
+
+    def tokens_per_s(self, k: int) -> float | None:
+        seconds = self.step_s(k + 1)
+        if seconds is None:
+            return None
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a) / seconds
+
+    def choose(self, most: int) -> int:
+        """How many drafts the next step carries, at most ``most``."""
+        top = min(self.max_k, most)
+        if top <= 0:
+            return 0
+        # First measure a step with drafts and a plain one (whichever the drafter's luck gives first).
+        if not self.times:
+            return top
+        if 1 not in self.times:
+            return 0
+        if len(self.times) == 1:
+            return top
+        rates = {k: self.tokens_per_s(k) for k in range(top + 1)}
+        best = max(rates, key=lambda k: rates[k] or 0.0)
+        if best > 0:
+            self.probe_every = self.min_probe_every
+            return best
+        if self.since_drafts + 1 >= self.probe_every:
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+            return top
+        return 0
+
+    def observe(self, tokens: int, seconds: float, drafted: int, kept: int) -> None:
+        """A step of ``tokens`` tokens took ``seconds``; it carried ``drafted`` drafts, ``kept`` of them kept."""
+        old = self.times.get(tokens)
+        self.times[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        if drafted == 0:
+            self.since_drafts += 1
+            return
+        self.since_drafts = 0
+        judged = kept + (1 if kept < drafted else 0)
+        self.kept = self.decay * self.kept + kept
+        self.judged = self.decay * self.judged + judged
+
+
 @dataclass
 class Speculation:
-    """How a session speculates, and its counters: steps that carried drafts, drafted and accepted tokens."""
+    """How a session speculates, and its counters: steps that carried drafts, drafted and accepted tokens.
+    With ``length``, each step's drafts are as many as it chooses (at most draft_tokens); without, always
+    draft_tokens where the drafter has them."""
 
     drafter: Drafter
     draft_tokens: int  # most drafts per step
+    length: DraftLength | None = None
+    clock: Callable[[], float] = time.perf_counter
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+
+    def drafts_for(self, history: Sequence[int], most: int) -> list[int]:
+        """The drafts the next step carries: at most ``most`` (room left in the answer)."""
+        k = min(self.draft_tokens, most)
+        if self.length is not None:
+            k = self.length.choose(k)
+        return self.drafter.propose(history, k)[:k] if k > 0 else []
+
+    def observe(self, tokens: int, seconds: float, drafted: int, kept: int) -> None:
+        if self.length is not None:
+            self.length.observe(tokens, seconds, drafted, kept)

@@ -113,13 +113,16 @@ async def speculative_ids(
         if remaining == 0:
             return
         # a fully accepted step yields its drafts and one more token: never past max_new_tokens
-        k = min(spec.draft_tokens, remaining - 1)
-        drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
+        drafts = spec.drafts_for(history, remaining - 1)
+        started = spec.clock()
         if not drafts:
-            token = pick(await session.forward([token], argmax_only), history)
+            logits = await session.forward([token], argmax_only)
+            spec.observe(1, spec.clock() - started, 0, 0)
+            token = pick(logits, history)
             continue
         position = len(history) - 1  # where `token` goes: the session holds history[:-1]
         rows = await session.forward_all([token, *drafts], argmax_only)  # [k + 1, V]
+        step_s = spec.clock() - started
         if target is not None:
             kept = sampled_accept(drafts, rows, history, target)
         else:
@@ -130,6 +133,7 @@ async def speculative_ids(
                     break
             kept = accept(drafts, picks)
         session.rewind(position + len(kept))  # the session now holds history[:-1], token, kept[:-1]
+        spec.observe(len(drafts) + 1, step_s, len(drafts), len(kept) - 1)
         spec.steps += 1
         spec.drafted += len(drafts)
         spec.accepted += len(kept) - 1

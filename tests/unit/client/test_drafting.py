@@ -4,6 +4,7 @@ over the in-process chain, which must give exactly the tokens of plain greedy de
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from client.config import ClientConfig
-from client.drafting import PromptLookup, Speculation, accept, make_speculation
+from client.drafting import DraftLength, PromptLookup, Speculation, accept, make_speculation
 from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain, in_process_client
 from swarm.models.head import Sampler, SamplingParams
@@ -321,3 +322,52 @@ def test_the_fit_sees_a_verifier_that_keeps_every_draft(
 ) -> None:
     """The control: keeping drafts regardless of their probability skews the answers, and the test says so."""
     assert _fit_p_value(_sampled_counts(tiny_source, 3, guesses, broken=True), exact_three) < 1e-6
+
+
+# --- the draft length: from measured acceptance and step times -----------------------------------------
+
+
+def _drive(
+    length: DraftLength, steps: int, alpha: float, trip_s: float, token_s: float, seed: int
+) -> list[int]:
+    """Run ``steps`` steps on a route whose step of n tokens takes trip_s + n token_s and whose drafts are
+    each kept with chance ``alpha``: the number of drafts each step carried."""
+    rng = random.Random(seed)
+    carried = []
+    for _ in range(steps):
+        k = length.choose(4)
+        kept = 0
+        while kept < k and rng.random() < alpha:
+            kept += 1
+        length.observe(k + 1, trip_s + (k + 1) * token_s, k, kept)
+        carried.append(k)
+    return carried
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_long_trip_and_a_good_drafter_draft_the_most(seed: int) -> None:
+    carried = _drive(DraftLength(4), 200, alpha=0.7, trip_s=0.100, token_s=0.002, seed=seed)
+    assert sum(k == 4 for k in carried[10:]) >= 0.9 * len(carried[10:])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_drafts_that_do_not_pay_are_switched_off_but_for_rare_probes(seed: int) -> None:
+    # Loopback on a CPU: every token costs as much as the trip, and the drafter is weak.
+    carried = _drive(DraftLength(4), 400, alpha=0.1, trip_s=0.005, token_s=0.010, seed=seed)
+    with_drafts = [i for i, k in enumerate(carried) if k > 0]
+    assert len(with_drafts) <= 0.06 * len(carried)
+    assert with_drafts[-1] >= len(carried) - 64 - 1  # still probing now and then
+
+
+def test_a_drafter_that_starts_to_pay_is_taken_back_within_a_probe() -> None:
+    length = DraftLength(4)
+    assert sum(_drive(length, 300, alpha=0.05, trip_s=0.005, token_s=0.010, seed=0)[-50:]) <= 8
+    carried = _drive(length, 100, alpha=0.9, trip_s=0.100, token_s=0.002, seed=1)
+    first = next(i for i, k in enumerate(carried) if k > 0)
+    assert first <= 64 and all(k >= 3 for k in carried[first + 5 :])
+
+
+def test_bad_draft_length_settings_are_refused() -> None:
+    for bad in ({"max_k": 0}, {"max_k": 4, "decay": 1.0}, {"max_k": 4, "probe_every": 0}):
+        with pytest.raises(ValueError):
+            DraftLength(**bad)  # type: ignore[arg-type]
