@@ -91,10 +91,11 @@ class ClientConfig:
     spot_check_seed: int | None = setting(
         None, "seed of the draw of which steps are checked (default: unpredictable, as against real liars)"
     )
-    # Greedy generation only: a step carries the drafter's guesses and keeps those the model agrees with
-    # (client.drafting), so the tokens are those of plain decoding in fewer trips where the guesses are right.
+    # A step carries the drafter's guesses and keeps those the model agrees with (client.drafting): greedy
+    # tokens are those of plain decoding, sampled ones drawn as plain sampling draws them, in fewer trips where
+    # the guesses are right. Each session drafts only while it pays (client.drafting.DraftLength).
     speculate: str = setting(
-        "off",
+        "lookup",
         "draft tokens to verify in one step: off, or lookup (n-grams of the prompt and answer so far)",
         choices=SPECULATE_CHOICES,
     )

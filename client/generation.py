@@ -243,12 +243,15 @@ async def generate_text(
     argmax_only: bool = False,
     speculation: Speculation | None = None,
     target: Target | None = None,
+    on_token: Callable[[int], None] = lambda token: None,
 ) -> AsyncGenerator[str, None]:
-    """Yield text pieces as tokens arrive; stop strings end generation and are not yielded."""
+    """Yield text pieces as tokens arrive; stop strings end generation and are not yielded. ``on_token`` is
+    told each token as it arrives (with drafts, several come from one step)."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(request.stop)
     async with aclosing(generate_ids(session, request, pick, argmax_only, speculation, target)) as tokens:
         async for token in tokens:
+            on_token(token)
             text, stopped = stops.push(detok.push(token))
             if text:
                 yield text

@@ -3,8 +3,9 @@
 ONE JSON object.
 
 The swarm of bench_wan's grid (3 peers x 10 layers of the default model, every peer and the client on a host of
-its own, links changed live; needs root). For each one-way delay and prompt, one greedy session without drafts
-and one per draft length with the prompt-lookup drafter (client.drafting.PromptLookup), EOS ignored:
+its own, links changed live; needs root). For each one-way delay and prompt, one greedy session without drafts,
+one per fixed draft length with the prompt-lookup drafter (client.drafting.PromptLookup), and one with the
+length the client adapts per step ("lookup-auto", client.drafting.DraftLength), EOS ignored:
 
   tok_s          delay -> drafter -> prompt: tokens/s after the first token ("plain": no drafts)
   speedup        delay -> drafter -> prompt: tok_s over plain's
@@ -71,7 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 25, 50])
     p.add_argument("--bandwidth-mbit", type=float, default=1000)
     p.add_argument("--new-tokens", type=int, default=96, help="decode tokens per session")
-    p.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8], help="lookup's draft lengths")
+    p.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8], help="lookup's fixed draft lengths")
+    p.add_argument("--auto-k", type=int, default=8, help="most drafts a step of the adaptive length")
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments")
     p.add_argument("--json", help="also write the JSON object here")
     p.add_argument(
@@ -93,6 +95,8 @@ async def _session(client: SwarmClient, order: dict[str, Any]) -> dict[str, Any]
     """One greedy session as the order says: tokens, their arrival times, the speculation's counters."""
     ids, new_tokens = order["ids"], order["new_tokens"]
     spec = make_speculation(order["speculate"], order["draft_tokens"])
+    if spec is not None and not order["adaptive"]:
+        spec.length = None  # always draft_tokens where the drafter has them
     pick = Sampler(SamplingParams()).sample
     session = client.aclient.new_session(len(ids) + new_tokens)
     tokens, times = [], [time.perf_counter()]
@@ -121,9 +125,11 @@ def worker_main(initial_peers: Sequence[str], model: str) -> None:
             print(json.dumps(client.run(_session(client, json.loads(line)))), flush=True)
 
 
-def ask(w: Worker, ids: Sequence[int], new_tokens: int, speculate: str, draft_tokens: int) -> dict[str, Any]:
+def ask(
+    w: Worker, ids: Sequence[int], new_tokens: int, speculate: str, draft_tokens: int, adaptive: bool = False
+) -> dict[str, Any]:
     order = {"ids": list(ids), "new_tokens": new_tokens, "speculate": speculate, "draft_tokens": draft_tokens}
-    return dict(w.ask(order))
+    return dict(w.ask(order | {"adaptive": adaptive}))
 
 
 # --- the measurements ---------------------------------------------------------------------------------------
@@ -143,7 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference = source.load_reference_model("cpu", "float32")
     local = {name: local_decode(reference, ids, args.new_tokens)[1] for name, ids in prompt_ids.items()}
     del reference
-    drafters = {f"lookup-k{k}": k for k in args.draft_tokens}
+    # name -> (most drafts a step, adaptive): fixed lengths, and the client's default (client.drafting.DraftLength)
+    drafters = {f"lookup-k{k}": (k, False) for k in args.draft_tokens} | {"lookup-auto": (args.auto_k, True)}
     tok_s: dict[str, dict[str, dict[str, float]]] = {}
     counters: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
     equal: dict[str, bool] = {}
@@ -158,8 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         plain = ask(w, ids, args.new_tokens, "off", 1)
                         tok_s.setdefault(d, {}).setdefault("plain", {})[name] = decode_tok_s(plain["times"])
                         equal[f"{d}/plain/{name}"] = plain["tokens"] == local[name]
-                        for drafter, k in drafters.items():
-                            spec = ask(w, ids, args.new_tokens, "lookup", k)
+                        for drafter, (k, adaptive) in drafters.items():
+                            spec = ask(w, ids, args.new_tokens, "lookup", k, adaptive)
                             tok_s[d].setdefault(drafter, {})[name] = decode_tok_s(spec["times"])
                             counters.setdefault(d, {}).setdefault(drafter, {})[name] = spec["speculation"]
                             equal[f"{d}/{drafter}/{name}"] = spec["tokens"] == plain["tokens"]

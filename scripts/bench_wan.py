@@ -55,6 +55,7 @@ from swarm.testing.nat import nat_relay_case  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 from swarm.testing.wan import EmulatedNet, LinkSpec  # noqa: E402
 from swarm.testing.wan.bench import bench_main  # noqa: E402
+from swarm.types import LayerRange  # noqa: E402
 
 QUESTION = "What is the capital of France?"  # 37 tokens with SmolLM2's chat template
 STEP_TIMEOUT_S = 600.0
@@ -362,9 +363,10 @@ SLOW_LINK = LinkSpec(0.050, 100 * MBIT)  # 10x the delay and a tenth of the band
 
 def run_slow_link(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """p1, p2 hold the first half and p3, p4 the second; every link is fast but p1 <-> p3. Only p4 may plan: its
-    first plan sees all four on their join ranges and keeps them, so p1 -> p3 is one of the two ways across.
-    The client (tests/integration/wan_slow_link.py) waits for every peer's links, then reads the plan's flow
-    over p1 -> p3 and routes sessions alone and 8 at a time."""
+    plan starts from the four on their join ranges, where the p1 - p3 link is one of the two ways across
+    (``slow_link_across``: still one in the plan). The client (tests/integration/wan_slow_link.py) waits for every
+    peer's links, then reads the plan's flow over that link, both ways, and routes sessions alone and 8 at a
+    time."""
     source = resolve_model(args.model)
     half = source.spec.num_layers // 2
     layers = {"p1": f"0:{half}", "p3": f"{half}:{source.spec.num_layers}"}
@@ -401,7 +403,11 @@ def run_slow_link(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "slow_link_flow_share": round(found["slow_link_flow_share"], 4),
         "slow_link_session_share": max(lone, together),
         "slow_link_session_share_by_mode": {"lone": lone, "8_open": together},
-        "slow_link_placement": {host_of[p]: r for p, r in found["placement"].items()},
+        "slow_link_placement": (placed := {host_of[p]: r for p, r in found["placement"].items()}),
+        "slow_link_across": any(  # a route could cross it, one way or the other
+            LayerRange.parse(placed[a]).end in LayerRange.parse(placed[b])
+            for a, b in (("p1", "p3"), ("p3", "p1"))
+        ),
     }
 
 

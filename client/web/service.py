@@ -19,8 +19,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from client.client import AsyncSwarmClient
 from client.generation import GenerationRequest, generate_text
 from client.session import InferenceSession
@@ -70,28 +68,20 @@ Event = Piece | Notice | Outcome
 
 
 class _Counter:
-    """Wraps the sampler: counts sampled tokens and times the gaps between them."""
+    """Counts the tokens of one generation as they arrive and times the gaps between them."""
 
-    def __init__(
-        self, sampler: Sampler, eos_ids: frozenset[int], metrics: WebMetrics, clock: Callable[[], float]
-    ):
-        self.sampler, self.eos_ids, self.metrics, self.clock = sampler, eos_ids, metrics, clock
+    def __init__(self, metrics: WebMetrics, clock: Callable[[], float]):
+        self.metrics, self.clock = metrics, clock
         self.tokens = 0
-        self.ended_by_eos = False
         self._last_at: float | None = None
 
-    def pick(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        token = self.sampler.sample(logits, history)
+    def saw(self, token: int) -> None:
         now = self.clock()
         if self._last_at is not None:
             self.metrics.token_latency.observe(now - self._last_at)
         self._last_at = now
-        if token in self.eos_ids:
-            self.ended_by_eos = True
-        else:
-            self.tokens += 1
-            self.metrics.tokens.inc()
-        return token
+        self.tokens += 1
+        self.metrics.tokens.inc()
 
 
 class SwarmGenerator:
@@ -143,20 +133,24 @@ class SwarmGenerator:
         temperature = 0.0 if request.top_p == 0.0 else request.temperature
         seed = secrets.randbits(63) if request.seed is None else request.seed
         sampler = Sampler(SamplingParams(temperature, 0, request.top_p or 1.0, 1.0, seed))
-        counter = _Counter(sampler, self.client.eos_ids, self.metrics, self.clock)
+        counter = _Counter(self.metrics, self.clock)
         job = GenerationRequest(tuple(ids), request.max_tokens, self.client.eos_ids, request.stop)
         session = self.client.new_session(len(ids) + request.max_tokens)
         outcome = Outcome(finish_reason="cancelled", prompt_tokens=len(ids))
         self.metrics.active.inc()
         try:
-            text = generate_text(session, job, counter.pick, self.client.tokenizer, sampler.params.greedy)
+            greedy = sampler.params.greedy
+            spec, target = session.speculation, None if greedy else sampler
+            text = generate_text(
+                session, job, sampler.sample, self.client.tokenizer, greedy, spec, target, counter.saw
+            )
             async with aclosing(text) as pieces:
                 async for event in _with_failover_notices(pieces, session):
                     if isinstance(event, Piece) and outcome.ttft_s is None:
                         outcome.ttft_s = self.clock() - arrived_at
                         self.metrics.ttft.observe(outcome.ttft_s)
                     yield event
-            stopped_by_length = counter.tokens >= request.max_tokens and not counter.ended_by_eos
+            stopped_by_length = counter.tokens >= request.max_tokens  # an EOS is never past max_tokens
             outcome.finish_reason = "length" if stopped_by_length else "stop"
         except Exception:
             outcome.finish_reason = "error"

@@ -14,6 +14,7 @@ import pytest
 
 from swarm.testing import LocalSwarm
 from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable
+from swarm.types import LayerRange
 
 pytestmark = [
     pytest.mark.integration,
@@ -27,14 +28,19 @@ SLOW = LinkSpec(delay_s=0.050, bandwidth_bits_s=1e8)
 THREE_LAYERS_GB = "0.0075"  # the tiny model's layer with an 8192-token cache is ~2.2 MB: 3 fit, not 4
 
 
+def _hop_possible(first: str, then: str) -> bool:
+    """Whether a route may go from a peer holding layers ``first`` to one holding ``then``."""
+    return LayerRange.parse(first).end in LayerRange.parse(then)
+
+
 def test_the_slow_link_carries_at_most_a_tenth_of_the_flow_and_of_the_sessions(tmp_path: Path) -> None:
     hosts = ["p1", "p2", "p3", "p4", "cl"]
     with EmulatedNet("fsls", hosts, FAST) as net:
         net.set_link("p1", "p3", SLOW)
         net.set_link("p3", "p1", SLOW)
         with LocalSwarm(tmp_path, model="tiny:0", net=net) as swarm:
-            # Only the last peer stands for planner: its first plan sees all four holding their join ranges,
-            # which it keeps (as good as any), so p1 -> p3 is one of the two ways across.
+            # Only the last peer stands for planner; its plan starts from the four holding their join ranges,
+            # where the p1 - p3 link is one of the two ways across.
             extra = ["--max-memory-gb", THREE_LAYERS_GB]
             peers = {
                 h: swarm.start_peer(
@@ -61,7 +67,9 @@ def test_the_slow_link_carries_at_most_a_tenth_of_the_flow_and_of_the_sessions(t
     host_of = {p.peer_id: h for h, p in peers.items()}
     placed = {host_of[p]: r for p, r in found["placement"].items()}
     print(json.dumps({k: v for k, v in found.items() if k not in ("routes_8", "placement")} | placed))
-    assert placed == {"p1": "0:3", "p2": "0:3", "p3": "3:6", "p4": "3:6"}  # two ways across, one of them slow
+    # The plan could send sessions over the slow link (it is a way across, either way round): else the shares
+    # below would say nothing.
+    assert _hop_possible(placed["p1"], placed["p3"]) or _hop_possible(placed["p3"], placed["p1"]), placed
     assert found["slow_link_flow_share"] <= 0.1
     assert found["slow_link_session_share_lone"] <= 0.1
     assert found["slow_link_session_share_8"] <= 0.1

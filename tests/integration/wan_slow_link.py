@@ -54,12 +54,13 @@ async def measure(
     plan = snapshot.plan.to_plan()
     lone = await _routes(client, 1, 16)
     together = await _routes(client, 8, 4)
+    a, b = slow  # the link is slow both ways, and the plan may place either end first: count both
     return {
         "epoch": plan.epoch,
         "placement": {p: str(r) for p, r in plan.placement.items()},
-        "slow_link_flow_share": link_flow_share(plan, *slow),
-        "slow_link_session_share_lone": link_session_share(lone, *slow),
-        "slow_link_session_share_8": link_session_share(together, *slow),
+        "slow_link_flow_share": link_flow_share(plan, a, b) + link_flow_share(plan, b, a),
+        "slow_link_session_share_lone": link_session_share(lone, a, b) + link_session_share(lone, b, a),
+        "slow_link_session_share_8": link_session_share(together, a, b) + link_session_share(together, b, a),
         "routes_8": [[s.peer_id for s in r] for r in together],
     }
 

@@ -69,10 +69,10 @@ def test_accept_keeps_the_agreeing_prefix_and_the_targets_next_pick(drafts: list
     assert kept == picks[: agree + 1]
 
 
-def test_speculation_is_off_unless_asked_for() -> None:
-    assert ClientConfig().speculate == "off" and make_speculation("off", 4) is None
+def test_speculation_is_on_by_default_with_a_length_that_adapts() -> None:
+    assert ClientConfig().speculate == "lookup" and make_speculation("off", 4) is None
     spec = make_speculation("lookup", 3)
-    assert spec is not None and spec.draft_tokens == 3
+    assert spec is not None and spec.draft_tokens == 3 and spec.length is not None
     with pytest.raises(ValueError):
         ClientConfig(speculate="tree")
     with pytest.raises(ValueError):

@@ -24,6 +24,7 @@ from swarm.errors import CapacityError, NoRouteError, ProtocolError, SwarmError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
 from swarm.routing.route import Stage
+from swarm.testing.reference import greedy_tokens
 from swarm.types import LayerRange, NodeID
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,8 +39,10 @@ def make_client(
     **settings: Any,
 ) -> tuple[AsyncSwarmClient, LocalChain]:
     blocks = {p: source.load_blocks(a, b, cache_tokens=4096) for p, (a, b) in ranges.items()}
-    # No spot-checks here: these tests count the calls each step makes (test_spot.py checks spot-checks).
+    # No spot-checks and no drafts here: these tests count the calls each step makes (test_spot.py checks
+    # spot-checks, test_drafting.py drafts).
     settings.setdefault("prefill_chunk_tokens", 256)
+    settings.setdefault("speculate", "off")
     config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0, **settings)
     client = in_process_client(source.load_head(), blocks, source.tokenizer(), config, clock=clock)
     assert isinstance(client.chain, LocalChain)
@@ -48,11 +51,7 @@ def make_client(
 
 def greedy_reference(model: Any, ids: list[int], steps: int) -> list[int]:
     """Greedy decoding by full forward passes of the plain transformers model (no cache at all)."""
-    out = list(ids)
-    with torch.inference_mode():
-        for _ in range(steps):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids) :]
+    return greedy_tokens(model, ids, steps)
 
 
 # --- tiny random model: token ids -------------------------------------------------------------------------
