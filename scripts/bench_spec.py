@@ -84,7 +84,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.delays_ms, args.new_tokens, args.draft_tokens = "tiny", [0, 10], 16, [4]
+        args.model, args.delays_ms, args.new_tokens, args.draft_tokens, args.auto_k = (
+            "tiny",
+            [0, 10],
+            16,
+            [4],
+            4,
+        )
     return args
 
 

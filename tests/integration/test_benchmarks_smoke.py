@@ -688,22 +688,24 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 def test_bench_spec_quick(tmp_path: Path) -> None:
-    """Plain and prompt-lookup speculative greedy over the emulated swarm on the tiny model: every figure by
+    """Plain and prompt-lookup speculative greedy (fixed and adaptive length) over the emulated swarm on the
+    tiny model: every figure by
     delay, drafter and prompt, the edit prompt's drafts accepted, and every session's tokens equal."""
     out_file = tmp_path / "spec.json"
     out = _run_json(["scripts/bench_spec.py", "--quick", "--json", str(out_file)], 360)
     assert isinstance(out, dict) and json.loads(out_file.read_text()) == out
     prompts = {"essay", "edit"}
-    assert set(out["tok_s"]) == {"0", "10"} and set(out["tok_s"]["0"]) == {"plain", "lookup-k4"}
+    drafters = {"lookup-k4", "lookup-auto"}  # a fixed length, and the length each session adapts
+    assert set(out["tok_s"]) == {"0", "10"} and set(out["tok_s"]["0"]) == {"plain", *drafters}
     assert all(_positive(v) for by in out["tok_s"].values() for row in by.values() for v in row.values())
     for key in ("speedup", "acceptance", "mean_accepted"):
         assert set(out[key]) == {"0", "10"}, (key, out[key])
         for by in out[key].values():
-            assert set(by) == {"lookup-k4"} and set(by["lookup-k4"]) == prompts, (key, by)
-    assert all(_positive(out["speedup"][d]["lookup-k4"][p]) for d in ("0", "10") for p in prompts)
+            assert set(by) == drafters and all(set(by[k]) == prompts for k in drafters), (key, by)
+    assert all(_positive(out["speedup"][d][k][p]) for d in ("0", "10") for k in drafters for p in prompts)
     for d in ("0", "10"):  # the edit prompt repeats itself: lookup drafts, and some drafts are accepted
         assert out["speculation"][d]["lookup-k4"]["edit"]["accepted"] > 0
         assert 0 < out["acceptance"][d]["lookup-k4"]["edit"] <= 1
         assert 0 < out["mean_accepted"][d]["lookup-k4"]["edit"] <= 4
     # speculative tokens equal plain ones, and plain ones equal local transformers'
-    assert out["tokens_equal"] is True and len(out["tokens_equal_by"]) == 2 * 2 * 2
+    assert out["tokens_equal"] is True and len(out["tokens_equal_by"]) == 2 * 2 * 3
