@@ -35,6 +35,8 @@ from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
+MAX_PROBERS_KEPT = 4096  # peers whose last probe time we keep (a bound on what strangers' probes can grow)
+
 
 @dataclass(frozen=True)
 class ComputeMeasure:
@@ -197,7 +199,11 @@ class LinkMonitor:
 
     def heard_probe(self, peer_id: str) -> None:
         """A probe from ``peer_id`` reached us: it is measuring our link (the probe handler calls this)."""
-        self.probed_at[peer_id] = self.clock()
+        now = self.clock()
+        if len(self.probed_at) >= MAX_PROBERS_KEPT:  # anyone may probe: forget those quiet for poll_s
+            self.probed_at = {p: t for p, t in self.probed_at.items() if now - t < self.config.poll_s}
+        if len(self.probed_at) < MAX_PROBERS_KEPT:
+            self.probed_at[peer_id] = now
         if peer_id < self.own_peer_id and peer_id in self.yielding:
             self.yielding[peer_id].set()
 
