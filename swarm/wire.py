@@ -478,6 +478,8 @@ def _decode_q8(body: dict[str, Any], what: str) -> torch.Tensor:
         raise ProtocolError(f"{what}: q8 shape {shape} is past the limits [{MAX_TOKENS}, {MAX_HIDDEN_SIZE}]")
     if tokens * bytes_per_token("q8", dtype, size) > MAX_TENSOR_BYTES:
         raise ProtocolError(f"{what}: q8 shape {shape} is over the {MAX_TENSOR_BYTES}-byte tensor limit")
+    if tokens * size * 4 > MAX_TENSOR_BYTES:  # decoding works in float32: bound what it unpacks to as well
+        raise ProtocolError(f"{what}: q8 shape {shape} unpacks past the {MAX_TENSOR_BYTES}-byte tensor limit")
     return dequantize_q8(unpack_q8(body, tokens, size, what), dtype)
 
 

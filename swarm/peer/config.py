@@ -31,7 +31,7 @@ class SessionConfig:
     close_timeout_s: float = setting(5.0, "deadline of passing a close down the route")
     dial_back_timeout_s: float = setting(5.0, "deadline of dialling a peer back for its reachability check")
     max_probe_reply_bytes: int = setting(
-        4 * 1024**2, "most bytes a probe may ask back (download measurement)"
+        256 * 1024, "most bytes a probe may ask back (download measurement; the largest link probe by default)"
     )
     max_open: int = setting(1024, "most sessions open on this peer at once")
     # A remote peer is a client or the previous hop of a route (forwarding many clients' sessions): the

@@ -108,7 +108,7 @@ class PeerHandlers:
         """Count a step of ``remote_id`` in flight; CapacityError past its share (no one remote floods us)."""
         if self.in_flight[remote_id] >= self.config.max_requests_per_remote:
             raise CapacityError(
-                f"{self.in_flight[remote_id]} steps of yours are already in flight here, the limit"
+                f"{self.in_flight[remote_id]} requests of yours are already in flight here, the limit"
             )
         self.in_flight[remote_id] += 1
         try:
@@ -371,14 +371,15 @@ class PeerHandlers:
             )
         ok: bool | None = None
         error = ""
-        if request.dial_back_peer_id:
-            if request.dial_back_peer_id != remote_id:
-                raise ProtocolError("dial-back is only to the peer that asks for it")
-            ok = await self.dial_back(remote_id, request.dial_back_maddrs)
-            error = "" if ok else DIAL_BACK_FAILED
-        else:
-            self.on_probe(remote_id)
-        return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
+        with self._admit(remote_id):  # probes count against the caller's share too: no flood of replies
+            if request.dial_back_peer_id:
+                if request.dial_back_peer_id != remote_id:
+                    raise ProtocolError("dial-back is only to the peer that asks for it")
+                ok = await self.dial_back(remote_id, request.dial_back_maddrs)
+                error = "" if ok else DIAL_BACK_FAILED
+            else:
+                self.on_probe(remote_id)
+            return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 
 
 async def reap_idle_sessions(peer: Peer, interval_s: float) -> None:

@@ -67,7 +67,11 @@ async def check_before_join(config: DHTConfig, timeout_s: float) -> JoinCheck:
     try:
         own_id = p2p.peer_id.to_base58()
         await serve_raw(p2p, _answer_probes(own_id))
-        own = tuple(await bare.visible_maddrs(p2p))
+        # Where others will dial the DHT: the announced addresses (a forwarded port) if any, else where we listen.
+        announced = tuple(
+            m if "/p2p/" in m else f"{m}/p2p/{own_id}" for m in config.reachability.announce_maddrs if config.listen
+        )
+        own = announced or tuple(await bare.visible_maddrs(p2p))
         answered: list[str] = []
         for maddr in _distinct_peers(config.initial_peers)[:MAX_ASKED]:
             peer_id = maddr.rsplit("/p2p/", 1)[1]

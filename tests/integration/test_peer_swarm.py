@@ -38,11 +38,17 @@ def tiny() -> ModelSource:
     return resolve_model("tiny")
 
 
+BIG_REPLY = str(4 * 1024**2)
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     with LocalSwarm(tmp_path_factory.mktemp("swarm"), model="tiny") as local:
-        # Fixed ranges: these tests check forwarding over known hops, not plan following.
-        local.start_peer(RANGES[0], name="a", extra_args=FIXED)
+        # Fixed ranges: these tests check forwarding over known hops, not plan following. Peer a sends probe
+        # replies past hivemind's 4 MiB unary cap (the malformed-requests test).
+        local.start_peer(
+            RANGES[0], name="a", extra_args=[*FIXED, "--session-max-probe-reply-bytes", BIG_REPLY]
+        )
         local.start_peer(RANGES[1], name="b", extra_args=FIXED, wait=False)
         local.start_peer(RANGES[2], name="c", extra_args=FIXED, wait=False)
         local.wait_all_ready(timeout_s=120)
@@ -323,8 +329,8 @@ def test_malformed_requests_get_clear_errors_and_the_peer_keeps_serving(
             info = await call_info(p2p, peer.peer_id, maddrs=peer.maddrs)
             assert info.state == "serving" and info.active_sessions == 0
             # Past hivemind's 4 MiB unary cap both ways, which streams do not have. A probe's reply is at most
-            # session.max_probe_reply_bytes (4 MiB by default).
-            big, back = 5 * 1024**2, 4 * 1024**2
+            # session.max_probe_reply_bytes (BIG_REPLY on this peer).
+            big, back = 5 * 1024**2, int(BIG_REPLY)
             probe = ProbeRequest(payload=bytes(big), reply_bytes=back)
             reply = await call_probe(p2p, peer.peer_id, probe, maddrs=peer.maddrs, timeout_s=30)
             assert reply.received_bytes == big and len(reply.payload) == back

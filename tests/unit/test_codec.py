@@ -183,6 +183,10 @@ HOSTILE = [
     ({"shape": [2, -SIZE]}, "past the limits"),
     ({"shape": [2, 1 << 40]}, "past the limits"),
     ({"shape": [60_000, 60_000]}, "tensor limit"),
+    (
+        {"shape": [65_536, 1024]},
+        "unpacks past",
+    ),  # within the limit as int8, past it as the float32 it decodes to
     ({"shape": [3, SIZE]}, "values of data"),  # the data of 2 tokens named as 3
     ({"shape": [2, SIZE - 1]}, "values of data"),
     ({"data": b"\x01" * (2 * SIZE - 1)}, "values of data"),

@@ -127,10 +127,18 @@ def test_a_hop_newer_than_our_read_is_let_through_after_one_re_read_and_stranger
     asyncio.run(body())
 
 
+def test_probes_count_against_the_callers_share_of_requests() -> None:
+    h = _handlers(Clock())
+    h.in_flight["QmClient"] = h.config.max_requests_per_remote
+    with pytest.raises(CapacityError, match="in flight"):
+        asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=1024), "QmClient"))
+    assert len(asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=1024), "QmOther")).payload) == 1024
+
+
 def test_a_probe_sends_back_at_most_its_configured_bytes() -> None:
     h = _handlers(Clock())
     limit = h.config.max_probe_reply_bytes
-    assert limit <= 4 * 1024**2
+    assert limit <= 256 * 1024  # the largest link probe: a probe is no traffic amplifier
     assert len(asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=limit), "QmClient")).payload) == limit
     with pytest.raises(ProtocolError, match="bytes back"):
         asyncio.run(h.rpc_probe(ProbeRequest(reply_bytes=MAX_PROBE_BYTES), "QmClient"))
