@@ -175,8 +175,10 @@ class RemoteChain:
         if request.lossless:
             return "exact"
         record = self.records(NodeID(hop.peer_id))
-        bandwidth = (
-            max((link.bandwidth_bytes_s for link in record.links.values()), default=None) if record else None
+        # our states go into the peer: its download, the links' reverse direction (upload where not announced)
+        links = record.links.values() if record else ()
+        bandwidth = max(
+            (link.reverse_bandwidth_bytes_s or link.bandwidth_bytes_s for link in links), default=None
         )
         speed = record.prefill_layer_tokens_s if record is not None else 0.0
         return choose_codec(
