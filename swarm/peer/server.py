@@ -71,6 +71,8 @@ from swarm.types import DTYPE_BYTES, LayerRange
 
 logger = logging.getLogger(__name__)
 
+REJOIN_PAUSE_S = 30.0  # after every relay left and no live peer could take us in: wait, then the initial peers
+
 REACHABILITY_ADVICE = (
     "this peer is NOT reachable from the swarm: others cannot send it requests. If you are behind a home "
     "router, let it serve through another peer's relay (the default; check --no-relay and "
@@ -115,20 +117,28 @@ async def run(config: PeerConfig, stop: asyncio.Event | None = None) -> None:
         dht = await SwarmDHT.create(dht_config, source.spec.weights_hash)
         try:
             p2p = await dht.replicate_p2p()
-            via = await _serve(config, source, dht, p2p, stop, began)
+            rejoin = await _serve(config, source, dht, p2p, stop, began)
         finally:
             await dht.aclose()
             logger.info("left the swarm")
-        if not via:
+        if rejoin is None:
             return
-        logger.info("rejoining through %s", ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in via))
+        via = rejoin
+        if via:
+            logger.info("rejoining through %s", ", ".join(m.rsplit("/p2p/", 1)[1][-8:] for m in via))
+        else:  # nobody to rejoin through for now: the initial peers again, after a pause (or stop)
+            logger.info("rejoining through the initial peers in %.0f s", REJOIN_PAUSE_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REJOIN_PAUSE_S)
+            if stop.is_set():
+                return
 
 
 async def _serve(
     config: PeerConfig, source: ModelSource, dht: SwarmDHT, p2p: P2P, stop: asyncio.Event, began: float
-) -> tuple[str, ...]:
-    """Wire the components around one Peer under one TaskGroup; return once the peer has left: with the peers
-    to rejoin through when it left because every relay it was served through had left, else ()."""
+) -> tuple[str, ...] | None:
+    """Wire the components around one Peer under one TaskGroup; return once the peer has left: None when told
+    to stop; when every relay it was served through had left, the live peers to rejoin through (maybe none)."""
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
     directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
     directory = Directory(dht, directory_config, shape=shape)
@@ -142,6 +152,7 @@ async def _serve(
     links = LinkMonitor(
         p2p, peer.peer_id, _reading_live(directory, peer), config.links, on_change=peer.set_links
     )
+    via: tuple[str, ...] | None = None
     try:
         async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
             tg.create_task(executor.run())
@@ -180,8 +191,8 @@ async def _serve(
                 tg.create_task(_set_when_done(watch, relays_lost))
             await _first_set(stop, relays_lost)
             await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
-            rejoin = relays_lost.is_set() and not stop.is_set()
-            via = await _rejoin_via(directory, peer.peer_id) if rejoin else ()
+            if relays_lost.is_set() and not stop.is_set():
+                via = await _rejoin_via(directory, peer.peer_id)
             raise _Leave
     except* _Leave:
         pass
