@@ -69,7 +69,9 @@ async def check_before_join(config: DHTConfig, timeout_s: float) -> JoinCheck:
         await serve_raw(p2p, _answer_probes(own_id))
         # Where others will dial the DHT: the announced addresses (a forwarded port) if any, else where we listen.
         announced = tuple(
-            m if "/p2p/" in m else f"{m}/p2p/{own_id}" for m in config.reachability.announce_maddrs if config.listen
+            m if "/p2p/" in m else f"{m}/p2p/{own_id}"
+            for m in config.reachability.announce_maddrs
+            if config.listen
         )
         own = announced or tuple(await bare.visible_maddrs(p2p))
         answered: list[str] = []
@@ -158,13 +160,15 @@ class DialBack:
         self._start = start
         self._p2p: P2P | None = None
         self._starting = asyncio.Lock()
-        self._running = 0
+        self._dialling: set[str] = set()  # peers being dialled back: one check at a time each
 
     async def __call__(self, peer_id: str, maddrs: Sequence[str]) -> bool:
         """Whether ``peer_id`` answers a probe at ``maddrs`` over a connection of its own."""
-        if self._running >= MAX_DIAL_BACKS:
-            raise CapacityError(f"already dialling {self._running} peers back; ask again later")
-        self._running += 1
+        if peer_id in self._dialling:
+            raise CapacityError("already dialling you back; ask again once that check is done")
+        if len(self._dialling) >= MAX_DIAL_BACKS:
+            raise CapacityError(f"already dialling {len(self._dialling)} peers back; ask again later")
+        self._dialling.add(peer_id)
         try:
             p2p = await self._node()
             try:
@@ -177,7 +181,7 @@ class DialBack:
                 forget_peer(p2p, peer_id)
                 await bare.disconnect(p2p, peer_id)
         finally:
-            self._running -= 1
+            self._dialling.discard(peer_id)
 
     async def _node(self) -> P2P:
         async with self._starting:

@@ -71,7 +71,9 @@ from swarm.types import DTYPE_BYTES, LayerRange
 
 logger = logging.getLogger(__name__)
 
-REJOIN_PAUSE_S = 30.0  # after every relay left and no live peer could take us in: wait, then the initial peers
+REJOIN_PAUSE_S = (
+    30.0  # after every relay left and no live peer could take us in: wait, then the initial peers
+)
 
 REACHABILITY_ADVICE = (
     "this peer is NOT reachable from the swarm: others cannot send it requests. If you are behind a home "

@@ -126,13 +126,17 @@ def test_a_peer_dials_back_at_most_a_few_others_at_once() -> None:
             await asyncio.Event().wait()
 
         dial = DialBack(timeout_s=1.0, start=start_never)
-        waiting = [asyncio.create_task(dial(f"Qm{i}", ())) for i in range(MAX_DIAL_BACKS)]
+        first = asyncio.create_task(dial("Qm0", ()))
         await started.wait()
-        with pytest.raises(CapacityError, match="already dialling"):
+        with pytest.raises(CapacityError, match="already dialling you back"):  # one check at a time per peer
+            await dial("Qm0", ())
+        waiting = [first] + [asyncio.create_task(dial(f"Qm{i}", ())) for i in range(1, MAX_DIAL_BACKS)]
+        await asyncio.sleep(0)  # let them take their places
+        with pytest.raises(CapacityError, match=f"already dialling {MAX_DIAL_BACKS} peers"):
             await dial("QmOneMore", ())
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-        assert dial._running == 0  # cancelled dial-backs gave their places back
+        assert not dial._dialling  # cancelled dial-backs gave their places back
 
     asyncio.run(run())
