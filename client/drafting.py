@@ -123,18 +123,27 @@ class DraftLength:
     is kept once those before it were, and the time of a step of n tokens, t(n) = a + b n (a: the route's
     round trip and per-step costs; b: each token's compute). A step with k drafts yields on average
     (1 - alpha^(k+1)) / (1 - alpha) tokens; the k with the most tokens per second wins, and k = 0 (no drafts)
-    wins where drafts do not pay, e.g. on a fast link with a weak drafter. While off, a step with drafts now
-    and then (``probe_every``, doubling up to ``max_probe_every`` while they keep not paying) re-measures."""
+    wins where drafts do not pay, e.g. on a fast link with a weak drafter. While off, a step with ``probe_k``
+    drafts now and then (``probe_every``, doubling up to ``max_probe_every`` while they keep not paying)
+    re-measures; the first step with drafts carries ``probe_k`` too."""
 
     def __init__(
-        self, max_k: int, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64
+        self,
+        max_k: int,
+        decay: float = 0.9,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+        probe_k: int = 2,
     ) -> None:
-        if max_k < 1 or not 0 < decay < 1 or not 1 <= probe_every <= max_probe_every:
+        if max_k < 1 or not 0 < decay < 1 or not 1 <= probe_every <= max_probe_every or probe_k < 1:
             raise ValueError(f"bad draft length settings: {max_k}, {decay}, {probe_every}, {max_probe_every}")
         self.max_k = max_k
         self.decay = decay
         self.min_probe_every = self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.probe_k = (
+            probe_k  # drafts of a measuring step: few, so a step where drafts do not pay costs little
+        )
         self.kept = (
             1.0  # decayed drafts kept, and drafts judged (kept or the one refused): alpha = kept / judged
         )
@@ -168,13 +177,14 @@ class DraftLength:
         top = min(self.max_k, most)
         if top <= 0:
             return 0
+        probe = min(self.probe_k, top)
         # First measure a step with drafts and a plain one (whichever the drafter's luck gives first).
         if not self.times:
-            return top
+            return probe
         if 1 not in self.times:
             return 0
         if len(self.times) == 1:
-            return top
+            return probe
         rates = {k: self.tokens_per_s(k) for k in range(top + 1)}
         best = max(rates, key=lambda k: rates[k] or 0.0)
         if best > 0:
@@ -182,7 +192,7 @@ class DraftLength:
             return best
         if self.since_drafts + 1 >= self.probe_every:
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-            return top
+            return probe
         return 0
 
     def observe(self, tokens: int, seconds: float, drafted: int, kept: int) -> None:

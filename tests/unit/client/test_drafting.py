@@ -364,7 +364,8 @@ def test_a_drafter_that_starts_to_pay_is_taken_back_within_a_probe() -> None:
     assert sum(_drive(length, 300, alpha=0.05, trip_s=0.005, token_s=0.010, seed=0)[-50:]) <= 8
     carried = _drive(length, 100, alpha=0.9, trip_s=0.100, token_s=0.002, seed=1)
     first = next(i for i, k in enumerate(carried) if k > 0)
-    assert first <= 64 and all(k >= 3 for k in carried[first + 5 :])
+    # the step times of the old route fade as the new ones come: long drafts again within a few dozen steps
+    assert first <= 64 and all(k >= 3 for k in carried[first + 30 :])
 
 
 def test_bad_draft_length_settings_are_refused() -> None:
