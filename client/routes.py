@@ -294,12 +294,15 @@ class SwarmRoutes:
             return self._route(snapshot, start_layer, prev, session_tokens, avoid, others, True)
 
     async def measure_client_links(self, snapshot: SwarmSnapshot) -> None:
-        """Ping, once each, the serving peers a route may start or end on (those holding the first or the last
+        """Ping, twice each, the serving peers a route may start or end on (those holding the first or the last
         layer) whose round trip from this client is not known yet; a peer that does not answer within
         ping_timeout_s stays unmeasured (routing then assumes the default delay) for PING_RETRY_S."""
         if self._ping is None:
             return
         ping, now = self._ping, self._clock()
+        live = snapshot.peers  # forget peers that left: a long-running client meets many
+        self.client_rtt_s = {p: r for p, r in self.client_rtt_s.items() if p in live}
+        self._pinged_at = {p: t for p, t in self._pinged_at.items() if p in live}
         ends = [
             NodeID(r.peer_id)
             for r in snapshot.serving().values()
@@ -314,7 +317,8 @@ class SwarmRoutes:
         async def one(peer_id: NodeID) -> None:
             try:
                 async with asyncio.timeout(self.ping_timeout_s):
-                    self.client_rtt_s[peer_id] = await ping(peer_id)
+                    first = await ping(peer_id)  # may include dialling the peer: the second is the link's
+                    self.client_rtt_s[peer_id] = min(first, await ping(peer_id))
             except Exception as e:  # unmeasured is a fine answer: the route assumes the default delay
                 logger.debug("no round trip to %s: %r", peer_id[-8:], e)
 

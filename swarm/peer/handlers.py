@@ -231,7 +231,9 @@ class PeerHandlers:
             (hop.end - hop.start) / speed if speed > 0 else None,
             activations.auto_fraction,
         )
-        if self.codecs.get(hop.peer_id) != codec:
+        # Remembered (and logged on change) only for peers we measured: the next hops are the client's choice.
+        if link is not None and self.codecs.get(hop.peer_id) != codec:
+            self.codecs = {p: c for p, c in self.codecs.items() if p in self.peer.links}
             self.codecs[hop.peer_id] = codec
             measured = f"{bandwidth / 1e6:.1f} MB/s" if bandwidth else "not measured"
             logger.info("hidden states to %s go as %s (link %s)", hop.peer_id[-8:], codec, measured)

@@ -18,7 +18,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.errors import ProtocolError, SwarmError
-from swarm.transport.channel import call_raw, decode_off_loop
+from swarm.transport.channel import call_raw, decode_off_loop, encode_off_loop
 from swarm.transport.linkprobe import LinkTiming, ProbeSizes, measure_both_ways
 from swarm.wire import (
     MAX_FORWARDED_STEPS,
@@ -57,7 +57,7 @@ async def _call(
     timeout_s: float,
     reply_bytes_hint: int = 0,
 ) -> _R:
-    data = encode_request(request)
+    data = await encode_off_loop(encode_request, request)
     raw = await call_raw(
         p2p, peer_id, data, maddrs=maddrs, timeout_s=timeout_s, reply_bytes_hint=reply_bytes_hint
     )

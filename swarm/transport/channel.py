@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
@@ -40,6 +41,7 @@ UNARY_PROTOCOL = "flowswarm.rpc"  # answered for callers of earlier releases; th
 OFF_LOOP_BYTES = 1024**2
 
 _T = TypeVar("_T")
+_M = TypeVar("_M")
 
 # Peers this P2P instance has dialled with explicit multiaddrs, so we do not ask p2pd to connect on every call.
 _dialled: weakref.WeakKeyDictionary[P2P, set[str]] = weakref.WeakKeyDictionary()
@@ -68,6 +70,15 @@ async def serve_raw(p2p: P2P, handler: RawHandler) -> None:
 
     await p2p._client.add_unary_handler(UNARY_PROTOCOL, on_unary)
     await p2p.add_binary_stream_handler(STREAM_PROTOCOL, on_stream)
+
+
+async def encode_off_loop(encode: Callable[[_M], bytes], message: _M) -> bytes:
+    """``encode(message)``, on a worker thread when its hidden states are over OFF_LOOP_BYTES (a lighter codec
+    quantizes them as it encodes: work the event loop should not wait on)."""
+    hidden = getattr(message, "hidden", None)
+    if isinstance(hidden, torch.Tensor) and hidden.numel() * hidden.element_size() > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(encode, message)
+    return encode(message)
 
 
 async def decode_off_loop(decode: Callable[[bytes], _T], data: bytes) -> _T:

@@ -13,7 +13,7 @@ from typing import Protocol
 from hivemind.p2p import P2P
 
 from swarm.errors import SwarmError
-from swarm.transport.channel import decode_off_loop, serve_raw
+from swarm.transport.channel import decode_off_loop, encode_off_loop, serve_raw
 from swarm.wire import (
     CloseReply,
     CloseRequest,
@@ -83,7 +83,7 @@ async def dispatch(handler: RpcHandler, data: bytes, remote_id: str) -> bytes:
     except Exception as e:
         reply = error_reply(e, handler.peer_id, remote_id)
     try:
-        return encode_reply(reply)
+        return await encode_off_loop(encode_reply, reply)
     except SwarmError as e:  # e.g. a reply tensor in a dtype the wire does not carry
         return encode_reply(ErrorReply.from_error(e, handler.peer_id))
 

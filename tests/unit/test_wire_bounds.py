@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import msgpack
 import pytest
+import torch
 
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ProtocolError
@@ -24,9 +25,12 @@ from swarm.wire import (
     ErrorReply,
     ProbeReply,
     ProbeRequest,
+    Reply,
     Request,
+    StepReply,
     decode_reply,
     decode_request,
+    encode_reply,
     encode_request,
 )
 
@@ -146,3 +150,34 @@ def test_garbage_still_gets_an_error_reply_from_dispatch() -> None:
     reply = decode_reply(raw)
     assert isinstance(reply, ErrorReply) and reply.code == "protocol"
     assert not isinstance(reply, CloseReply)
+
+
+class _Replier:
+    peer_id = "QmSelf"
+
+    async def rpc_close(self, request: CloseRequest, remote_id: str) -> StepReply:
+        return StepReply(torch.zeros(int(request.session_id), 64))  # a reply of the asked number of tokens
+
+
+def test_big_replies_are_encoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+
+    def recording_encode(reply: Reply) -> bytes:
+        threads.append(threading.current_thread().name)
+        return encode_reply(reply)
+
+    monkeypatch.setattr(serving, "encode_reply", recording_encode)
+    big_tokens = OFF_LOOP_BYTES // (64 * 4) + 1  # float32 states just over the bound
+
+    async def main() -> list[Reply]:
+        replies = []
+        for tokens in (2, big_tokens):
+            raw = await serving.dispatch(_Replier(), encode_request(CloseRequest(str(tokens))), "QmClient")  # type: ignore[arg-type]
+            replies.append(decode_reply(raw))
+        return replies
+
+    small, big = asyncio.run(main())
+    assert isinstance(small, StepReply) and small.hidden.shape == (2, 64)
+    assert isinstance(big, StepReply) and big.hidden.shape == (big_tokens, 64)
+    loop_thread = threading.main_thread().name
+    assert threads[0] == loop_thread and threads[1] != loop_thread
