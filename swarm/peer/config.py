@@ -13,6 +13,7 @@ from swarm.dht import P2PD_THREADS, DirectoryConfig, ElectionConfig, Reachabilit
 from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.planner import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig
+from swarm.routing.route import RoutingConfig
 from swarm.settings import component, positive, setting
 from swarm.types import DTYPE_BYTES, LayerRange
 
@@ -222,6 +223,10 @@ class PlannerConfig:
     client_bandwidth_bytes_s: float = setting(12.5e6, "client <-> peer bandwidth (unmeasured; 100 Mbit/s)")
     client_latency_s: float = setting(0.02, "client <-> peer latency (unmeasured)")
     unmeasured_bandwidth_bytes_s: float | None = setting(12.5e6, "bandwidth of peer pairs with no probe yet")
+    # Not 0: the slow-link rule would take an unmeasured pair for the fastest link of all and pile flow on it.
+    unmeasured_latency_s: float = setting(
+        RoutingConfig.default_latency_s, "one-way latency of peer pairs with no probe yet (as routes assume)"
+    )
     # Plausibility caps on what peers announce: anyone can write a record, and one absurd number would pull
     # the whole plan's flow through its writer.
     max_layer_tokens_s: float = setting(

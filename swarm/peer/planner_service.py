@@ -110,7 +110,8 @@ def _links(
                 bandwidth = min(bandwidth, config.max_link_bandwidth_bytes_s)
                 links.append(ClusterLink(node.id, other.id, bandwidth, rtt_s / 2))
             elif config.unmeasured_bandwidth_bytes_s is not None:
-                links.append(ClusterLink(node.id, other.id, config.unmeasured_bandwidth_bytes_s, 0.0))
+                bandwidth = config.unmeasured_bandwidth_bytes_s
+                links.append(ClusterLink(node.id, other.id, bandwidth, config.unmeasured_latency_s))
     return links
 
 

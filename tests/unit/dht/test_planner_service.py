@@ -76,6 +76,8 @@ def test_each_direction_of_a_link_comes_from_either_end():
     assert pairs[(NodeID("QmA"), NodeID("QmB"))].latency_s == pytest.approx(0.05)  # half the RTT
     assert pairs[(NodeID("QmB"), NodeID("QmC"))].latency_s == pytest.approx(0.01)
     assert pairs[(NodeID("QmA"), NodeID("QmC"))].bandwidth_bytes_s == 5e8  # unmeasured: the default
+    # and the latency routes assume, never 0: the slow-link rule would read 0 as the fastest link of all
+    assert pairs[(NodeID("QmA"), NodeID("QmC"))].latency_s == CONFIG.unmeasured_latency_s > 0
 
 
 def test_no_plannable_peers_gives_no_cluster():
