@@ -50,6 +50,12 @@ class WebMetrics:
         self.errors = Counter(
             "flowswarm_errors", "errors sent to clients, by type and code", ["type", "code"], registry=r
         )
+        # speculative decoding (client.drafting): acceptance = accepted / drafted
+        self.drafted = Counter("flowswarm_draft_tokens", "drafted tokens sent to be verified", registry=r)
+        self.accepted = Counter(
+            "flowswarm_draft_accepted_tokens", "drafted tokens the model kept", registry=r
+        )
+        self.draft_steps = Counter("flowswarm_draft_steps", "steps that carried drafts", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -137,10 +137,11 @@ class SwarmGenerator:
         job = GenerationRequest(tuple(ids), request.max_tokens, self.client.eos_ids, request.stop)
         session = self.client.new_session(len(ids) + request.max_tokens)
         outcome = Outcome(finish_reason="cancelled", prompt_tokens=len(ids))
+        spec = session.speculation
         self.metrics.active.inc()
         try:
             greedy = sampler.params.greedy
-            spec, target = session.speculation, None if greedy else sampler
+            target = None if greedy else sampler  # a greedy pick checks drafts by itself
             text = generate_text(
                 session, job, sampler.sample, self.client.tokenizer, greedy, spec, target, counter.saw
             )
@@ -165,6 +166,10 @@ class SwarmGenerator:
             outcome.failovers = session.failovers
             outcome.duration_s = self.clock() - arrived_at
             self.metrics.failovers.inc(session.failovers)
+            if spec is not None:
+                self.metrics.draft_steps.inc(spec.steps)
+                self.metrics.drafted.inc(spec.drafted)
+                self.metrics.accepted.inc(spec.accepted)
             self.recent.append({"at": time.time(), "kind": request.kind, **outcome.json()})
         yield outcome
 

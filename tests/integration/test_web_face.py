@@ -202,6 +202,9 @@ def test_metrics_parse_and_move(web: tuple[str, SwarmClient]) -> None:
     assert moved("flowswarm_tokens_generated_total") == 5
     assert moved("flowswarm_time_to_first_token_seconds_count") == 1
     assert moved("flowswarm_token_latency_seconds_count") == 4  # gaps between 5 tokens
+    # speculation is on by default: its counters are there, and never more kept than drafted
+    assert ("flowswarm_draft_tokens_total", ()) in after
+    assert 0 <= moved("flowswarm_draft_accepted_tokens_total") <= moved("flowswarm_draft_tokens_total")
     assert after[("flowswarm_active_generations", ())] == 0
     assert after[("flowswarm_peers_seen", (("state", "serving"),))] == 3
 
