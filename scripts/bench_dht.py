@@ -8,15 +8,20 @@ only what crosses the emulated network counts (a peer's talk with its own p2pd d
 
   idle_tx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer sent (IP packets, headers included)
   idle_rx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer received
-  by_cause                   at --by-cause-size peers, by ablation: the swarm measured again with one periodic loop
-                             stretched to never run again after start-up (--peer-args of each cause below); a
-                             cause's {"tx", "rx"} is the mean per peer of the plain run minus that run's, and
-                             "rest" is what is left with all of them stretched (record announcements, election
-                             leases, the DHT's own maintenance). Two runs differ by noise too: a small or negative
-                             figure means "lost in the noise".
+  by_cause                   at --by-cause-size peers, from the peers' own counters (--traffic-file): each
+                             cause's {"tx", "rx"}, the mean per peer of the payload bytes/s it wrote and read
+                             (swarm.dht.traffic.CAUSES), "unattributed" what the interface counted beyond them
+                             (the DHT's copies to several nodes, framing, TCP/IP headers, its routing upkeep)
+  by_cause_ablation          with --ablation: the swarm measured again with one periodic loop stretched to never
+                             run again after start-up (--peer-args of each cause below); a cause's {"tx", "rx"}
+                             is the mean per peer of the plain run minus that run's, and "rest" what is left with
+                             all of them stretched. Two runs differ by noise too: a small or negative figure
+                             means "lost in the noise".
+  model_tx_bytes_s_per_peer  {N: bytes/s} an idle peer would send at N peers (1000 and 10000, and the measured
+                             sizes to check the model against), from measured message sizes (model_tx)
 
-    sudo .venv/bin/python scripts/bench_dht.py --json dht.json             # sizes 4 8 12 16
-    sudo .venv/bin/python scripts/bench_dht.py --quick                     # 4 peers, short settle and window
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --json dht.json   # sizes 4 8 12 16
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --quick           # 4 peers, short settle, window
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # n
 PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
 NEVER_S = "1000000"  # a loop interval longer than any run
 CAUSES = {  # what each cause's loop is stretched by (swarm-peer join options)
-    "link_probes_and_polls": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
-    "plan_reads": ["--follow-check-interval-s", NEVER_S],
+    "link_probes": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
+    "summary_and_plan_reads": ["--watch-poll-s", NEVER_S, "--watch-fallback-s", NEVER_S],
     "planner_checks": ["--planner-check-interval-s", NEVER_S],
 }
 
@@ -63,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments for every peer")
     p.add_argument("--by-cause-size", type=int, default=8, help="swarm size of the by_cause runs (0: none)")
     p.add_argument("--json", help="also write the JSON object here")
+    p.add_argument("--logs", help="keep the peers' logs and traffic files under this directory")
+    p.add_argument("--ablation", action="store_true", help="also by_cause_ablation: one more run per cause")
     p.add_argument(
         "--quick", action="store_true", help="4 peers, 5 s settle, 10 s window, no by_cause (smoke)"
     )
@@ -93,8 +100,36 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 
 def measure_size(n: int, args: argparse.Namespace, stretched: Sequence[str] = ()) -> dict[str, Any]:
     """One idle swarm of ``n`` peers: per-peer tx and rx bytes/s over the window."""
-    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp:
-        return _measure_size(n, args, Path(tmp), [*shlex.split(args.peer_args), *stretched])
+    extra = [*shlex.split(args.peer_args), *stretched]
+    if args.logs:
+        tmp = Path(args.logs) / f"n{n}-{len(stretched)}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return _measure_size(n, args, tmp, extra)
+    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp_dir:
+        return _measure_size(n, args, Path(tmp_dir), extra)
+
+
+def read_traffic(path: Path) -> dict[str, Any] | None:
+    """A peer's --traffic-file (None until it wrote one)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def counted(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Bytes/s by cause between two --traffic-file reads of one peer (payloads as the peer counted them)."""
+    if before is None or after is None or after["at"] <= before["at"]:
+        return {}
+    span = after["at"] - before["at"]
+    return {
+        cause: {
+            "sent": (now["sent"] - before["by_cause"][cause]["sent"]) / span,
+            "received": (now["received"] - before["by_cause"][cause]["received"]) / span,
+        }
+        for cause, now in after["by_cause"].items()
+        if cause in before["by_cause"]
+    }
 
 
 def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict[str, Any]:
@@ -104,17 +139,24 @@ def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str])
         LocalSwarm(tmp, model="tiny", net=net) as swarm,
     ):
         started = time.monotonic()
-        swarm.start_peer("0:3", name=hosts[0], host=hosts[0], extra_args=extra)
+        files = {h: tmp / f"{h}.traffic.json" for h in hosts}
+
+        def args_of(host: str) -> list[str]:
+            return [*extra, "--traffic-file", str(files[host])]
+
+        swarm.start_peer("0:3", name=hosts[0], host=hosts[0], extra_args=args_of(hosts[0]))
         for i, host in enumerate(hosts[1:], start=1):
             layers = "0:3" if i < n // 2 else "3:6"
-            swarm.start_peer(layers, name=host, host=host, extra_args=extra, wait=False)
+            swarm.start_peer(layers, name=host, host=host, extra_args=args_of(host), wait=False)
         swarm.wait_all_ready(timeout_s=60.0 + 20.0 * n)
         log(f"{n} peers serving after {time.monotonic() - started:.0f} s; settling {args.settle_s:.0f} s")
         time.sleep(args.settle_s)
         before = {h: device_bytes(net, h) for h in hosts}
+        traffic_before = {h: read_traffic(files[h]) for h in hosts}
         t0 = time.monotonic()
         time.sleep(args.window_s)
         after = {h: device_bytes(net, h) for h in hosts}
+        traffic_after = {h: read_traffic(files[h]) for h in hosts}
         elapsed = time.monotonic() - t0
         for peer in swarm.peers:
             if peer.proc.poll() is not None:
@@ -122,14 +164,35 @@ def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str])
     tx = [(after[h][0] - before[h][0]) / elapsed for h in hosts]
     rx = [(after[h][1] - before[h][1]) / elapsed for h in hosts]
     log(f"{n} peers: tx {statistics.fmean(tx) / 1024:.1f} KiB/s, rx {statistics.fmean(rx) / 1024:.1f} KiB/s")
-    return {"tx": summary(tx), "rx": summary(rx)}
+    per_peer = [counted(traffic_before[h], traffic_after[h]) for h in hosts]
+    causes = sorted({cause for peer in per_peer for cause in peer})
+    by_cause = {
+        cause: {
+            way: round(statistics.fmean(peer.get(cause, {}).get(way, 0.0) for peer in per_peer), 1)
+            for way in ("sent", "received")
+        }
+        for cause in causes
+    }
+    return {"tx": summary(tx), "rx": summary(rx), "counted": by_cause}
+
+
+def counted_causes(n: int, plain: dict[str, Any]) -> dict[str, Any]:
+    """Mean tx and rx bytes/s per peer by cause, from the peers' own counters (see the module's doc)."""
+    causes: dict[str, Any] = {"size": n, "method": "counters"}
+    for cause, ways in plain["counted"].items():
+        causes[cause] = {"tx": ways["sent"], "rx": ways["received"]}
+    for way in ("tx", "rx"):
+        attributed = sum(v[way] for k, v in causes.items() if isinstance(v, dict))
+        causes.setdefault("unattributed", {})[way] = round(plain[way]["mean"] - attributed, 1)
+    causes["total"] = {k: plain[k]["mean"] for k in ("tx", "rx")}
+    return causes
 
 
 def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> dict[str, Any]:
     """Mean tx and rx bytes/s per peer by cause, by ablation (see the module's doc); ``plain``: the plain run
     of ``n`` peers if it was measured already."""
     plain = plain or measure_size(n, args)
-    causes: dict[str, Any] = {"size": n}
+    causes: dict[str, Any] = {"size": n, "method": "ablation"}
     for cause, stretched in CAUSES.items():
         log(f"by_cause: {cause} stretched")
         without = measure_size(n, args, stretched)
@@ -148,7 +211,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
     }
     if args.by_cause_size:
-        report["by_cause"] = by_cause(args.by_cause_size, args, results.get(args.by_cause_size))
+        plain = results.get(args.by_cause_size) or measure_size(args.by_cause_size, args)
+        report["by_cause"] = counted_causes(args.by_cause_size, plain)
+        if args.ablation:
+            report["by_cause_ablation"] = by_cause(args.by_cause_size, args, plain)
     return {
         **report,
         "settle_s": args.settle_s,

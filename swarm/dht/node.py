@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # message's goroutines hop between threads that spin before they park: on this 2-core machine a 2.6 KB frame and
 # its echo on an open stream cost both daemons 350-440 us of CPU, and 260 us with one thread, in as much time.
 P2PD_THREADS = 1
+NEAR_BEAM = 3  # nodes asked by get_near: stores go to the 5 nearest (hivemind's num_replicas)
 
 # How a peer's log line on its relay starts: it serves through one (and was dialled back through it), or it
 # cannot, followed by exactly why (swarm.peer.reach; tests and benchmarks look for these).
@@ -242,14 +243,13 @@ class SwarmDHT:
     async def get(self, key: str, latest: bool = True) -> dict[bytes, tuple[Any, float]]:
         """All live subkeys of key as {subkey: (value, expiration)}; {} when the key is unknown."""
         found = await self._dht.get(key, latest=latest, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = get_dht_time()
-        return {
-            subkey: (item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        }
+        return _live_items(found)
+
+    async def get_near(self, key: str, beam: int = NEAR_BEAM) -> dict[bytes, tuple[Any, float]]:
+        """Like `get(key)`, the newest value, but asking only the ``beam`` nodes nearest to the key (the ones
+        that store it) rather than a whole bucket: for small keys read often (SummaryRecord)."""
+        found = await self._dht.get(key, latest=True, return_future=True, beam_size=beam)
+        return _live_items(found)
 
     def own_subkey(self) -> bytes:
         """The subkey that only this node can write (its owner marker)."""
@@ -281,6 +281,18 @@ class SwarmDHT:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
         return None
+
+
+def _live_items(found: Any) -> dict[bytes, tuple[Any, float]]:
+    """A dictionary value's live subkeys as {subkey: (value, expiration)}; {} for none or a plain value."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    return {
+        subkey: (item.value, item.expiration_time)
+        for subkey, item in found.value.items()
+        if item.expiration_time > now
+    }
 
 
 def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporary: bool) -> hivemind.DHT:

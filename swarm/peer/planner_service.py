@@ -31,6 +31,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
+from swarm.dht.directory import membership_digest
+from swarm.dht.schemas import SummaryRecord
 from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
@@ -226,6 +228,8 @@ class PlannerService:
         self._refreshed_at = float("-inf")
         self._mine: PlanRecord | None = None  # the newest plan we stored
         self.published = 0  # plans published with a new epoch by this peer (for tests and status)
+        self._summarized: tuple[str, int] | None = None  # (membership digest, epoch) of our last summary
+        self._summarized_at = float("-inf")
 
     async def run(self) -> None:
         try:
@@ -243,8 +247,41 @@ class PlannerService:
             self.solver.close()
 
     async def check(self) -> PlanRecord | None:
-        """One look at the swarm: re-solve if needed, publish if better, else refresh. Returns what was stored."""
+        """One look at the swarm: re-solve if needed, publish if better, else refresh; then tell the swarm's
+        summary readers (swarm.dht.watch) what we saw. Returns the plan stored, if any."""
         snapshot = await self.directory.snapshot()
+        stored = await self._plan(snapshot)
+        await self._summarize(snapshot)
+        return stored
+
+    async def _summarize(self, snapshot: SwarmSnapshot) -> None:
+        """Store the summary of ``snapshot`` and our plan's epoch when either changed, else every
+        summary_ttl_s / 3 (a failed store is retried at the next check)."""
+        me = self.directory.peer_id
+        epochs = [self._mine.epoch if self._mine is not None else 0]
+        if snapshot.plan is not None and snapshot.plan.planner_peer_id == me:
+            epochs.append(snapshot.plan.epoch)
+        version = (membership_digest(snapshot.peers), max(epochs))
+        refresh_s = self.directory.config.summary_ttl_s / 3
+        if version == self._summarized and time.monotonic() - self._summarized_at < refresh_s:
+            return
+        summary = SummaryRecord(
+            planner_peer_id=me,
+            plan_epoch=version[1],
+            peers_digest=version[0],
+            peer_count=len(snapshot.peers),
+            created_at=self.directory.now(),
+        )
+        try:
+            async with asyncio.timeout(self.directory.write_timeout_s):
+                stored = await self.directory.publish_summary(summary)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not store the swarm summary: %r", e)
+            return
+        if stored:
+            self._summarized, self._summarized_at = version, time.monotonic()
+
+    async def _plan(self, snapshot: SwarmSnapshot) -> PlanRecord | None:
         me = self.directory.peer_id
         live = snapshot.plan if snapshot.plan is not None and snapshot.plan.planner_peer_id == me else None
         if self._mine is not None and (live is None or self._mine.epoch > live.epoch):

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from swarm.dht import LinkMeasure
 from swarm.models.spec import ModelSpec
 from swarm.peer.measure import LinkConfig, LinkMonitor, choose_range, max_layers_within
 from swarm.types import LayerRange
@@ -41,7 +40,7 @@ def test_max_layers_within_counts_weights_and_cache() -> None:
 
 def test_link_monitor_picks_nearest_plus_a_bounded_sample() -> None:
     monitor = LinkMonitor(None, "me", None, LinkConfig(nearest=2, sample=1), rng=random.Random(0))  # type: ignore[arg-type]
-    monitor.links = {f"p{i}": LinkMeasure(rtt_s=0.01 * (i + 1), bandwidth_bytes_s=1e6) for i in range(5)}
+    monitor.rtts = {f"p{i}": 0.01 * (i + 1) for i in range(5)}
     candidates = [f"p{i}" for i in range(10)]
     picked = monitor.pick(candidates)
     assert picked[:2] == ["p0", "p1"] and len(picked) == 3 and len(set(picked)) == 3
