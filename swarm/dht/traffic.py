@@ -47,6 +47,10 @@ class TrafficMeter:
         self.sent[cause] += sent
         self.received[cause] += received
 
+    def triples(self) -> tuple[tuple[str, int, int], ...]:
+        """(cause, sent, received) for each cause, as InfoReply carries them."""
+        return tuple((cause, self.sent[cause], self.received[cause]) for cause in CAUSES)
+
     def as_dict(self) -> dict[str, dict[str, int]]:
         """{cause: {"sent": bytes, "received": bytes}}"""
         return {cause: {"sent": self.sent[cause], "received": self.received[cause]} for cause in CAUSES}

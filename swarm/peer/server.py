@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from swarm.dht import (
     Directory,
     DirectoryConfig,
     Election,
+    LeaseRecord,
     ModelShape,
     PeerRecord,
     SwarmDHT,
@@ -158,6 +159,7 @@ async def _serve(
             tg.create_task(shared.run())
             await _load_and_measure(config, source, peer, layers)
             handlers = PeerHandlers(peer, p2p, config.sessions, _faults(config, identity.name))
+            handlers.traffic = directory.traffic
             stack.push_async_callback(handlers.aclose)
             await serve(p2p, handlers)
             tg.create_task(announcer.run())
@@ -169,7 +171,7 @@ async def _serve(
                 tg.create_task(_write_traffic(Path(config.traffic_file), directory, watch))
             tg.create_task(links.run())
             if config.plan:  # the election runs always; the planner plans while we hold the lease
-                election = Election(directory, config.election)
+                election = Election(directory, config.election, swarm=_seen_by(watch))
                 tg.create_task(election.run())
                 planner = PlannerService(
                     directory, election, config.planner, _model_info(config, source.spec)
@@ -232,6 +234,16 @@ def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
     """The planner's model, from our own spec: no announcement decides the swarm's shape."""
     activation_bytes = spec.hidden_size * DTYPE_BYTES[config.torch_dtype_name]
     return ModelInfo(name=spec.name, num_layers=spec.num_layers, activation_bytes_per_token=activation_bytes)
+
+
+def _seen_by(watch: SwarmWatch) -> Callable[[], tuple[Collection[str], Mapping[str, LeaseRecord]] | None]:
+    """The peer ids and leases of the watch's latest snapshot (None before its first), for the election."""
+
+    def seen() -> tuple[Collection[str], Mapping[str, LeaseRecord]] | None:
+        snapshot = watch.snapshot
+        return None if snapshot is None else (snapshot.peers.keys(), snapshot.leases)
+
+    return seen
 
 
 def _watched_peers(watch: SwarmWatch) -> Callable[[], Awaitable[dict[str, PeerRecord]]]:

@@ -204,6 +204,15 @@ def test_metrics_parse_and_move(web: tuple[str, SwarmClient]) -> None:
     assert moved("flowswarm_token_latency_seconds_count") == 4  # gaps between 5 tokens
     assert after[("flowswarm_active_generations", ())] == 0
     assert after[("flowswarm_peers_seen", (("state", "serving"),))] == 3
+    # Every serving peer reports its background traffic by cause: each has announced its record.
+    announced = [
+        value
+        for (name, labels), value in after.items()
+        if name == "flowswarm_peer_background_bytes"
+        and ("cause", "announce") in labels
+        and ("direction", "sent") in labels
+    ]
+    assert len(announced) == 3 and min(announced) > 0
 
 
 @pytest.fixture(scope="module")
