@@ -44,8 +44,17 @@ from typing import Any
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from swarm import PROTOCOL_VERSION  # noqa: E402
+from swarm.dht import DirectoryConfig, ElectionConfig  # noqa: E402
+from swarm.dht.node import NEAR_BEAM, REPLICAS_REFRESH_S  # noqa: E402
+from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, SummaryRecord  # noqa: E402
+from swarm.dht.traffic import payload_bytes  # noqa: E402
+from swarm.dht.watch import WatchConfig  # noqa: E402
+from swarm.peer.config import LinkConfig, PlannerConfig  # noqa: E402
+from swarm.sim.background import Rates, Sizes, hottest_bytes_s, model_bytes_s  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
+from swarm.transport.linkprobe import ProbeSizes  # noqa: E402
 
 PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
 NEVER_S = "1000000"  # a loop interval longer than any run
@@ -70,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the JSON object here")
     p.add_argument("--logs", help="keep the peers' logs and traffic files under this directory")
     p.add_argument("--ablation", action="store_true", help="also by_cause_ablation: one more run per cause")
+    p.add_argument(
+        "--model-only", action="store_true", help="print the paper model alone (no swarm, no root)"
+    )
     p.add_argument(
         "--quick", action="store_true", help="4 peers, 5 s settle, 10 s window, no by_cause (smoke)"
     )
@@ -204,6 +216,92 @@ def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> 
     return causes
 
 
+MODEL_SIZES = (100, 1000, 10_000)
+PEER_ID = "QmUchLdspnxAvHNc9kLG2UN65xWWQnFgf4L7x2KRr9cHdS"  # the length of a real peer id
+
+
+def measured_sizes() -> Sizes:
+    """The model's record sizes, from records as a peer of the tiny model writes them (k = 4 links)."""
+    links = {
+        PEER_ID[:-2] + f"{i:02d}": LinkMeasure(
+            rtt_s=0.0123, bandwidth_bytes_s=1.25e7, reverse_bandwidth_bytes_s=1.2e7
+        )
+        for i in range(4)
+    }
+    record = PeerRecord(
+        peer_id=PEER_ID,
+        name=PEER_ID[-6:],
+        maddrs=[f"/ip4/10.77.0.12/tcp/40123/p2p/{PEER_ID}"],
+        protocol_version=PROTOCOL_VERSION,
+        model_name="tiny-0",
+        model_hash="f" * 64,
+        num_layers=6,
+        hidden_size=64,
+        device="cpu",
+        dtype="float32",
+        memory_bytes=7_450_000_000,
+        state="serving",
+        range_start=0,
+        range_end=3,
+        decode_layer_tokens_s_b1=187.3,
+        decode_layer_tokens_s_b8=771.2,
+        prefill_layer_tokens_s=5072.9,
+        max_layers=6,
+        cache_tokens_total=8192,
+        free_cache_tokens=8192,
+        active_sessions=0,
+        load=0.0,
+        links=links,
+        reachable=True,
+        updated_at=1.8e9,
+    )
+    summary = SummaryRecord(
+        planner_peer_id=PEER_ID, plan_epoch=12, peers_digest="0" * 16, peer_count=1000, created_at=1.8e9
+    )
+    lease = LeaseRecord(peer_id=PEER_ID, candidate_since=1.8e9, held_since=1.8e9, updated_at=1.8e9)
+    return Sizes(
+        peer_record_bytes=payload_bytes(record.to_dht()),
+        summary_bytes=payload_bytes(summary.to_dht()),
+        lease_bytes=payload_bytes(lease.to_dht()),
+    )
+
+
+def default_rates() -> Rates:
+    """The model's rates, from the peer's default settings."""
+    links, directory, election = LinkConfig(), DirectoryConfig(), ElectionConfig()
+    return Rates(
+        summary_poll_s=WatchConfig().poll_s,
+        announce_s=directory.refresh_s,
+        replicas_refresh_s=REPLICAS_REFRESH_S,
+        link_refresh_s=links.refresh_s,
+        pinged_peers=links.nearest + links.sample,
+        pings=ProbeSizes().pings,
+        bandwidth_refresh_s=links.bandwidth_refresh_s,
+        nearest=links.nearest,
+        lease_s=election.refresh_s,
+        candidates=election.max_candidates,
+        planner_check_s=PlannerConfig().check_interval_s,
+        summary_write_s=directory.summary_ttl_s / 3,
+        beam=NEAR_BEAM,
+    )
+
+
+def model(sizes: Sequence[int]) -> dict[str, Any]:
+    """The paper model (swarm.sim.background) at the measured sizes and at MODEL_SIZES."""
+    record_sizes, rates = measured_sizes(), default_rates()
+    at = sorted({*sizes, *MODEL_SIZES})
+    by_size = {n: model_bytes_s(n, record_sizes, rates) for n in at}
+    return {
+        "model_tx_bytes_s_per_peer": {str(n): round(m["total"], 1) for n, m in by_size.items()},
+        "model_by_cause": {str(n): {k: round(v, 1) for k, v in m.items()} for n, m in by_size.items()},
+        "model_hottest_tx_bytes_s": {
+            str(n): {k: round(v, 1) for k, v in hottest_bytes_s(n, record_sizes, rates).items()} for n in at
+        },
+        "model_sizes": record_sizes.__dict__,
+        "model_rates": rates.__dict__,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {n: measure_size(n, args) for n in args.sizes}
     report: dict[str, Any] = {
@@ -217,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["by_cause_ablation"] = by_cause(args.by_cause_size, args, plain)
     return {
         **report,
+        **model(args.sizes),
         "settle_s": args.settle_s,
         "window_s": args.window_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -225,6 +324,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.model_only:
+        print(json.dumps(model(args.sizes)))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
     reason = namespaces_unavailable()
     if reason:

@@ -154,7 +154,7 @@ class LinkConfig:
     timeout_s: float = setting(5.0, "deadline of one probe")
     poll_s: float = setting(2.0, "how often to look for newly joined peers to measure")
     bandwidth_refresh_s: float = setting(
-        600.0, "how often a nearest peer's bandwidth is probed again (RTT: every refresh)"
+        3600.0, "how often a nearest peer's bandwidth is probed again (RTT: every refresh)"
     )
 
     def __post_init__(self) -> None:

@@ -11,7 +11,9 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
      LINK_CHANGE_S) or a re-solve found no better placement: the same placement's flows on today's links
      (graph.max_flow: slow links carry only what the max flow needs), published as a new epoch when they
      moved by change_fraction of the flow. Nobody moves, and clients route around a link that became slow.
-Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. Only a
+Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. After each
+check the planner stores the swarm's summary (membership digest and plan epoch) when either changed, else every
+summary_ttl_s / 3: the other peers read only that, and the records when it changes (swarm.dht.watch). Only a
 plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
 re-signing would lend our lease to whatever that plan says.
 The solve runs in a niced process of its own (swarm.peer.solver_process), with a time limit; the event
