@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from swarm import PROTOCOL_VERSION  # noqa: E402
 from swarm.dht import DirectoryConfig, ElectionConfig  # noqa: E402
+from swarm.dht.directory import FULL_READ_BEAM  # noqa: E402
 from swarm.dht.node import NEAR_BEAM, REPLICAS_REFRESH_S  # noqa: E402
 from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, SummaryRecord  # noqa: E402
 from swarm.dht.traffic import payload_bytes  # noqa: E402
@@ -193,9 +195,10 @@ def counted_causes(n: int, plain: dict[str, Any]) -> dict[str, Any]:
     causes: dict[str, Any] = {"size": n, "method": "counters"}
     for cause, ways in plain["counted"].items():
         causes[cause] = {"tx": ways["sent"], "rx": ways["received"]}
-    for way in ("tx", "rx"):
-        attributed = sum(v[way] for k, v in causes.items() if isinstance(v, dict))
-        causes.setdefault("unattributed", {})[way] = round(plain[way]["mean"] - attributed, 1)
+    counted = [v for v in causes.values() if isinstance(v, dict)]
+    causes["unattributed"] = {
+        way: round(plain[way]["mean"] - sum(v[way] for v in counted), 1) for way in ("tx", "rx")
+    }
     causes["total"] = {k: plain[k]["mean"] for k in ("tx", "rx")}
     return causes
 
@@ -283,12 +286,27 @@ def default_rates() -> Rates:
         planner_check_s=PlannerConfig().check_interval_s,
         summary_write_s=directory.summary_ttl_s / 3,
         beam=NEAR_BEAM,
+        full_read_beam=FULL_READ_BEAM,
     )
 
 
-def model(sizes: Sequence[int]) -> dict[str, Any]:
-    """The paper model (swarm.sim.background) at the measured sizes and at MODEL_SIZES."""
+def calibrated(sizes: Sizes, rates: Rates, measured: dict[int, float]) -> Sizes:
+    """``sizes`` with the framing per message fitted to the ``measured`` mean bytes/s sent per peer (the least
+    sum of squared relative errors, in steps of 10 bytes): the one figure the model cannot derive."""
+
+    def error(message_bytes: int) -> float:
+        fitted = replace(sizes, message_bytes=message_bytes)
+        return sum((model_bytes_s(n, fitted, rates)["total"] / tx - 1) ** 2 for n, tx in measured.items())
+
+    return replace(sizes, message_bytes=min(range(0, 2001, 10), key=error))
+
+
+def model(sizes: Sequence[int], measured: dict[int, float] | None = None) -> dict[str, Any]:
+    """The paper model (swarm.sim.background) at the measured sizes and at MODEL_SIZES, its framing per
+    message fitted to ``measured`` ({size: mean bytes/s sent per peer}) when given."""
     record_sizes, rates = measured_sizes(), default_rates()
+    if measured:
+        record_sizes = calibrated(record_sizes, rates, measured)
     at = sorted({*sizes, *MODEL_SIZES})
     by_size = {n: model_bytes_s(n, record_sizes, rates) for n in at}
     return {
@@ -304,6 +322,7 @@ def model(sizes: Sequence[int]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {n: measure_size(n, args) for n in args.sizes}
+    measured = {n: r["tx"]["mean"] for n, r in results.items()}
     report: dict[str, Any] = {
         "idle_tx_bytes_s_per_peer": {str(n): r["tx"] for n, r in results.items()},
         "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
@@ -315,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["by_cause_ablation"] = by_cause(args.by_cause_size, args, plain)
     return {
         **report,
-        **model(args.sizes),
+        **model(args.sizes, measured),
         "settle_s": args.settle_s,
         "window_s": args.window_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord, ReportRecord, SummaryRecord)
 MAX_RECORDS_PER_KEY = 1024  # subkeys parsed per key and read: RSA key parsing is the costly part
 MAX_REPORTS_PER_REPORTER = 16  # one reporter cannot fill the reports key on its own
+FULL_READ_BEAM = 3  # nodes a read of a whole key asks (of the 5 that store it); the summary asks fewer
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ class Directory:
         return await self.dht.store(reports_key(self.dht.model_hash), subkey, value, expiration)
 
     async def read_peers(self) -> dict[str, PeerRecord]:
-        raw = await self.dht.get_near(peers_key(self.dht.model_hash))
+        raw = await self.dht.get_near(peers_key(self.dht.model_hash), FULL_READ_BEAM)
         self.traffic.add("peer_reads", received=read_bytes(raw))
         peers = self._parse(raw, PeerRecord, "peer")
         kept = {}
@@ -333,20 +334,20 @@ class Directory:
         return kept
 
     async def read_plans(self) -> dict[str, PlanRecord]:
-        raw = await self.dht.get_near(plan_key(self.dht.model_hash))
+        raw = await self.dht.get_near(plan_key(self.dht.model_hash), FULL_READ_BEAM)
         self.traffic.add("plan", received=read_bytes(raw))
         return self._parse(raw, PlanRecord, "plan")
 
     async def read_leases(self) -> dict[str, LeaseRecord]:
         """Live lease records with their times clamped to when we first saw them (swarm.dht.trust)."""
-        raw = await self.dht.get_near(lease_key(self.dht.model_hash))
+        raw = await self.dht.get_near(lease_key(self.dht.model_hash), FULL_READ_BEAM)
         self.traffic.add("lease", received=read_bytes(raw))
         leases = self._parse(raw, LeaseRecord, "lease")
         return self._witness.clamp(leases, self.dht.now(), self.config.lease_s)
 
     async def read_reports(self) -> list[ReportRecord]:
         """Live, valid reports, at most MAX_REPORTS_PER_REPORTER per reporter."""
-        raw = await self.dht.get_near(reports_key(self.dht.model_hash))
+        raw = await self.dht.get_near(reports_key(self.dht.model_hash), FULL_READ_BEAM)
         self.traffic.add("reports", received=read_bytes(raw))
         now, per_reporter = self.dht.now(), dict[str, int]()
         reports = []

@@ -46,7 +46,7 @@ class ElectionConfig:
     )
     settle_s: float | None = setting(None, "wait before claiming an empty lease (default: lease / 3)")
     max_candidates: int = setting(
-        5, "stand for planner only among this many peers of smallest rank, or when nobody stands (0: always)"
+        3, "stand for planner only among this many peers of smallest rank, or when nobody stands (0: always)"
     )
 
     def __post_init__(self) -> None:

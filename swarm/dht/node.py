@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # message's goroutines hop between threads that spin before they park: on this 2-core machine a 2.6 KB frame and
 # its echo on an open stream cost both daemons 350-440 us of CPU, and 260 us with one thread, in as much time.
 P2PD_THREADS = 1
-NEAR_BEAM = 3  # nodes asked by get_near: stores go to the 5 nearest (hivemind's num_replicas)
+NEAR_BEAM = 2  # nodes asked by get_near: stores go to the 5 nearest (hivemind's num_replicas)
 REPLICAS_REFRESH_S = (
     120.0  # how long the nodes found for a key are stored to before they are looked for again
 )
@@ -383,6 +383,10 @@ def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporar
         wait_timeout=config.request_timeout_s,
         p2pd_threads=config.p2pd_threads,
         p2pd_flags=reach.daemon_flags(config.relays, relay_service=not config.client_mode),
+        # No copies of what we read pushed to other nodes, no re-reads of our cache before it expires: a read
+        # of the peers key would push every record to one more node, and re-read them all unasked.
+        cache_nearest=0,
+        cache_refresh_before_expiry=0,
         **listen,
         **reach.p2p_kwargs(config.relays),
     )

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 class WatchConfig:
     """Watching the swarm for changes"""
 
-    poll_s: float = setting(2.0, "how often to read the planner's small summary of the swarm")
+    poll_s: float = setting(5.0, "how often to read the planner's small summary of the swarm")
     fallback_s: float = setting(5.0, "how often to read every record while no planner's summary is trusted")
     full_read_s: float = setting(0.0, "also read every record this often, summary or not (0: never)")
 

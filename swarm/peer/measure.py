@@ -34,7 +34,10 @@ from swarm.wire import ProbeRequest
 
 logger = logging.getLogger(__name__)
 
-INCUMBENT_FAVOUR = 0.8  # an announced link's RTT counts as this much of itself when choosing the k nearest
+# When choosing the k nearest, an announced link's RTT counts as this much of itself, less this margin: RTTs
+# jitter, and each newcomer to the k costs a bandwidth probe.
+INCUMBENT_FAVOUR = 0.8
+INCUMBENT_MARGIN_S = 0.002
 PROBE_OVERHEAD_BYTES = 64  # a probe message's framing, counted with its payload (an estimate)
 
 
@@ -218,7 +221,8 @@ class LinkMonitor:
         (RTTs jitter, and each newcomer to the k costs a bandwidth probe)."""
 
         def rank(p: str) -> float:
-            return self.rtts[p] * (INCUMBENT_FAVOUR if p in self.links else 1.0)
+            rtt = self.rtts[p]
+            return rtt * INCUMBENT_FAVOUR - INCUMBENT_MARGIN_S if p in self.links else rtt
 
         return sorted(self.rtts, key=rank)[: self.config.nearest]
 

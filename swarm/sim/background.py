@@ -39,7 +39,7 @@ class Sizes:
 class Rates:
     """How often things happen (the peer's defaults)."""
 
-    summary_poll_s: float = 2.0  # WatchConfig.poll_s
+    summary_poll_s: float = 5.0  # WatchConfig.poll_s
     announce_s: float = 10.0  # DirectoryConfig.ttl_s / 3
     replicas_refresh_s: float = 120.0  # swarm.dht.node.REPLICAS_REFRESH_S
     link_refresh_s: float = 30.0  # LinkConfig.refresh_s
@@ -49,11 +49,12 @@ class Rates:
     bandwidth_probe_bytes: int = 600_000  # both directions of one link's bandwidth probe (sized for the link)
     nearest: int = 4  # LinkConfig.nearest: links whose bandwidth is probed
     lease_s: float = 10.0  # ElectionConfig.refresh_s: a candidate reads and writes the lease key
-    candidates: int = 5  # ElectionConfig.max_candidates
+    candidates: int = 3  # ElectionConfig.max_candidates
     planner_check_s: float = 5.0  # PlannerConfig.check_interval_s: the planner reads every record
     summary_write_s: float = 10.0  # the planner refreshes its summary (summary_ttl_s / 3)
     replicas: int = 5  # nodes a DHT entry is stored at (hivemind's num_replicas)
-    beam: int = 3  # nodes a read asks per round (swarm.dht.node.NEAR_BEAM)
+    beam: int = 2  # nodes a summary read asks per round (swarm.dht.node.NEAR_BEAM)
+    full_read_beam: int = 3  # nodes a read of every record asks per round (directory.FULL_READ_BEAM)
     bucket: int = 20  # hivemind's bucket size
     churn_per_s: float = 0.0  # joins, leaves and moves per second (each makes every peer read every record)
 
@@ -80,14 +81,14 @@ def model_bytes_s(n: int, sizes: Sizes | None = None, rates: Rates | None = None
     def store(value_bytes: int) -> float:
         return r.replicas * (value_bytes + entry + s.store_answer_bytes + 2 * msg)
 
-    reads = search_calls(n, r.beam, r.bucket)
-    holders = min(r.beam, n - 1)
+    reads, full_reads = search_calls(n, r.beam, r.bucket), search_calls(n, r.full_read_beam, r.bucket)
+    holders, full_holders = min(r.beam, n - 1), min(r.full_read_beam, n - 1)
     table = n * (s.peer_record_bytes + entry)  # every peer record, as one node answers a full read
     leases = r.candidates * (s.lease_bytes + entry)
     plan = n * s.plan_bytes_per_peer + entry
     # Finding a key's nodes searches a sibling id: neighbour lists only, beam of a whole bucket.
     finding = search_calls(n, r.bucket, r.bucket) * (s.find_request_bytes + neighbours + 2 * msg)
-    full_read = search(reads, table + leases + plan + entry, holders) + 3 * search(reads, 0, 0)
+    full_read = search(full_reads, table + leases + plan + entry, full_holders) + 3 * search(full_reads, 0, 0)
     causes = {
         "summary": search(reads, s.summary_bytes + entry, holders) / r.summary_poll_s,
         "announce": (store(s.peer_record_bytes) + finding / (r.replicas_refresh_s / r.announce_s))
@@ -98,7 +99,7 @@ def model_bytes_s(n: int, sizes: Sizes | None = None, rates: Rates | None = None
         ),
         # The candidates' lease reads and writes, the planner's full reads and summaries: shared by all.
         "lease": min(r.candidates, n)
-        * (search(reads, leases, holders) + store(s.lease_bytes))
+        * (search(full_reads, leases, full_holders) + store(s.lease_bytes))
         / r.lease_s
         / n,
         "planner": (full_read / r.planner_check_s + store(s.summary_bytes) / r.summary_write_s) / n,

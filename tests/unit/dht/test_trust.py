@@ -78,7 +78,7 @@ class MemoryDHT:
     async def get(self, key: str) -> dict[bytes, tuple[Any, float]]:
         return {k: v for k, v in self.data.get(key, {}).items() if v[1] > self.clock}
 
-    async def get_near(self, key: str) -> dict[bytes, tuple[Any, float]]:
+    async def get_near(self, key: str, beam: int = 2) -> dict[bytes, tuple[Any, float]]:
         return await self.get(key)
 
 

@@ -61,7 +61,7 @@ class _Monitor(LinkMonitor):
             return records
 
         super().__init__(None, "me", live, config, rng=random.Random(0), clock=lambda: clock[0])  # type: ignore[arg-type]
-        self.rtt = {p: 0.001 * (i + 1) for i, p in enumerate(peers)}
+        self.rtt = {p: 0.01 * (i + 1) for i, p in enumerate(peers)}
         self.probes: list[tuple[str, int, int]] = []
 
     async def _ping(self, peer_id: str, maddrs: list[str]) -> float:
@@ -90,5 +90,10 @@ def test_link_monitor_announces_the_k_nearest_and_probes_bandwidth_rarely() -> N
         monitor.probes.clear()
         await monitor.refresh()
         assert {p for p, sent, back in monitor.probes if sent or back} == {"p0", "p1"}
+        # A peer only a little nearer than an announced one (RTT jitter) does not take its place.
+        monitor.rtt["p2"] = monitor.rtt["p1"] - 0.001
+        for _ in range(6):
+            await monitor.refresh()
+        assert set(monitor.links) == {"p0", "p1"}
 
     asyncio.run(body())
