@@ -8,15 +8,20 @@ only what crosses the emulated network counts (a peer's talk with its own p2pd d
 
   idle_tx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer sent (IP packets, headers included)
   idle_rx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer received
-  by_cause                   at --by-cause-size peers, by ablation: the swarm measured again with one periodic loop
-                             stretched to never run again after start-up (--peer-args of each cause below); a
-                             cause's {"tx", "rx"} is the mean per peer of the plain run minus that run's, and
-                             "rest" is what is left with all of them stretched (record announcements, election
-                             leases, the DHT's own maintenance). Two runs differ by noise too: a small or negative
-                             figure means "lost in the noise".
+  by_cause                   at --by-cause-size peers, from the peers' own counters (--traffic-file): each
+                             cause's {"tx", "rx"}, the mean per peer of the payload bytes/s it wrote and read
+                             (swarm.dht.traffic.CAUSES), "unattributed" what the interface counted beyond them
+                             (the DHT's copies to several nodes, framing, TCP/IP headers, its routing upkeep)
+  by_cause_ablation          with --ablation: the swarm measured again with one periodic loop stretched to never
+                             run again after start-up (--peer-args of each cause below); a cause's {"tx", "rx"}
+                             is the mean per peer of the plain run minus that run's, and "rest" what is left with
+                             all of them stretched. Two runs differ by noise too: a small or negative figure
+                             means "lost in the noise".
+  model_tx_bytes_s_per_peer  {N: bytes/s} an idle peer would send at N peers (1000 and 10000, and the measured
+                             sizes to check the model against), from measured message sizes (model_tx)
 
-    sudo .venv/bin/python scripts/bench_dht.py --json dht.json             # sizes 4 8 12 16
-    sudo .venv/bin/python scripts/bench_dht.py --quick                     # 4 peers, short settle and window
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --json dht.json   # sizes 4 8 12 16
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --quick           # 4 peers, short settle, window
 """
 
 from __future__ import annotations
@@ -33,20 +38,31 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 os.environ["FLOWSWARM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from swarm import PROTOCOL_VERSION  # noqa: E402
+from swarm.dht import DirectoryConfig, ElectionConfig  # noqa: E402
+from swarm.dht.directory import FULL_READ_BEAM  # noqa: E402
+from swarm.dht.node import NEAR_BEAM, REPLICAS_REFRESH_S  # noqa: E402
+from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, SummaryRecord  # noqa: E402
+from swarm.dht.traffic import payload_bytes  # noqa: E402
+from swarm.dht.watch import WatchConfig  # noqa: E402
+from swarm.peer.config import LinkConfig, PlannerConfig  # noqa: E402
+from swarm.sim.background import Rates, Sizes, hottest_bytes_s, model_bytes_s  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
+from swarm.transport.linkprobe import ProbeSizes  # noqa: E402
 
 PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
 NEVER_S = "1000000"  # a loop interval longer than any run
 CAUSES = {  # what each cause's loop is stretched by (swarm-peer join options)
-    "link_probes_and_polls": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
-    "plan_reads": ["--follow-check-interval-s", NEVER_S],
+    "link_probes": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
+    "summary_and_plan_reads": ["--watch-poll-s", NEVER_S, "--watch-fallback-s", NEVER_S],
     "planner_checks": ["--planner-check-interval-s", NEVER_S],
 }
 
@@ -63,6 +79,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments for every peer")
     p.add_argument("--by-cause-size", type=int, default=8, help="swarm size of the by_cause runs (0: none)")
     p.add_argument("--json", help="also write the JSON object here")
+    p.add_argument("--logs", help="keep the peers' logs and traffic files under this directory")
+    p.add_argument("--ablation", action="store_true", help="also by_cause_ablation: one more run per cause")
+    p.add_argument(
+        "--model-only", action="store_true", help="print the paper model alone (no swarm, no root)"
+    )
     p.add_argument(
         "--quick", action="store_true", help="4 peers, 5 s settle, 10 s window, no by_cause (smoke)"
     )
@@ -93,8 +114,36 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 
 def measure_size(n: int, args: argparse.Namespace, stretched: Sequence[str] = ()) -> dict[str, Any]:
     """One idle swarm of ``n`` peers: per-peer tx and rx bytes/s over the window."""
-    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp:
-        return _measure_size(n, args, Path(tmp), [*shlex.split(args.peer_args), *stretched])
+    extra = [*shlex.split(args.peer_args), *stretched]
+    if args.logs:
+        tmp = Path(args.logs) / f"n{n}-{len(stretched)}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return _measure_size(n, args, tmp, extra)
+    with tempfile.TemporaryDirectory(prefix=f"bench_dht{n}_") as tmp_dir:
+        return _measure_size(n, args, Path(tmp_dir), extra)
+
+
+def read_traffic(path: Path) -> dict[str, Any] | None:
+    """A peer's --traffic-file (None until it wrote one)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def counted(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Bytes/s by cause between two --traffic-file reads of one peer (payloads as the peer counted them)."""
+    if before is None or after is None or after["at"] <= before["at"]:
+        return {}
+    span = after["at"] - before["at"]
+    return {
+        cause: {
+            "sent": (now["sent"] - before["by_cause"][cause]["sent"]) / span,
+            "received": (now["received"] - before["by_cause"][cause]["received"]) / span,
+        }
+        for cause, now in after["by_cause"].items()
+        if cause in before["by_cause"]
+    }
 
 
 def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict[str, Any]:
@@ -104,17 +153,24 @@ def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str])
         LocalSwarm(tmp, model="tiny", net=net) as swarm,
     ):
         started = time.monotonic()
-        swarm.start_peer("0:3", name=hosts[0], host=hosts[0], extra_args=extra)
+        files = {h: tmp / f"{h}.traffic.json" for h in hosts}
+
+        def args_of(host: str) -> list[str]:
+            return [*extra, "--traffic-file", str(files[host])]
+
+        swarm.start_peer("0:3", name=hosts[0], host=hosts[0], extra_args=args_of(hosts[0]))
         for i, host in enumerate(hosts[1:], start=1):
             layers = "0:3" if i < n // 2 else "3:6"
-            swarm.start_peer(layers, name=host, host=host, extra_args=extra, wait=False)
+            swarm.start_peer(layers, name=host, host=host, extra_args=args_of(host), wait=False)
         swarm.wait_all_ready(timeout_s=60.0 + 20.0 * n)
         log(f"{n} peers serving after {time.monotonic() - started:.0f} s; settling {args.settle_s:.0f} s")
         time.sleep(args.settle_s)
         before = {h: device_bytes(net, h) for h in hosts}
+        traffic_before = {h: read_traffic(files[h]) for h in hosts}
         t0 = time.monotonic()
         time.sleep(args.window_s)
         after = {h: device_bytes(net, h) for h in hosts}
+        traffic_after = {h: read_traffic(files[h]) for h in hosts}
         elapsed = time.monotonic() - t0
         for peer in swarm.peers:
             if peer.proc.poll() is not None:
@@ -122,14 +178,36 @@ def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str])
     tx = [(after[h][0] - before[h][0]) / elapsed for h in hosts]
     rx = [(after[h][1] - before[h][1]) / elapsed for h in hosts]
     log(f"{n} peers: tx {statistics.fmean(tx) / 1024:.1f} KiB/s, rx {statistics.fmean(rx) / 1024:.1f} KiB/s")
-    return {"tx": summary(tx), "rx": summary(rx)}
+    per_peer = [counted(traffic_before[h], traffic_after[h]) for h in hosts]
+    causes = sorted({cause for peer in per_peer for cause in peer})
+    by_cause = {
+        cause: {
+            way: round(statistics.fmean(peer.get(cause, {}).get(way, 0.0) for peer in per_peer), 1)
+            for way in ("sent", "received")
+        }
+        for cause in causes
+    }
+    return {"tx": summary(tx), "rx": summary(rx), "counted": by_cause}
+
+
+def counted_causes(n: int, plain: dict[str, Any]) -> dict[str, Any]:
+    """Mean tx and rx bytes/s per peer by cause, from the peers' own counters (see the module's doc)."""
+    causes: dict[str, Any] = {"size": n, "method": "counters"}
+    for cause, ways in plain["counted"].items():
+        causes[cause] = {"tx": ways["sent"], "rx": ways["received"]}
+    counted = [v for v in causes.values() if isinstance(v, dict)]
+    causes["unattributed"] = {
+        way: round(plain[way]["mean"] - sum(v[way] for v in counted), 1) for way in ("tx", "rx")
+    }
+    causes["total"] = {k: plain[k]["mean"] for k in ("tx", "rx")}
+    return causes
 
 
 def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> dict[str, Any]:
     """Mean tx and rx bytes/s per peer by cause, by ablation (see the module's doc); ``plain``: the plain run
     of ``n`` peers if it was measured already."""
     plain = plain or measure_size(n, args)
-    causes: dict[str, Any] = {"size": n}
+    causes: dict[str, Any] = {"size": n, "method": "ablation"}
     for cause, stretched in CAUSES.items():
         log(f"by_cause: {cause} stretched")
         without = measure_size(n, args, stretched)
@@ -141,16 +219,122 @@ def by_cause(n: int, args: argparse.Namespace, plain: dict[str, Any] | None) -> 
     return causes
 
 
+MODEL_SIZES = (100, 1000, 10_000)
+PEER_ID = "QmUchLdspnxAvHNc9kLG2UN65xWWQnFgf4L7x2KRr9cHdS"  # the length of a real peer id
+
+
+def measured_sizes() -> Sizes:
+    """The model's record sizes, from records as a peer of the tiny model writes them (k = 4 links)."""
+    links = {
+        PEER_ID[:-2] + f"{i:02d}": LinkMeasure(
+            rtt_s=0.0123, bandwidth_bytes_s=1.25e7, reverse_bandwidth_bytes_s=1.2e7
+        )
+        for i in range(4)
+    }
+    record = PeerRecord(
+        peer_id=PEER_ID,
+        name=PEER_ID[-6:],
+        maddrs=[f"/ip4/10.77.0.12/tcp/40123/p2p/{PEER_ID}"],
+        protocol_version=PROTOCOL_VERSION,
+        model_name="tiny-0",
+        model_hash="f" * 64,
+        num_layers=6,
+        hidden_size=64,
+        device="cpu",
+        dtype="float32",
+        memory_bytes=7_450_000_000,
+        state="serving",
+        range_start=0,
+        range_end=3,
+        decode_layer_tokens_s_b1=187.3,
+        decode_layer_tokens_s_b8=771.2,
+        prefill_layer_tokens_s=5072.9,
+        max_layers=6,
+        cache_tokens_total=8192,
+        free_cache_tokens=8192,
+        active_sessions=0,
+        load=0.0,
+        links=links,
+        reachable=True,
+        updated_at=1.8e9,
+    )
+    summary = SummaryRecord(
+        planner_peer_id=PEER_ID, plan_epoch=12, peers_digest="0" * 16, peer_count=1000, created_at=1.8e9
+    )
+    lease = LeaseRecord(peer_id=PEER_ID, candidate_since=1.8e9, held_since=1.8e9, updated_at=1.8e9)
+    return Sizes(
+        peer_record_bytes=payload_bytes(record.to_dht()),
+        summary_bytes=payload_bytes(summary.to_dht()),
+        lease_bytes=payload_bytes(lease.to_dht()),
+    )
+
+
+def default_rates() -> Rates:
+    """The model's rates, from the peer's default settings."""
+    links, directory, election = LinkConfig(), DirectoryConfig(), ElectionConfig()
+    return Rates(
+        summary_poll_s=WatchConfig().poll_s,
+        announce_s=directory.refresh_s,
+        replicas_refresh_s=REPLICAS_REFRESH_S,
+        link_refresh_s=links.refresh_s,
+        pinged_peers=links.nearest + links.sample,
+        pings=ProbeSizes().pings,
+        bandwidth_refresh_s=links.bandwidth_refresh_s,
+        nearest=links.nearest,
+        lease_s=election.refresh_s,
+        candidates=election.max_candidates,
+        planner_check_s=PlannerConfig().check_interval_s,
+        summary_write_s=directory.summary_ttl_s / 3,
+        beam=NEAR_BEAM,
+        full_read_beam=FULL_READ_BEAM,
+    )
+
+
+def calibrated(sizes: Sizes, rates: Rates, measured: dict[int, float]) -> Sizes:
+    """``sizes`` with the framing per message fitted to the ``measured`` mean bytes/s sent per peer (the least
+    sum of squared relative errors, in steps of 10 bytes): the one figure the model cannot derive."""
+
+    def error(message_bytes: int) -> float:
+        fitted = replace(sizes, message_bytes=message_bytes)
+        return sum((model_bytes_s(n, fitted, rates)["total"] / tx - 1) ** 2 for n, tx in measured.items())
+
+    return replace(sizes, message_bytes=min(range(0, 2001, 10), key=error))
+
+
+def model(sizes: Sequence[int], measured: dict[int, float] | None = None) -> dict[str, Any]:
+    """The paper model (swarm.sim.background) at the measured sizes and at MODEL_SIZES, its framing per
+    message fitted to ``measured`` ({size: mean bytes/s sent per peer}) when given."""
+    record_sizes, rates = measured_sizes(), default_rates()
+    if measured:
+        record_sizes = calibrated(record_sizes, rates, measured)
+    at = sorted({*sizes, *MODEL_SIZES})
+    by_size = {n: model_bytes_s(n, record_sizes, rates) for n in at}
+    return {
+        "model_tx_bytes_s_per_peer": {str(n): round(m["total"], 1) for n, m in by_size.items()},
+        "model_by_cause": {str(n): {k: round(v, 1) for k, v in m.items()} for n, m in by_size.items()},
+        "model_hottest_tx_bytes_s": {
+            str(n): {k: round(v, 1) for k, v in hottest_bytes_s(n, record_sizes, rates).items()} for n in at
+        },
+        "model_sizes": record_sizes.__dict__,
+        "model_rates": rates.__dict__,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {n: measure_size(n, args) for n in args.sizes}
+    measured = {n: r["tx"]["mean"] for n, r in results.items()}
     report: dict[str, Any] = {
         "idle_tx_bytes_s_per_peer": {str(n): r["tx"] for n, r in results.items()},
         "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
     }
     if args.by_cause_size:
-        report["by_cause"] = by_cause(args.by_cause_size, args, results.get(args.by_cause_size))
+        plain = results.get(args.by_cause_size) or measure_size(args.by_cause_size, args)
+        report["by_cause"] = counted_causes(args.by_cause_size, plain)
+        if args.ablation:
+            report["by_cause_ablation"] = by_cause(args.by_cause_size, args, plain)
     return {
         **report,
+        **model(args.sizes, measured),
         "settle_s": args.settle_s,
         "window_s": args.window_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -159,6 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.model_only:
+        print(json.dumps(model(args.sizes)))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
     reason = namespaces_unavailable()
     if reason:

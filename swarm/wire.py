@@ -56,7 +56,8 @@ MAX_BATCH_STEPS = 1024  # a client's decode steps sent together (StepRequest.bat
 # how a peer refuses a message kind it does not know (one of a later release): the sender may then send as before
 UNKNOWN_KIND = "unexpected message kind"
 MAX_FORWARDED_STEPS = 256  # steps in one StepBatch (under the request's longest list, _REQUEST_ARRAY_LEN)
-MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 14 fields
+MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 15 fields
+MAX_TRAFFIC_CAUSES = 16  # InfoReply.background_bytes entries
 # Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
 # (MAX_ROUTE_HOPS hops of MAX_MADDRS multiaddrs of 512 characters: about 4.3 MB).
 MAX_STRUCTURE_BYTES = 8 * 1024**2
@@ -286,6 +287,8 @@ class InfoReply:
     active_sessions: int
     state: str
     protocol_version: int = PROTOCOL_VERSION
+    # The peer's background traffic so far: (cause, payload bytes sent, received), swarm.dht.traffic.CAUSES.
+    background_bytes: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -562,6 +565,22 @@ def _str(body: dict[str, Any], key: str, what: str, max_chars: int = MAX_TEXT_CH
     return value
 
 
+def _background_bytes(body: dict[str, Any], what: str) -> tuple[tuple[str, int, int], ...]:
+    """InfoReply.background_bytes: at most MAX_TRAFFIC_CAUSES [cause, sent, received] triples."""
+    items = body.get("background_bytes", [])
+    if not isinstance(items, list) or len(items) > MAX_TRAFFIC_CAUSES:
+        raise ProtocolError(f"{what}.background_bytes must be a list of at most {MAX_TRAFFIC_CAUSES} items")
+    triples = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError(f"{what}.background_bytes items must be [cause, sent, received]")
+        cause = _str({"cause": item[0]}, "cause", what, 32)
+        sent = _int({"sent": item[1]}, "sent", what)
+        received = _int({"received": item[2]}, "received", what)
+        triples.append((cause, sent, received))
+    return tuple(triples)
+
+
 def _origin(body: dict[str, Any], what: str) -> str:
     return _str(body, "origin", what, 128) if "origin" in body else ""
 
@@ -653,7 +672,10 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
     if isinstance(msg, HandoverRequest):
         fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("keys", "values")}
         return fields | {"keys": encode_tensor(msg.keys), "values": encode_tensor(msg.values)}
-    # CloseReply, InfoRequest, InfoReply: flat fields of plain types.
+    if isinstance(msg, InfoReply):
+        fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k != "background_bytes"}
+        return fields | _absent_when_unset(background_bytes=[list(c) for c in msg.background_bytes])
+    # CloseReply, InfoRequest: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
 
 
@@ -829,7 +851,7 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         strs = ("peer_id", "name", "model_name", "model_hash", "dtype", "state")
         fields: dict[str, Any] = {k: _int(body, k, w) for k in ints}
         fields.update({k: _str(body, k, w) for k in strs})
-        return InfoReply(**fields)
+        return InfoReply(**fields, background_bytes=_background_bytes(body, w))
     if kind == "probe":
         payload = body.get("payload", b"")
         if not isinstance(payload, bytes) or len(payload) > MAX_PROBE_BYTES:

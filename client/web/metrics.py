@@ -47,6 +47,12 @@ class WebMetrics:
         self.cancelled = Counter(
             "flowswarm_generations_cancelled", "generations stopped by their client", registry=r
         )
+        self.background = Gauge(
+            "flowswarm_peer_background_bytes",
+            "a serving peer's background traffic so far (payload bytes), by cause and direction",
+            ["peer", "cause", "direction"],
+            registry=r,
+        )
         self.errors = Counter(
             "flowswarm_errors", "errors sent to clients, by type and code", ["type", "code"], registry=r
         )

@@ -124,11 +124,25 @@ class WebServer:
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         try:
-            await self._read_snapshot()  # peers seen; a failed read leaves the last numbers
+            snapshot = await self._read_snapshot()  # peers seen; a failed read leaves the last numbers
         except (TimeoutError, OSError, RuntimeError) as error:
             logger.info("directory read for /metrics failed: %r", error)
+        else:
+            await self._read_background(snapshot)
         self.metrics.queued.set(self.slots.waiting)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _read_background(self, snapshot: SwarmSnapshot) -> None:
+        """Each serving peer's background traffic by cause, as it answers rpc_info now."""
+        p2p = getattr(self.client.chain, "p2p", None)
+        if p2p is None:
+            return
+        live = await read_live(p2p, snapshot.peers.values(), self.config.status_timeout_s)
+        self.metrics.background.clear()
+        for peer_id, info in live.items():
+            for cause, sent, received in info.background_bytes:
+                self.metrics.background.labels(peer_id, cause, "sent").set(sent)
+                self.metrics.background.labels(peer_id, cause, "received").set(received)
 
     async def _read_snapshot(self) -> SwarmSnapshot:
         async with asyncio.timeout(self.config.status_timeout_s):

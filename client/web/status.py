@@ -28,6 +28,12 @@ class LiveInfo:
     free_cache_tokens: int
     active_sessions: int
     state: str
+    background_bytes: tuple[tuple[str, int, int], ...] = ()  # (cause, sent, received) so far
+
+
+def background_json(triples: Iterable[tuple[str, int, int]]) -> dict[str, dict[str, int]]:
+    """{cause: {"sent": bytes, "received": bytes}} from InfoReply.background_bytes."""
+    return {cause: {"sent": sent, "received": received} for cause, sent, received in triples}
 
 
 def _peer_json(record: PeerRecord, live: LiveInfo | None) -> dict[str, Any]:
@@ -45,6 +51,7 @@ def _peer_json(record: PeerRecord, live: LiveInfo | None) -> dict[str, Any]:
         "free_cache_tokens": live.free_cache_tokens if live else record.free_cache_tokens,
         "active_sessions": live.active_sessions if live else record.active_sessions,
         "live": live is not None,
+        "background_bytes": background_json(live.background_bytes) if live else {},
         "updated_at": record.updated_at,
     }
 
@@ -115,7 +122,8 @@ async def read_live(p2p: Any, records: Iterable[PeerRecord], timeout_s: float) -
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.debug("peer %s did not answer info: %s", record.peer_id[-8:], error)
             return record.peer_id, None
-        return record.peer_id, LiveInfo(info.free_cache_tokens, info.active_sessions, info.state)
+        live = LiveInfo(info.free_cache_tokens, info.active_sessions, info.state, info.background_bytes)
+        return record.peer_id, live
 
     serving = [r for r in records if r.state == "serving"]
     answers = await asyncio.gather(*(ask(r) for r in serving))

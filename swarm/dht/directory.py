@@ -22,15 +22,19 @@ from swarm.dht.identity import owner_peer_id
 from swarm.dht.lease import LEASE_S, lease_holder
 from swarm.dht.node import SwarmDHT
 from swarm.dht.schemas import (
+    DIGEST_CHARS,
     LeaseRecord,
     PeerRecord,
     PlanRecord,
     ReportRecord,
+    SummaryRecord,
     lease_key,
     peers_key,
     plan_key,
     reports_key,
+    summary_key,
 )
+from swarm.dht.traffic import TrafficMeter, payload_bytes, read_bytes
 from swarm.dht.trust import (
     EpochGuard,
     LeaseWitness,
@@ -45,9 +49,10 @@ from swarm.types import coverage as layer_coverage
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord, ReportRecord)
+R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord, ReportRecord, SummaryRecord)
 MAX_RECORDS_PER_KEY = 1024  # subkeys parsed per key and read: RSA key parsing is the costly part
 MAX_REPORTS_PER_REPORTER = 16  # one reporter cannot fill the reports key on its own
+FULL_READ_BEAM = 3  # nodes a read of a whole key asks (of the 5 that store it); the summary asks fewer
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,27 @@ class DirectoryConfig:
         LEASE_S  # the planner lease period (ElectionConfig.lease_s): how far a claim may be back-dated
     )
     max_record_ttl_s: float = 900.0  # readers drop records that claim to live longer than this
+    summary_ttl_s: float = 30.0  # the planner's summary vanishes this long after its last refresh
 
     def __post_init__(self) -> None:
         if (
-            min(self.ttl_s, self.plan_ttl_s, self.read_timeout_s, self.write_timeout_s, self.report_ttl_s)
+            min(
+                self.ttl_s,
+                self.plan_ttl_s,
+                self.read_timeout_s,
+                self.write_timeout_s,
+                self.report_ttl_s,
+                self.summary_ttl_s,
+            )
             <= 0
         ):
-            raise ValueError("ttl_s, plan_ttl_s, read/write_timeout_s and report_ttl_s must be positive")
-        if max(self.ttl_s, self.plan_ttl_s, self.report_ttl_s) > self.max_record_ttl_s:
-            raise ValueError("ttl_s, plan_ttl_s and report_ttl_s must not exceed max_record_ttl_s")
+            raise ValueError(
+                "ttl_s, plan_ttl_s, read/write_timeout_s, report_ttl_s, summary_ttl_s must be > 0"
+            )
+        if max(self.ttl_s, self.plan_ttl_s, self.report_ttl_s, self.summary_ttl_s) > self.max_record_ttl_s:
+            raise ValueError(
+                "ttl_s, plan_ttl_s, report_ttl_s and summary_ttl_s must not exceed max_record_ttl_s"
+            )
 
     @property
     def refresh_s(self) -> float:
@@ -102,6 +119,16 @@ def coverage(snapshot: SwarmSnapshot, num_layers: int) -> list[int]:
         if r.range_end > r.range_start  # a record may hold nothing yet
     )
     return layer_coverage(held, num_layers)
+
+
+def membership_digest(peers: Mapping[str, PeerRecord]) -> str:
+    """Who is in the swarm, in which state, holding which layers: a change here (a join, a leave, a move)
+    makes readers of the summary re-read the records; speeds, load and links do not."""
+    h = hashlib.sha256()
+    for pid in sorted(peers):
+        r = peers[pid]
+        h.update(f"{pid}/{r.state}/{r.range_start}/{r.range_end};".encode())
+    return h.hexdigest()[:DIGEST_CHARS]
 
 
 def parse_records(
@@ -147,7 +174,7 @@ def parse_one(value: Any, model: type[R], what: str, signer: str | None, rejecti
     except pydantic.ValidationError as e:
         rejections.drop(what, signer, f"invalid ({e.error_count()} errors: {_first_error(e)})")
         return None
-    if isinstance(record, PlanRecord):
+    if isinstance(record, PlanRecord | SummaryRecord):
         claimed = record.planner_peer_id
     elif isinstance(record, ReportRecord):
         claimed = record.reporter_peer_id
@@ -187,6 +214,7 @@ class Directory:
         self._epochs = EpochGuard()  # the newest plan epoch we accepted
         self._last_record: PeerRecord | None = None
         self._last_expiration = 0.0
+        self.traffic = TrafficMeter()  # payload bytes of our reads and writes, by cause
 
     @property
     def accepted_epoch(self) -> int | None:
@@ -221,8 +249,10 @@ class Directory:
         record = record.model_copy(update={"updated_at": now})
         # Expirations must grow, or the DHT keeps the older value.
         expiration = max(now + self.config.ttl_s, self._last_expiration + 1e-3)
+        value = record.to_dht()
+        self.traffic.add("announce", sent=payload_bytes(value))
         stored = await self.dht.store(
-            peers_key(self.dht.model_hash), self.dht.own_subkey(), record.to_dht(), expiration
+            peers_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration
         )
         if stored:
             self._last_record, self._last_expiration = record, expiration
@@ -234,9 +264,9 @@ class Directory:
             return
         leaving = self._last_record.model_copy(update={"state": "leaving", "free_cache_tokens": 0})
         expiration = self._last_expiration + 1e-3
-        await self.dht.store(
-            peers_key(self.dht.model_hash), self.dht.own_subkey(), leaving.to_dht(), expiration
-        )
+        value = leaving.to_dht()
+        self.traffic.add("announce", sent=payload_bytes(value))
+        await self.dht.store(peers_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration)
         self._last_record = None
         logger.info("withdrew from the directory")
 
@@ -247,16 +277,33 @@ class Directory:
                 f"plan names planner {plan.planner_peer_id}, but this node is {self.dht.peer_id}"
             )
         expiration = self.dht.now() + self.config.plan_ttl_s
+        value = plan.to_dht()
+        self.traffic.add("plan", sent=payload_bytes(value))
+        return await self.dht.store(plan_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration)
+
+    async def publish_summary(self, summary: SummaryRecord) -> bool:
+        """Store the swarm's summary under our subkey; only the elected planner should call this."""
+        if summary.planner_peer_id != self.dht.peer_id:
+            raise ValueError(f"summary names {summary.planner_peer_id}, but this node is {self.dht.peer_id}")
+        expiration = self.dht.now() + self.config.summary_ttl_s
+        value = summary.to_dht()
+        self.traffic.add("summary", sent=payload_bytes(value))
         return await self.dht.store(
-            plan_key(self.dht.model_hash), self.dht.own_subkey(), plan.to_dht(), expiration
+            summary_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration
         )
+
+    async def read_summaries(self) -> dict[str, SummaryRecord]:
+        """Valid summaries by signer, read from the few nodes that store the key (SwarmDHT.get_near)."""
+        raw = await self.dht.get_near(summary_key(self.dht.model_hash))
+        self.traffic.add("summary", received=read_bytes(raw))
+        return self._parse(raw, SummaryRecord, "summary")
 
     async def write_lease(self, lease: LeaseRecord, expiration: float) -> bool:
         if lease.peer_id != self.dht.peer_id:
             raise ValueError(f"lease is for {lease.peer_id}, but this node is {self.dht.peer_id}")
-        return await self.dht.store(
-            lease_key(self.dht.model_hash), self.dht.own_subkey(), lease.to_dht(), expiration
-        )
+        value = lease.to_dht()
+        self.traffic.add("lease", sent=payload_bytes(value))
+        return await self.dht.store(lease_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration)
 
     async def publish_report(self, report: ReportRecord) -> bool:
         """Store a signed misbehaviour report under our subkey for the accused peer (one per accused: a new
@@ -265,10 +312,13 @@ class Directory:
             raise ValueError(f"report is by {report.reporter_peer_id}, but this node is {self.dht.peer_id}")
         subkey = self.dht.own_subkey() + b"/" + report.accused_peer_id.encode()
         expiration = self.dht.now() + self.config.report_ttl_s
-        return await self.dht.store(reports_key(self.dht.model_hash), subkey, report.to_dht(), expiration)
+        value = report.to_dht()
+        self.traffic.add("reports", sent=payload_bytes(value))
+        return await self.dht.store(reports_key(self.dht.model_hash), subkey, value, expiration)
 
     async def read_peers(self) -> dict[str, PeerRecord]:
-        raw = await self.dht.get(peers_key(self.dht.model_hash))
+        raw = await self.dht.get_near(peers_key(self.dht.model_hash), FULL_READ_BEAM)
+        self.traffic.add("peer_reads", received=read_bytes(raw))
         peers = self._parse(raw, PeerRecord, "peer")
         kept = {}
         for pid, r in peers.items():
@@ -284,16 +334,21 @@ class Directory:
         return kept
 
     async def read_plans(self) -> dict[str, PlanRecord]:
-        return self._parse(await self.dht.get(plan_key(self.dht.model_hash)), PlanRecord, "plan")
+        raw = await self.dht.get_near(plan_key(self.dht.model_hash), FULL_READ_BEAM)
+        self.traffic.add("plan", received=read_bytes(raw))
+        return self._parse(raw, PlanRecord, "plan")
 
     async def read_leases(self) -> dict[str, LeaseRecord]:
         """Live lease records with their times clamped to when we first saw them (swarm.dht.trust)."""
-        leases = self._parse(await self.dht.get(lease_key(self.dht.model_hash)), LeaseRecord, "lease")
+        raw = await self.dht.get_near(lease_key(self.dht.model_hash), FULL_READ_BEAM)
+        self.traffic.add("lease", received=read_bytes(raw))
+        leases = self._parse(raw, LeaseRecord, "lease")
         return self._witness.clamp(leases, self.dht.now(), self.config.lease_s)
 
     async def read_reports(self) -> list[ReportRecord]:
         """Live, valid reports, at most MAX_REPORTS_PER_REPORTER per reporter."""
-        raw = await self.dht.get(reports_key(self.dht.model_hash))
+        raw = await self.dht.get_near(reports_key(self.dht.model_hash), FULL_READ_BEAM)
+        self.traffic.add("reports", received=read_bytes(raw))
         now, per_reporter = self.dht.now(), dict[str, int]()
         reports = []
         for subkey, value, expiration in capped(raw):

@@ -13,6 +13,10 @@ The times are the ones the reader can vouch for (swarm.dht.trust.LeaseWitness cl
 reader first saw it, Directory.read_leases drops impossible ones): a claim back-dated to 0 by a new key does
 not beat a holder the swarm has been watching.
 
+Not every peer stands: with the swarm's view passed in, only the max_candidates peers of smallest rank do
+(swarm.dht.lease.may_stand), or anyone while nobody stands, so the lease key every candidate reads stays small
+however large the swarm. A holder always stands until it loses the lease.
+
 A dead holder's record expires after at most lease_s; the next candidate reads that within lease_s / 3 and
 claims at once (its candidacy has long settled), so a successor appears within two lease periods. Two nodes
 that claimed while they could not see each other resolve by rule 1 on their next read.
@@ -22,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from swarm.dht.lease import LEASE_S, decide
+from swarm.dht.lease import LEASE_S, decide, may_stand
 from swarm.dht.schemas import LeaseRecord
 from swarm.settings import setting
 
@@ -40,12 +45,17 @@ class ElectionConfig:
         LEASE_S, "planner lease: a holder that stops refreshing loses it after this long"
     )
     settle_s: float | None = setting(None, "wait before claiming an empty lease (default: lease / 3)")
+    max_candidates: int = setting(
+        3, "stand for planner only among this many peers of smallest rank, or when nobody stands (0: always)"
+    )
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
         if self.settle_s is not None and self.settle_s < 0:
             raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
+        if self.max_candidates < 0:
+            raise ValueError(f"max_candidates must be >= 0, got {self.max_candidates}")
 
     @property
     def refresh_s(self) -> float:
@@ -78,9 +88,18 @@ class LeaseBoard(Protocol):
 class Election:
     """Runs this peer's candidacy; `is_leader` says whether it holds the planner lease right now."""
 
-    def __init__(self, directory: LeaseBoard, config: ElectionConfig | None = None) -> None:
+    def __init__(
+        self,
+        directory: LeaseBoard,
+        config: ElectionConfig | None = None,
+        swarm: Callable[[], tuple[Collection[str], Mapping[str, LeaseRecord]] | None] | None = None,
+    ) -> None:
+        """``swarm``: the peer ids and lease records as last read (None before a first read); with it, this
+        peer stands only where swarm.dht.lease.may_stand says so. Without it, it always stands."""
         self.directory = directory
         self.config = config or ElectionConfig()
+        self.swarm = swarm
+        self._standing = False  # whether our candidacy is in the DHT
         self.holder: str | None = None  # the lease holder as of our last read
         self._held_since: float | None = None
         self._last_write_ok = 0.0
@@ -101,12 +120,32 @@ class Election:
         try:
             while True:
                 try:
-                    await self.tick(candidate_since)
+                    if self.stands():
+                        if not self._standing:
+                            candidate_since = self.directory.now()
+                        await self.tick(candidate_since)
+                        self._standing = True
+                    elif self._standing:  # others of smaller rank stand: leave the lease key to them
+                        self._standing = False
+                        await self._resign(candidate_since)
                 except Exception as e:  # one bad round (a bad record, a DHT error) must not end the election
                     logger.warning("planner election round failed: %r", e)
                 await asyncio.sleep(self.config.refresh_s)
         finally:
-            await self._resign(candidate_since)
+            if self._standing or self.swarm is None:
+                await self._resign(candidate_since)
+
+    def stands(self) -> bool:
+        """Whether this peer stands for planner this round (the lease holder always does)."""
+        if self.swarm is None or self._held_since is not None:
+            return True
+        seen = self.swarm()
+        if seen is None:
+            return False  # before a first read of the swarm: wait for it rather than crowd the lease key
+        peer_ids, leases = seen
+        return may_stand(
+            self.peer_id, peer_ids, leases, self.config.max_candidates, self.directory.model_hash
+        )
 
     async def tick(self, candidate_since: float) -> None:
         """One round: read the leases, decide, renew our record (run() calls it every refresh_s)."""

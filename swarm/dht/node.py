@@ -13,13 +13,17 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
-from hivemind.p2p import P2P
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.dht.identity import ensure_identity_file, load_private_key, peer_id_of_public_key
@@ -34,6 +38,10 @@ logger = logging.getLogger(__name__)
 # message's goroutines hop between threads that spin before they park: on this 2-core machine a 2.6 KB frame and
 # its echo on an open stream cost both daemons 350-440 us of CPU, and 260 us with one thread, in as much time.
 P2PD_THREADS = 1
+NEAR_BEAM = 2  # nodes asked by get_near: stores go to the 5 nearest (hivemind's num_replicas)
+REPLICAS_REFRESH_S = (
+    120.0  # how long the nodes found for a key are stored to before they are looked for again
+)
 
 # How a peer's log line on its relay starts: it serves through one (and was dialled back through it), or it
 # cannot, followed by exactly why (swarm.peer.reach; tests and benchmarks look for these).
@@ -162,6 +170,7 @@ class SwarmDHT:
         self._identity_path = identity_path
         self._temporary_identity = temporary_identity
         self._private_key = load_private_key(identity_path)
+        self._replicas: dict[str, tuple[tuple[bytes, ...], float]] = {}  # key -> (its nodes, when found)
         self.public_key_marker: bytes = RSASignatureValidator(self._private_key).local_public_key
         self.peer_id: str = dht.peer_id.to_base58()
         # The signing key is the libp2p identity, so the id a reader derives from it must be ours.
@@ -233,23 +242,43 @@ class SwarmDHT:
         return await self._dht.replicate_p2p()
 
     async def store(self, key: str, subkey: bytes, value: dict[str, Any], expiration_time: float) -> bool:
-        """Store value under our own signed subkey; True if at least one node accepted it."""
+        """Store value under our own signed subkey; True if at least one node accepted it.
+
+        Straight to the nodes that store the key, as found at most REPLICAS_REFRESH_S ago: hivemind's own store
+        first searches for them, and every node on the way answers with the whole value it holds under the key
+        (every peer's record, for the peers key), so a store would cost as much as a full read."""
         if self.public_key_marker not in subkey:
             raise ValueError("a FlowSwarm subkey must carry this node's owner marker (see own_subkey)")
-        future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
-        return bool(await future)
+        known, found_at = self._replicas.get(key, ((), float("-inf")))
+        fresh = time.monotonic() - found_at < REPLICAS_REFRESH_S
+        store = partial(
+            _store_at,
+            key=key,
+            subkey=subkey,
+            value=value,
+            expiration=expiration_time,
+            targets=known if fresh else (),
+        )
+        stored, targets = await self._dht.run_coroutine(store, return_future=True)
+        if targets and stored * 2 >= len(targets):
+            self._replicas[key] = (targets, found_at if fresh else time.monotonic())
+        else:  # most of them did not take it: look for the key's nodes again next time
+            self._replicas.pop(key, None)
+        if stored == 0:  # alone, or nobody answered: hivemind's own search and store (ours too, if nearest)
+            future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
+            return bool(await future)
+        return True
 
     async def get(self, key: str, latest: bool = True) -> dict[bytes, tuple[Any, float]]:
         """All live subkeys of key as {subkey: (value, expiration)}; {} when the key is unknown."""
         found = await self._dht.get(key, latest=latest, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = get_dht_time()
-        return {
-            subkey: (item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        }
+        return _live_items(found)
+
+    async def get_near(self, key: str, beam: int = NEAR_BEAM) -> dict[bytes, tuple[Any, float]]:
+        """Like `get(key)`, the newest value, but asking only the ``beam`` nodes nearest to the key (the ones
+        that store it) rather than a whole bucket: for small keys read often (SummaryRecord)."""
+        found = await self._dht.get(key, latest=True, return_future=True, beam_size=beam)
+        return _live_items(found)
 
     def own_subkey(self) -> bytes:
         """The subkey that only this node can write (its owner marker)."""
@@ -283,6 +312,54 @@ class SwarmDHT:
         return None
 
 
+def _live_items(found: Any) -> dict[bytes, tuple[Any, float]]:
+    """A dictionary value's live subkeys as {subkey: (value, expiration)}; {} for none or a plain value."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    return {
+        subkey: (item.value, item.expiration_time)
+        for subkey, item in found.value.items()
+        if item.expiration_time > now
+    }
+
+
+async def _store_at(
+    _dht: hivemind.DHT,
+    node: DHTNode,
+    *,
+    key: str,
+    subkey: bytes,
+    value: Any,
+    expiration: float,
+    targets: tuple[bytes, ...],
+) -> tuple[int, tuple[bytes, ...]]:
+    """Runs in the DHT child: sign ``value`` and store it at ``targets`` (peer ids), or, with none, at the
+    key's nearest nodes found first. Returns (how many stored it, the nodes asked)."""
+    key_id = DHTID.generate(source=key)
+    if not targets:
+        # Searched for a sibling id (the key's id with its last bit flipped): the same nearest nodes, but none
+        # holds a value under it, so the search moves neighbour lists, not the key's value.
+        sibling = DHTID(int(key_id) ^ 1)
+        nearest = await node.find_nearest_nodes([sibling], k_nearest=node.num_replicas, exclude_self=True)
+        targets = tuple(peer.to_bytes() for peer in nearest[sibling].values())
+    serializer = node.protocol.serializer
+    record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), serializer.dumps(value), expiration)
+    signed = record.value
+    if node.protocol.record_validator is not None:
+        signed = node.protocol.record_validator.sign_value(record)
+    calls = [
+        node.protocol.call_store(PeerID(target), [key_id], [signed], [expiration], [subkey])
+        for target in targets
+    ]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    # Each answer is the node's list of store_ok flags (a protobuf sequence); None if it did not answer.
+    stored = sum(
+        1 for r in results if r is not None and not isinstance(r, BaseException) and len(r) and all(r)
+    )
+    return stored, targets
+
+
 def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporary: bool) -> hivemind.DHT:
     """Fork the hivemind DHT child with signed, schema-checked records; it bootstraps in the background."""
     validators = [
@@ -306,6 +383,10 @@ def _start_dht(config: DHTConfig, model_hash: str, identity_path: Path, temporar
         wait_timeout=config.request_timeout_s,
         p2pd_threads=config.p2pd_threads,
         p2pd_flags=reach.daemon_flags(config.relays, relay_service=not config.client_mode),
+        # No copies of what we read pushed to other nodes, no re-reads of our cache before it expires: a read
+        # of the peers key would push every record to one more node, and re-read them all unasked.
+        cache_nearest=0,
+        cache_refresh_before_expiry=0,
         **listen,
         **reach.p2p_kwargs(config.relays),
     )

@@ -1,11 +1,12 @@
 """The records FlowSwarm keeps in the DHT, and the schema hivemind checks them against.
 
-Four DHT keys per model, each a dictionary with one subkey per writer:
+Five DHT keys per model, each a dictionary with one subkey per writer:
 
     "<model_key>_peers"   subkey "[owner:<peer's RSA key>]" -> PeerRecord   (every peer, refreshed every TTL/3)
     "<model_key>_plan"    subkey "[owner:<planner's key>]"  -> PlanRecord   (the elected planner)
     "<model_key>_lease"   subkey "[owner:<candidate's key>]" -> LeaseRecord (planner candidates and the holder)
     "<model_key>_reports" subkey "[owner:<reporter's key>]/<accused id>" -> ReportRecord (misbehaviour reports)
+    "<model_key>_summary" subkey "[owner:<planner's key>]"  -> SummaryRecord (the swarm's version, read often)
 
 `model_key` is a prefix of the model hash, so one DHT hosts several models. The "[owner:...]" marker makes
 hivemind's RSASignatureValidator demand a signature by that key, so nobody can overwrite another peer's
@@ -34,6 +35,7 @@ from swarm.wire import MAX_HIDDEN_SIZE, MAX_LAYER, MAX_MADDRS  # one set of limi
 
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
+DIGEST_CHARS = 16  # hex characters of a SummaryRecord's digest (64 bits)
 # Hard bounds: a value past these is not a measurement but garbage or an attack (the planner and routing
 # clamp further, to configurable plausible caps).
 MAX_TOKENS_S = 1e9  # tokens/s through one layer: ~1000x the fastest measured layer of any model we serve
@@ -270,6 +272,23 @@ class ReportRecord(_Record):
         return self.model_dump(mode="python")
 
 
+class SummaryRecord(_Record):
+    """The swarm's version, small enough to read every few seconds: the planner (lease holder) writes the
+    digest of the membership it read (swarm.dht.directory.membership_digest: who is there, in which state,
+    holding which layers) and its plan's epoch. Readers fetch the full records only when either changes."""
+
+    planner_peer_id: ShortStr
+    plan_epoch: Epoch
+    peers_digest: Annotated[
+        str, Field(min_length=DIGEST_CHARS, max_length=DIGEST_CHARS, pattern="^[0-9a-f]+$")
+    ]
+    peer_count: Annotated[int, Field(ge=0, le=MAX_SESSIONS)]
+    created_at: Seconds
+
+    def to_dht(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")
+
+
 def model_key(model_hash: str) -> str:
     """The DHT key prefix of a model: hosted models must have distinct hashes."""
     if not model_hash or not all(c.isalnum() or c in "-_" for c in model_hash):
@@ -291,6 +310,10 @@ def lease_key(model_hash: str) -> str:
 
 def reports_key(model_hash: str) -> str:
     return f"{model_key(model_hash)}_reports"
+
+
+def summary_key(model_hash: str) -> str:
+    return f"{model_key(model_hash)}_summary"
 
 
 def _v1_value_type(model: type[_Record]) -> type:
@@ -317,6 +340,7 @@ CheckedPeerRecord = _v1_value_type(PeerRecord)
 CheckedPlanRecord = _v1_value_type(PlanRecord)
 CheckedLeaseRecord = _v1_value_type(LeaseRecord)
 CheckedReportRecord = _v1_value_type(ReportRecord)
+CheckedSummaryRecord = _v1_value_type(SummaryRecord)
 
 
 class FlowSwarmSchema(pydantic_v1.BaseModel):
@@ -326,6 +350,7 @@ class FlowSwarmSchema(pydantic_v1.BaseModel):
     plan: dict[BytesWithPublicKey, CheckedPlanRecord]  # type: ignore[valid-type]
     lease: dict[BytesWithPublicKey, CheckedLeaseRecord]  # type: ignore[valid-type]
     reports: dict[BytesWithPublicKey, CheckedReportRecord]  # type: ignore[valid-type]
+    summary: dict[BytesWithPublicKey, CheckedSummaryRecord]  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic_v1.Extra.forbid

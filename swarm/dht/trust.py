@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swarm.dht.schemas import LeaseRecord, PeerRecord, PlanRecord, ReportRecord
+from swarm.dht.schemas import LeaseRecord, PeerRecord, PlanRecord, ReportRecord, SummaryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Rejections:
         logger.warning("dropping %s record from %s: %s (logged once)", kind, (writer or "?")[-8:], reason)
 
 
-def stamp_of(record: PeerRecord | PlanRecord | LeaseRecord | ReportRecord) -> float:
+def stamp_of(record: PeerRecord | PlanRecord | LeaseRecord | ReportRecord | SummaryRecord) -> float:
     """When the writer says it wrote the record (unix seconds)."""
     if isinstance(record, PeerRecord | LeaseRecord):
         return record.updated_at
@@ -76,7 +76,7 @@ def stamp_of(record: PeerRecord | PlanRecord | LeaseRecord | ReportRecord) -> fl
 
 
 def time_problem(
-    record: PeerRecord | PlanRecord | LeaseRecord | ReportRecord,
+    record: PeerRecord | PlanRecord | LeaseRecord | ReportRecord | SummaryRecord,
     expiration: float,
     now: float,
     max_ttl_s: float,

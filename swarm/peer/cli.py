@@ -15,8 +15,8 @@ import logging
 import multiprocessing
 import signal
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from swarm import config as swarm_config
 from swarm.peer.config import PeerConfig
@@ -57,8 +57,14 @@ async def _join(config: PeerConfig) -> None:
     await run(config, stop)
 
 
-def snapshot_json(snapshot: SwarmSnapshot, num_layers: int) -> dict[str, object]:
-    """The ``status --json`` document."""
+def snapshot_json(
+    snapshot: SwarmSnapshot,
+    num_layers: int,
+    background: Mapping[str, tuple[tuple[str, int, int], ...]] | None = None,
+) -> dict[str, object]:
+    """The ``status --json`` document; ``background``: each peer's background traffic as its rpc_info said
+    (InfoReply.background_bytes), where it answered."""
+    background = background or {}
     from swarm.dht import coverage
 
     peers = [
@@ -76,6 +82,10 @@ def snapshot_json(snapshot: SwarmSnapshot, num_layers: int) -> dict[str, object]
             "reachable": r.reachable,
             "links": {
                 p: {"rtt_s": m.rtt_s, "bandwidth_bytes_s": m.bandwidth_bytes_s} for p, m in r.links.items()
+            },
+            # {cause: {"sent": bytes, "received": bytes}} so far; {} when the peer did not answer
+            "background_bytes": {
+                c: {"sent": s, "received": rx} for c, s, rx in background.get(r.peer_id, ())
             },
         }
         for r in sorted(snapshot.peers.values(), key=lambda r: (r.range_start, r.peer_id))
@@ -120,15 +130,35 @@ async def _status(args: argparse.Namespace) -> None:
     )
     try:
         snapshot = await Directory(dht).snapshot()
+        background = await _background_bytes(await dht.replicate_p2p(), snapshot)
     finally:
         await dht.aclose()
-    data = snapshot_json(snapshot, spec.num_layers)
+    data = snapshot_json(snapshot, spec.num_layers, background)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         _print_status(data)
 
 
+async def _background_bytes(p2p: Any, snapshot: SwarmSnapshot) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """Each serving peer's background traffic by cause, asked of all at once (rpc_info); silent ones left out."""
+    from swarm.transport import call_info
+
+    async def ask(record: Any) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+        try:
+            info = await call_info(
+                p2p, record.peer_id, maddrs=list(record.maddrs), timeout_s=STATUS_INFO_TIMEOUT_S
+            )
+        except Exception as e:  # a peer that does not answer just has no traffic figures
+            logging.getLogger(__name__).debug("peer %s did not answer info: %r", record.peer_id[-8:], e)
+            return record.peer_id, ()
+        return record.peer_id, info.background_bytes
+
+    answers = await asyncio.gather(*(ask(r) for r in snapshot.serving().values()))
+    return {pid: triples for pid, triples in answers if triples}
+
+
+STATUS_INFO_TIMEOUT_S = 5.0
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from swarm.codec import ActivationConfig
 from swarm.dht import P2PD_THREADS, DirectoryConfig, ElectionConfig, ReachabilityConfig
 from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
+from swarm.dht.watch import WatchConfig
 from swarm.planner import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig
 from swarm.routing.route import RoutingConfig
@@ -153,9 +154,13 @@ class LinkConfig:
     probe_s: float = setting(0.05, "target time of a sized bandwidth probe on the link")
     timeout_s: float = setting(5.0, "deadline of one probe")
     poll_s: float = setting(2.0, "how often to look for newly joined peers to measure")
+    bandwidth_refresh_s: float = setting(
+        3600.0, "how often a nearest peer's bandwidth is probed again (RTT: every refresh)"
+    )
 
     def __post_init__(self) -> None:
         positive(self, "refresh_s", "payload_bytes", "min_payload_bytes", "probe_s", "timeout_s", "poll_s")
+        positive(self, "bandwidth_refresh_s")
         if self.min_payload_bytes > self.payload_bytes:
             raise ValueError("min_payload_bytes must be <= payload_bytes")
         if self.nearest < 0 or self.sample < 0:
@@ -278,6 +283,9 @@ class PeerConfig:
         None, "persistent peer identity key", flag="--identity", metavar="KEYFILE"
     )
     maddr_file: str | None = setting(None, "write our multiaddrs here once serving", metavar="FILE")
+    traffic_file: str | None = setting(
+        None, "write our background traffic by cause (JSON) here every few seconds", metavar="FILE"
+    )
     record_ttl_s: float = setting(
         DirectoryConfig.ttl_s, "our DHT record expires this long after we stop refreshing it"
     )
@@ -296,6 +304,7 @@ class PeerConfig:
     sessions: SessionConfig = component(SessionConfig, prefix="session")
     executor: ExecutorConfig = component(ExecutorConfig, prefix="executor")
     links: LinkConfig = component(LinkConfig, prefix="link")
+    watch: WatchConfig = component(WatchConfig, prefix="watch")
     follow: FollowConfig = component(FollowConfig, prefix="follow")
     election: ElectionConfig = component(ElectionConfig, prefix="planner")
     planner: PlannerConfig = component(PlannerConfig, prefix="planner")

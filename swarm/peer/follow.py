@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable
 from torch import nn
 
 from swarm.dht import Directory, SwarmSnapshot
+from swarm.dht.watch import SwarmWatch
 from swarm.models.blocks import BlockRange
 from swarm.models.heap import freeze_loaded
 from swarm.models.loading import ModelSource
@@ -200,14 +201,18 @@ class PlanFollower:
         announce: Callable[[], Awaitable[object]],
         config: FollowConfig | None = None,
         hand_over: Callable[[Served], Awaitable[object]] | None = None,
+        watch: SwarmWatch | None = None,
     ) -> None:
-        """``hand_over`` moves the sessions still open on a range about to be dropped (swarm.peer.handover)."""
+        """``hand_over`` moves the sessions still open on a range about to be dropped (swarm.peer.handover).
+        With ``watch``, plans are looked for in its snapshots, as soon as one is read (swarm.dht.watch), not
+        in a snapshot of our own every check interval."""
         self.peer = peer
         self.hand_over = hand_over
         self.directory = directory
         self.source = source
         self.announce = announce
         self.config = config or FollowConfig()
+        self.watch = watch
         self.adopted_epoch = 0
         self.moves = 0  # completed moves (for tests and status)
         self._retiring: set[asyncio.Task[None]] = set()  # old ranges waiting for their sessions to end
@@ -222,6 +227,7 @@ class PlanFollower:
     async def run(self) -> None:
         try:
             while True:
+                seen = self.watch.version if self.watch is not None else 0
                 try:
                     await self.check()
                 except (
@@ -230,7 +236,10 @@ class PlanFollower:
                     logger.warning(
                         "plan check failed (retrying in %.1f s): %r", self.config.check_interval_s, e
                     )
-                await asyncio.sleep(self.config.check_interval_s)
+                if self.watch is not None:
+                    await self.watch.wait_newer(seen, self.config.check_interval_s)
+                else:
+                    await asyncio.sleep(self.config.check_interval_s)
         finally:
             for task in self._retiring:  # shutting down: the peer's drain closes what is still open
                 task.cancel()
@@ -245,7 +254,7 @@ class PlanFollower:
         """One look at the plan: move if it is newer than the adopted one and gives us other layers."""
         if self.peer.status not in (Status.SERVING, Status.MOVING):
             return  # leaving the swarm (or not serving yet): no moves
-        snapshot = await self.directory.snapshot()
+        snapshot = await (self.watch.latest() if self.watch is not None else self.directory.snapshot())
         if snapshot.plan is None or snapshot.plan.epoch <= self.adopted_epoch:
             return
         epoch = snapshot.plan.epoch

@@ -31,6 +31,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.codec import choose_codec
+from swarm.dht.traffic import TrafficMeter
 from swarm.errors import CapacityError, ProtocolError, SessionError, SwarmError
 from swarm.models.blocks import Step
 from swarm.models.faults import OutputFaults
@@ -98,6 +99,7 @@ class PeerHandlers:
         self.codecs: dict[str, str] = {}  # the codec our output last took to each next hop (swarm.codec)
         # others' reachability checks: dialled from a node of its own (swarm.peer.reach); close with aclose()
         self.dial_back = DialBack(self.config.dial_back_timeout_s)
+        self.traffic: TrafficMeter | None = None  # the peer's background traffic, reported by rpc_info
 
     async def aclose(self) -> None:
         """Stop what the handlers started (the dial-back node)."""
@@ -358,6 +360,7 @@ class PeerHandlers:
             free_cache_tokens=peer.free_cache_tokens,
             active_sessions=peer.session_count,
             state=str(peer.status),
+            background_bytes=self.traffic.triples() if self.traffic is not None else (),
         )
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:
@@ -379,7 +382,7 @@ class PeerHandlers:
                     raise ProtocolError("dial-back is only to the peer that asks for it")
                 ok = await self.dial_back(remote_id, request.dial_back_maddrs)
                 error = "" if ok else DIAL_BACK_FAILED
-            else:
+            elif request.payload or request.reply_bytes:  # a bandwidth probe, not a ping
                 self.on_probe(remote_id)
             return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes), ok, error)
 

@@ -1,7 +1,8 @@
 """Which peers of the swarm are live, as this peer last read the DHT: routes may name only those as next hops.
 
 Without this check, any caller could have a peer dial (and push activations to) any id at any address. The
-view is the link monitor's read of the peer records (every poll, ~2 s); it is owned by the Peer, which
+view is the swarm watch's latest read of the peer records (swarm.dht.watch: at each membership change, else
+every few seconds while no planner's summary can be relied on); it is owned by the Peer, which
 updates it through ``Peer.set_live_peers`` and checks routes through ``Peer.check_live``.
 """
 

@@ -4,11 +4,11 @@ Compute is measured on the peer's own loaded blocks (one layer, so the numbers a
 how many it holds): decode at batch 1 and batch 8 through real sessions, prefill as one stateless step. Memory
 gives ``max_layers``: the weights of that many layers plus the KV cache they need for ``cache_tokens``.
 Links are measured with probe RPCs to a bounded set of live peers (the k lowest-RTT ones seen so far plus a
-random sample), refreshed periodically, so the cost stays constant as the swarm grows; each in both directions,
-with probes sized for the link (swarm.transport.linkprobe), so the other peer need not measure it too.
-Two peers probing each other's link at once share it and both read it slow (the sized probes queue behind
-each other): the peer with the greater id yields, dropping its measurement as soon as the other's probes
-arrive, and measures again once the other has been quiet for ``poll_s``.
+random sample), refreshed periodically, so the cost stays constant as the swarm grows: RTT by small pings,
+bandwidth (both directions, by probes sized for the link: swarm.transport.linkprobe) only rarely.
+Two peers probing each other's bandwidth at once share the link and both read it slow (the sized probes queue
+behind each other): the peer with the greater id gives way, dropping its measurement as soon as the other's
+sized probes arrive, and measures again once the other has been quiet for ``poll_s``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,16 +27,24 @@ from hivemind.p2p import P2P
 
 from swarm.dht import LinkMeasure, PeerRecord
 from swarm.dht.schemas import MAX_BANDWIDTH_BYTES_S, MAX_RTT_S
+from swarm.dht.traffic import TrafficMeter
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.spec import ModelSpec
 from swarm.peer.config import LinkConfig
-from swarm.transport.calls import measure_link
-from swarm.transport.linkprobe import LinkTiming, ProbeSizes
+from swarm.transport.calls import call_probe
+from swarm.transport.linkprobe import LinkTiming, ProbeSizes, measure_both_ways
 from swarm.types import LayerRange
+from swarm.wire import ProbeRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_PROBERS_KEPT = 4096  # peers whose last probe time we keep (a bound on what strangers' probes can grow)
+# When choosing the k nearest, an announced link's RTT counts as this much of itself, less this margin: RTTs
+# jitter, and each newcomer to the k costs a bandwidth probe.
+INCUMBENT_FAVOUR = 0.8
+INCUMBENT_MARGIN_S = 0.002
+PROBE_OVERHEAD_BYTES = 64  # a probe message's framing, counted with its payload (an estimate)
+MEASURE_DEADLINE_PROBES = 4  # one bandwidth measurement may take this many probe timeouts at most
+MAX_PROBERS_KEPT = 4096  # peers whose last probe time we keep (strangers' probes cannot grow it)
 
 
 @dataclass(frozen=True)
@@ -169,7 +178,12 @@ def link_measure(timing: LinkTiming) -> LinkMeasure:
 
 
 class LinkMonitor:
-    """Keeps ``links`` (peer id -> LinkMeasure) fresh for the peers in the latest snapshot."""
+    """Keeps ``links`` (peer id -> LinkMeasure) fresh for the k peers nearest by RTT.
+
+    Every refresh_s, small pings give the RTT to those k and to a random sample of the others (how nearer
+    peers are found); every poll_s, peers new to the swarm as last read are pinged too. Bandwidth costs real
+    bytes, so it is probed (swarm.transport.linkprobe) only when a peer first becomes one of the k, and again
+    every bandwidth_refresh_s. Only the k are announced: the record stays small as the swarm grows."""
 
     def __init__(
         self,
@@ -179,17 +193,23 @@ class LinkMonitor:
         config: LinkConfig | None = None,
         rng: random.Random | None = None,
         on_change: Callable[[Mapping[str, LinkMeasure]], None] = lambda links: None,
+        traffic: TrafficMeter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.p2p = p2p
-        self.clock = clock
         self.own_peer_id = own_peer_id
         self.live_peers = live_peers
         self.config = config or LinkConfig()
         self.rng = rng or random.Random()
-        self.links: dict[str, LinkMeasure] = {}
+        self.clock = clock
+        self.links: dict[str, LinkMeasure] = {}  # the k nearest, as announced
+        self.rtts: dict[str, float] = {}  # every live peer pinged, latest RTT
+        self._bandwidth: dict[str, tuple[float, float, float]] = {}  # peer -> (up, down, clock when measured)
         self.on_change = on_change  # told the links whenever they were re-measured
-        self.probed_at: dict[str, float] = {}  # peer id -> when its last probe reached us (monotonic)
+        self.traffic = traffic or TrafficMeter()
+        self.probed_at: OrderedDict[str, float] = (
+            OrderedDict()
+        )  # peer id -> its last sized probe to us, oldest first
         self.yielding: dict[str, asyncio.Event] = {}  # peers we are measuring, set if we must give way
         self.sizes = ProbeSizes(
             min_bytes=self.config.min_payload_bytes,
@@ -198,71 +218,114 @@ class LinkMonitor:
         )
 
     def heard_probe(self, peer_id: str) -> None:
-        """A probe from ``peer_id`` reached us: it is measuring our link (the probe handler calls this)."""
-        now = self.clock()
-        if len(self.probed_at) >= MAX_PROBERS_KEPT:  # anyone may probe: forget those quiet for poll_s
-            self.probed_at = {p: t for p, t in self.probed_at.items() if now - t < self.config.poll_s}
-        if len(self.probed_at) < MAX_PROBERS_KEPT:
-            self.probed_at[peer_id] = now
+        """A sized probe from ``peer_id`` reached us: it is measuring our link's bandwidth (the probe handler
+        calls this)."""
+        self.probed_at[peer_id] = self.clock()
+        self.probed_at.move_to_end(peer_id)
+        if len(self.probed_at) > MAX_PROBERS_KEPT:  # anyone may probe: forget the longest quiet
+            self.probed_at.popitem(last=False)
         if peer_id < self.own_peer_id and peer_id in self.yielding:
             self.yielding[peer_id].set()
 
     def _being_probed(self, peer_id: str) -> bool:
         return self.clock() - self.probed_at.get(peer_id, float("-inf")) < self.config.poll_s
 
-    async def _measure(self, peer_id: str, maddrs: tuple[str, ...]) -> LinkMeasure | None:
-        """The link to ``peer_id``; None if we gave way to its own measurement of it."""
-        if peer_id < self.own_peer_id and self._being_probed(peer_id):
-            return None
-        give_way = self.yielding[peer_id] = asyncio.Event()
-        measuring = asyncio.ensure_future(
-            measure_link(self.p2p, peer_id, maddrs=maddrs, sizes=self.sizes, timeout_s=self.config.timeout_s)
-        )
-        yielded = asyncio.ensure_future(give_way.wait())
-        try:
-            await asyncio.wait([measuring, yielded], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            del self.yielding[peer_id]
-            yielded.cancel()
-            if not measuring.done():
-                measuring.cancel()
-        if not measuring.done() or measuring.cancelled():
-            return None
-        return link_measure(measuring.result())
-
     def pick(self, candidates: list[str]) -> list[str]:
         """The k nearest by last RTT, plus a random sample of the rest."""
-        known = sorted((p for p in candidates if p in self.links), key=lambda p: self.links[p].rtt_s)
+        known = sorted((p for p in candidates if p in self.rtts), key=lambda p: self.rtts[p])
         nearest = known[: self.config.nearest]
         rest = [p for p in candidates if p not in nearest]
         return nearest + self.rng.sample(
             rest, min(self.config.sample + max(0, self.config.nearest - len(nearest)), len(rest))
         )
 
+    def nearest(self) -> list[str]:
+        """The k peers of lowest RTT; a peer announced now keeps its place unless another is clearly nearer
+        (RTTs jitter, and each newcomer to the k costs a bandwidth probe)."""
+
+        def rank(p: str) -> float:
+            rtt = self.rtts[p]
+            return rtt * INCUMBENT_FAVOUR - INCUMBENT_MARGIN_S if p in self.links else rtt
+
+        return sorted(self.rtts, key=rank)[: self.config.nearest]
+
     async def refresh(self, only_new: bool = False) -> None:
-        """Measure a bounded set of peers (``only_new``: just live peers we have no link to yet, within budget)."""
+        """Ping a bounded set of peers (``only_new``: just live peers never pinged, within budget), then keep
+        the k nearest, probing the bandwidth of those with none measured lately."""
         peers = await self.live_peers()
         candidates = [p for p in peers if p != self.own_peer_id]
         if only_new:
-            budget = self.config.nearest + self.config.sample - len(self.links)
-            targets = [p for p in candidates if p not in self.links][: max(0, budget)]
+            budget = self.config.nearest + self.config.sample
+            targets = [p for p in candidates if p not in self.rtts][:budget]
         else:
             targets = self.pick(candidates)
-        fresh: dict[str, LinkMeasure] = {}
         for peer_id in targets:
             try:
-                measured = await self._measure(peer_id, tuple(peers[peer_id].maddrs))
+                self.rtts[peer_id] = await self._ping(peer_id, peers[peer_id].maddrs)
             except Exception as e:  # an unreachable peer just has no link entry this round
-                logger.debug("link to %s not measured: %s", peer_id[-8:], e)
-                continue
-            if measured is not None:
-                fresh[peer_id] = measured
-        # Keep older measurements of live peers that were not measured now; drop peers that left.
-        self.links = {p: m for p, m in self.links.items() if p in peers and p not in fresh} | fresh
+                logger.debug("no RTT to %s: %s", peer_id[-8:], e)
+                self.rtts.pop(peer_id, None)
+        # Forget peers that left.
+        self.rtts = {p: r for p, r in self.rtts.items() if p in peers}
+        self._bandwidth = {p: b for p, b in self._bandwidth.items() if p in peers}
+        links: dict[str, LinkMeasure] = {}
+        for peer_id in self.nearest():
+            bandwidth = self._bandwidth.get(peer_id)
+            if bandwidth is None or self.clock() - bandwidth[2] >= self.config.bandwidth_refresh_s:
+                try:
+                    timing = await self._measure(peer_id, peers[peer_id].maddrs)
+                except Exception as e:
+                    logger.debug("bandwidth to %s not measured: %s", peer_id[-8:], e)
+                else:
+                    if timing is not None:  # else we gave way: measured on a later round
+                        bandwidth = (timing.up_bytes_s, timing.down_bytes_s, self.clock())
+                        self._bandwidth[peer_id] = bandwidth
+            if bandwidth is not None:
+                links[peer_id] = link_measure(LinkTiming(self.rtts[peer_id], bandwidth[0], bandwidth[1]))
+        self.links = links
         self.on_change(self.links)
 
+    async def _ping(self, peer_id: str, maddrs: list[str]) -> float:
+        """The fastest of ``sizes.pings`` empty probes (seconds)."""
+        best = float("inf")
+        for _ in range(self.sizes.pings):
+            started = time.perf_counter()
+            await self._probe(peer_id, maddrs, 0, 0)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    async def _measure(self, peer_id: str, maddrs: list[str]) -> LinkTiming | None:
+        """Both directions' bandwidth to ``peer_id``; None if we gave way to its own measurement of our link.
+        The whole measurement has a deadline: a slow or hostile peer cannot stall the round."""
+        if peer_id < self.own_peer_id and self._being_probed(peer_id):
+            return None
+
+        async def probe(sent: int, back: int) -> None:
+            await self._probe(peer_id, maddrs, sent, back)
+
+        give_way = self.yielding[peer_id] = asyncio.Event()
+        measuring = asyncio.ensure_future(measure_both_ways(probe, self.sizes))
+        yielded = asyncio.ensure_future(give_way.wait())
+        try:
+            async with asyncio.timeout(MEASURE_DEADLINE_PROBES * self.config.timeout_s):
+                await asyncio.wait([measuring, yielded], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            del self.yielding[peer_id]
+            for task in (measuring, yielded):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(measuring, yielded, return_exceptions=True)  # nothing left unawaited
+        return None if measuring.cancelled() else measuring.result()
+
+    async def _probe(self, peer_id: str, maddrs: list[str], sent: int, back: int) -> None:
+        self.traffic.add(
+            "link_probes", sent=sent + PROBE_OVERHEAD_BYTES, received=back + PROBE_OVERHEAD_BYTES
+        )
+        request = ProbeRequest(payload=bytes(sent), reply_bytes=back)
+        await call_probe(self.p2p, peer_id, request, maddrs=maddrs, timeout_s=self.config.timeout_s)
+
     async def run(self) -> None:
-        """A full round every refresh_s; in between, every poll_s, measure peers that just joined."""
+        """A full round every refresh_s; in between, every poll_s, ping peers that just joined."""
         last_full = float("-inf")
         while True:
             full = time.monotonic() - last_full >= self.config.refresh_s

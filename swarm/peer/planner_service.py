@@ -11,7 +11,9 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
      LINK_CHANGE_S) or a re-solve found no better placement: the same placement's flows on today's links
      (graph.max_flow: slow links carry only what the max flow needs), published as a new epoch when they
      moved by change_fraction of the flow. Nobody moves, and clients route around a link that became slow.
-Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. Only a
+Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. After each
+check the planner stores the swarm's summary (membership digest and plan epoch) when either changed, else every
+summary_ttl_s / 3: the other peers read only that, and the records when it changes (swarm.dht.watch). Only a
 plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
 re-signing would lend our lease to whatever that plan says.
 The solve runs in a niced process of its own (swarm.peer.solver_process), with a time limit; the event
@@ -31,6 +33,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
+from swarm.dht.directory import membership_digest
+from swarm.dht.schemas import SummaryRecord
 from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
@@ -227,6 +231,8 @@ class PlannerService:
         self._refreshed_at = float("-inf")
         self._mine: PlanRecord | None = None  # the newest plan we stored
         self.published = 0  # plans published with a new epoch by this peer (for tests and status)
+        self._summarized: tuple[str, int] | None = None  # (membership digest, epoch) of our last summary
+        self._summarized_at = float("-inf")
 
     async def run(self) -> None:
         try:
@@ -244,8 +250,41 @@ class PlannerService:
             self.solver.close()
 
     async def check(self) -> PlanRecord | None:
-        """One look at the swarm: re-solve if needed, publish if better, else refresh. Returns what was stored."""
+        """One look at the swarm: re-solve if needed, publish if better, else refresh; then tell the swarm's
+        summary readers (swarm.dht.watch) what we saw. Returns the plan stored, if any."""
         snapshot = await self.directory.snapshot()
+        stored = await self._plan(snapshot)
+        await self._summarize(snapshot)
+        return stored
+
+    async def _summarize(self, snapshot: SwarmSnapshot) -> None:
+        """Store the summary of ``snapshot`` and our plan's epoch when either changed, else every
+        summary_ttl_s / 3 (a failed store is retried at the next check)."""
+        me = self.directory.peer_id
+        epochs = [self._mine.epoch if self._mine is not None else 0]
+        if snapshot.plan is not None and snapshot.plan.planner_peer_id == me:
+            epochs.append(snapshot.plan.epoch)
+        version = (membership_digest(snapshot.peers), max(epochs))
+        refresh_s = self.directory.config.summary_ttl_s / 3
+        if version == self._summarized and time.monotonic() - self._summarized_at < refresh_s:
+            return
+        summary = SummaryRecord(
+            planner_peer_id=me,
+            plan_epoch=version[1],
+            peers_digest=version[0],
+            peer_count=len(snapshot.peers),
+            created_at=self.directory.now(),
+        )
+        try:
+            async with asyncio.timeout(self.directory.write_timeout_s):
+                stored = await self.directory.publish_summary(summary)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("could not store the swarm summary: %r", e)
+            return
+        if stored:
+            self._summarized, self._summarized_at = version, time.monotonic()
+
+    async def _plan(self, snapshot: SwarmSnapshot) -> PlanRecord | None:
         me = self.directory.peer_id
         live = snapshot.plan if snapshot.plan is not None and snapshot.plan.planner_peer_id == me else None
         if self._mine is not None and (live is None or self._mine.epoch > live.epoch):

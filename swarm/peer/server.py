@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,12 +31,14 @@ from swarm.dht import (
     Directory,
     DirectoryConfig,
     Election,
+    LeaseRecord,
     ModelShape,
     PeerRecord,
     SwarmDHT,
     coverage,
 )
 from swarm.dht.node import RELAY_FAILED, RELAY_OK
+from swarm.dht.watch import SwarmWatch
 from swarm.models.faults import OutputFaults, seed_of
 from swarm.models.heap import freeze_loaded
 from swarm.models.loading import ModelSource, resolve_model
@@ -84,6 +87,7 @@ REACHABILITY_ADVICE = (
 
 
 BATCH_LOG_INTERVAL_S = 5.0
+TRAFFIC_WRITE_S = 2.0  # how often --traffic-file is rewritten
 RELAY_CHECK_ATTEMPTS = 5  # dial-backs through our relays before we say we cannot serve through them
 RELAY_CHECK_PAUSE_S = 2.0
 
@@ -151,8 +155,15 @@ async def _serve(
     executor = Executor(config.executor, name=f"torch-{config.device}", shared=shared)
     peer = Peer(identity, source.spec, executor, config.sessions, read_live=directory.read_peers)
     announcer = Announcer(directory, peer.record)
+    watch = SwarmWatch(directory, config.watch)
+    watch.on_snapshot.append(lambda snapshot: peer.set_live_peers(snapshot.peers))
     links = LinkMonitor(
-        p2p, peer.peer_id, _reading_live(directory, peer), config.links, on_change=peer.set_links
+        p2p,
+        peer.peer_id,
+        _watched_peers(watch),
+        config.links,
+        on_change=peer.set_links,
+        traffic=directory.traffic,
     )
     via: tuple[str, ...] | None = None
     try:
@@ -163,22 +174,27 @@ async def _serve(
             handlers = PeerHandlers(
                 peer, p2p, config.sessions, _faults(config, identity.name), on_probe=links.heard_probe
             )
+            handlers.traffic = directory.traffic
             stack.push_async_callback(handlers.aclose)
             await serve(p2p, handlers)
             tg.create_task(announcer.run())
             tg.create_task(_announce_changes(directory, peer))
             tg.create_task(reap_idle_sessions(peer, config.sessions.reap_interval_s))
             tg.create_task(_log_batches(executor, handlers.forwarder, BATCH_LOG_INTERVAL_S))
+            tg.create_task(watch.run())
+            if config.traffic_file:
+                tg.create_task(_write_traffic(Path(config.traffic_file), directory, watch))
             tg.create_task(links.run())
             if config.plan:  # the election runs always; the planner plans while we hold the lease
-                election = Election(directory, config.election)
+                election = Election(directory, config.election, swarm=_seen_by(watch))
                 tg.create_task(election.run())
                 planner = PlannerService(
                     directory, election, config.planner, _model_info(config, source.spec)
                 )
                 tg.create_task(planner.run())
             if config.follow_plan:
-                tg.create_task(_follower(config, peer, directory, source, handlers.handover).run())
+                follower = _follower(config, peer, directory, source, handlers.handover, watch)
+                tg.create_task(follower.run())
             async with asyncio.timeout(60):
                 await announcer.announced.wait()
             _report_serving(config, peer, began)
@@ -187,10 +203,10 @@ async def _serve(
             )
             relays_lost = asyncio.Event()
             if dht.relays and peer.reachable:
-                watch = watch_relays(
+                relays = watch_relays(
                     _live_ids(directory), dht.relays, config.reachability.relay_watch_interval_s
                 )
-                tg.create_task(_set_when_done(watch, relays_lost))
+                tg.create_task(_set_when_done(relays, relays_lost))
             await _first_set(stop, relays_lost)
             await _leave(peer, directory, config.shutdown_grace_s, handlers.handover)
             if relays_lost.is_set() and not stop.is_set():
@@ -235,16 +251,36 @@ def _model_info(config: PeerConfig, spec: ModelSpec) -> ModelInfo:
     return ModelInfo(name=spec.name, num_layers=spec.num_layers, activation_bytes_per_token=activation_bytes)
 
 
-def _reading_live(directory: Directory, peer: Peer) -> Callable[[], Awaitable[dict[str, PeerRecord]]]:
-    """The link monitor's read of the DHT (every poll_s), also handed to the Peer as the live peer ids that
-    routes may name (one read, no second poll of the DHT)."""
+def _seen_by(watch: SwarmWatch) -> Callable[[], tuple[Collection[str], Mapping[str, LeaseRecord]] | None]:
+    """The peer ids and leases of the watch's latest snapshot (None before its first), for the election."""
+
+    def seen() -> tuple[Collection[str], Mapping[str, LeaseRecord]] | None:
+        snapshot = watch.snapshot
+        return None if snapshot is None else (snapshot.peers.keys(), snapshot.leases)
+
+    return seen
+
+
+def _watched_peers(watch: SwarmWatch) -> Callable[[], Awaitable[dict[str, PeerRecord]]]:
+    """The link monitor's view of the swarm: the watch's latest snapshot (no read of its own)."""
 
     async def read() -> dict[str, PeerRecord]:
-        peers = await directory.read_peers()
-        peer.set_live_peers(peers)
-        return peers
+        return dict((await watch.latest()).peers)
 
     return read
+
+
+async def _write_traffic(path: Path, directory: Directory, watch: SwarmWatch) -> None:
+    """Write our background traffic by cause, with the reads the watch made, every TRAFFIC_WRITE_S."""
+    while True:
+        report = {
+            "at": time.time(),
+            "by_cause": directory.traffic.as_dict(),
+            "summary_reads": watch.summary_reads,
+            "full_reads": watch.full_reads,
+        }
+        _write_atomic(path, json.dumps(report) + "\n")
+        await asyncio.sleep(TRAFFIC_WRITE_S)
 
 
 def _faults(config: PeerConfig, name: str) -> OutputFaults | None:
@@ -332,7 +368,12 @@ async def _leave(peer: Peer, directory: Directory, grace_s: float, handover: Han
 
 
 def _follower(
-    config: PeerConfig, peer: Peer, directory: Directory, source: ModelSource, handover: Handovers
+    config: PeerConfig,
+    peer: Peer,
+    directory: Directory,
+    source: ModelSource,
+    handover: Handovers,
+    watch: SwarmWatch,
 ) -> PlanFollower:
     async def announce() -> bool:
         return await directory.announce(peer.record())
@@ -347,6 +388,7 @@ def _follower(
         announce=announce,
         config=config.follow,
         hand_over=hand_over,
+        watch=watch,
     )
 
 

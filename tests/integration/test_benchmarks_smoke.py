@@ -674,6 +674,11 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
         {
             "idle_tx_bytes_s_per_peer": lambda v: set(v) == {"4"},
             "idle_rx_bytes_s_per_peer": lambda v: set(v) == {"4"},
+            "model_tx_bytes_s_per_peer": lambda v: {"4", "1000", "10000"} <= set(v),
+            "model_by_cause": lambda v: set(v) >= {"1000", "10000"},
+            "model_hottest_tx_bytes_s": lambda v: set(v) >= {"1000", "10000"},
+            "model_sizes": lambda v: _positive(v["message_bytes"]),
+            "model_rates": lambda v: isinstance(v, dict),
             "settle_s": _non_negative,
             "window_s": _positive,
             "machine": lambda v: isinstance(v, str),
@@ -684,6 +689,8 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
     assert tx["mean"] <= tx["max"] and rx["mean"] <= rx["max"]
     # the router forwards every packet between the 4 hosts, and nothing leaves: what they send they receive
     assert math.isclose(tx["mean"], rx["mean"], rel_tol=0.05), (tx, rx)
+    # the paper model: at the measured size and at 1,000 and 10,000 peers, an idle peer within issue 57's target
+    assert 0 < out["model_tx_bytes_s_per_peer"]["1000"] <= 20 * 1024, out["model_tx_bytes_s_per_peer"]
 
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))

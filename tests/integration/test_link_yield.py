@@ -28,20 +28,22 @@ class Clock:
 
 
 class Prober:
-    """Answers probes as a peer does and tells its monitor who probed; ``before_reply`` may hold a probe."""
+    """Answers probes as a peer does and tells its monitor who sent a bandwidth probe; ``hold``, when set up,
+    holds bandwidth probes until it is set."""
 
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id
         self.monitor: LinkMonitor | None = None
         self.first_probe: dict[str, asyncio.Event] = {}
-        self.hold: asyncio.Event | None = None  # when set up, the first probe waits for it
+        self.hold: asyncio.Event | None = None
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:
         assert self.monitor is not None
-        self.monitor.heard_probe(remote_id)
-        self.first_probe.setdefault(remote_id, asyncio.Event()).set()
-        if self.hold is not None:
-            await self.hold.wait()
+        if request.payload or request.reply_bytes:  # a bandwidth probe, as the peer's handler tells apart
+            self.monitor.heard_probe(remote_id)
+            self.first_probe.setdefault(remote_id, asyncio.Event()).set()
+            if self.hold is not None:
+                await self.hold.wait()
         return ProbeReply(self.peer_id, len(request.payload), bytes(request.reply_bytes))
 
 
@@ -77,8 +79,8 @@ def test_the_greater_id_gives_way_mid_measurement_and_measures_once_the_other_is
     async def body() -> None:
         nodes, (low, high), (low_prober, high_prober), clock = await _pair()
         try:
-            # The greater id starts first; its first probe is held at the lower id's end until the lower id's
-            # own probes reach it, so the two measurements overlap.
+            # The greater id starts first; its first bandwidth probe is held at the lower id's end until the
+            # lower id's own bandwidth probes reach it, so the two measurements overlap.
             low_prober.hold = asyncio.Event()
             high_round = asyncio.create_task(high.refresh())
             await low_prober.first_probe.setdefault(high.own_peer_id, asyncio.Event()).wait()

@@ -423,4 +423,5 @@ def test_status_command_prints_the_live_swarm_as_json(swarm: LocalSwarm) -> None
             "active_sessions",
         } <= set(entry)
         assert entry["decode_tokens_s"] > 0 and entry["name"] in ("a", "b", "c")
+        assert entry["background_bytes"]["announce"]["sent"] > 0  # its rpc_info's traffic by cause
     assert len(data["coverage"]) == 6 and min(data["coverage"]) >= 1

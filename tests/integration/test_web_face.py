@@ -207,6 +207,15 @@ def test_metrics_parse_and_move(web: tuple[str, SwarmClient]) -> None:
     assert 0 <= moved("flowswarm_draft_accepted_tokens_total") <= moved("flowswarm_draft_tokens_total")
     assert after[("flowswarm_active_generations", ())] == 0
     assert after[("flowswarm_peers_seen", (("state", "serving"),))] == 3
+    # Every serving peer reports its background traffic by cause: each has announced its record.
+    announced = [
+        value
+        for (name, labels), value in after.items()
+        if name == "flowswarm_peer_background_bytes"
+        and ("cause", "announce") in labels
+        and ("direction", "sent") in labels
+    ]
+    assert len(announced) == 3 and min(announced) > 0
 
 
 @pytest.fixture(scope="module")

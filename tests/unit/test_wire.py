@@ -113,9 +113,14 @@ def test_replies_round_trip() -> None:
     back = decode_reply(encode_reply(step))
     assert isinstance(back, StepReply) and torch.equal(back.hidden, step.hidden) and back.timings == timings
     info = InfoReply("QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving")
+    traffic = (("announce", 100, 0), ("summary", 0, 2048))
+    counted = InfoReply(
+        "QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving", 2, traffic
+    )
     for reply in (
         CloseReply(True),
         info,
+        counted,
         ProbeReply("QmA", 10, b"yy", True, ""),
         ProbeReply("QmA", 0),
         ErrorReply("capacity", "full", "QmB"),
@@ -261,3 +266,20 @@ def test_a_steps_deadline_travels_and_defaults_when_an_older_sender_omits_it() -
     for bad in (0, -1.0, 1e9, float("nan"), "soon"):
         with pytest.raises(ProtocolError, match="timeout_s"):
             decode_request(_raw("step", {**body, "timeout_s": bad}))
+
+
+def test_info_reply_background_bytes_are_checked() -> None:
+    info = InfoReply("QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving")
+    body = encode_reply(info)
+    assert decode_reply(body) == info  # absent when empty: the old bytes
+    for bad in (
+        [["announce", -1, 0]],
+        [["announce", 1]],
+        [[1, 2, 3]],
+        [["x" * 33, 0, 0]],
+        [["a", 0, 0]] * 17,
+    ):
+        raw = msgpack.unpackb(body, raw=False)
+        raw[2]["background_bytes"] = bad
+        with pytest.raises(ProtocolError):
+            decode_reply(msgpack.packb(raw, use_bin_type=True))

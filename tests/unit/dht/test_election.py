@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from swarm.dht.election import Election, ElectionConfig
-from swarm.dht.lease import decide, lease_holder
+from swarm.dht.lease import decide, lease_holder, may_stand
 from swarm.dht.schemas import LeaseRecord
 from swarm.dht.trust import tie_rank
 
@@ -239,5 +239,40 @@ def test_a_leader_that_cannot_write_for_a_lease_stops_calling_itself_leader() ->
         assert election.is_leader  # within a lease of its last renewal it may still hold the lease
         store.time += 1.0
         assert not election.is_leader
+
+    asyncio.run(body())
+
+
+def test_only_the_few_of_smallest_rank_stand_unless_nobody_does():
+    pids = by_rank(*(f"Qm{i}" for i in range(10)), salt="m")
+    standing = table(*(lease(pid) for pid in pids[:3]))
+    # Among the 3 of smallest rank: stand; the others leave the lease key to them.
+    assert all(may_stand(pid, pids, standing, 3, "m") for pid in pids[:3])
+    assert not any(may_stand(pid, pids, standing, 3, "m") for pid in pids[3:])
+    # Nobody stands (every candidacy resigned or expired): anyone stands.
+    resigned = table(*(lease(pid, leaving=True) for pid in pids[:3]))
+    assert all(may_stand(pid, pids, resigned, 3, "m") for pid in pids)
+    assert all(may_stand(pid, pids, {}, 3, "m") for pid in pids)
+    # 0: everyone stands; a peer missing from the read it ranks itself into.
+    assert may_stand(pids[-1], pids, standing, 0, "m")
+    assert may_stand(pids[0], pids[1:], standing, 3, "m")
+
+
+def test_a_peer_of_large_rank_writes_no_lease_while_others_stand() -> None:
+    async def body() -> None:
+        store = Store()
+        pids = by_rank(*(f"Qm{i}" for i in range(4)), salt="model")
+        config = ElectionConfig(lease_s=LEASE, max_candidates=1)
+        first = Election(Board(store, pids[0], "model"), config)
+        await first.tick(store.time)
+        seen = (pids, store.live())
+        last = Election(Board(store, pids[-1], "model"), config, swarm=lambda: seen)
+        assert first.stands() and not last.stands()
+        runs = asyncio.ensure_future(last.run())
+        await asyncio.sleep(0)
+        runs.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runs
+        assert pids[-1] not in store.live()  # never wrote a candidacy, so nothing to resign either
 
     asyncio.run(body())

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from swarm.dht import LinkMeasure, PlanRecord, SwarmSnapshot
+from swarm.dht import DirectoryConfig, LinkMeasure, PlanRecord, SwarmSnapshot
+from swarm.dht.directory import membership_digest
+from swarm.dht.schemas import SummaryRecord
 from swarm.peer.planner_service import (
     PlannerConfig,
     PlannerService,
@@ -175,13 +177,22 @@ class _Dht:
 class _Directory:
     def __init__(self, snap: SwarmSnapshot, accepted_epoch: int | None) -> None:
         self.snap, self.accepted_epoch, self.peer_id, self.dht = snap, accepted_epoch, "QmMe", _Dht()
+        self.config, self.write_timeout_s = DirectoryConfig(), 5.0
         self.published: list[PlanRecord] = []
+        self.summaries: list[SummaryRecord] = []
+
+    def now(self) -> float:
+        return self.dht.now()
 
     async def snapshot(self) -> SwarmSnapshot:
         return self.snap
 
     async def publish_plan(self, record: PlanRecord) -> bool:
         self.published.append(record)
+        return True
+
+    async def publish_summary(self, record: SummaryRecord) -> bool:
+        self.summaries.append(record)
         return True
 
 
@@ -196,6 +207,11 @@ def test_a_new_planner_publishes_its_own_plan_instead_of_re_signing_a_foreign_on
     stored = asyncio.run(service.check())
     assert stored is not None and stored.planner_peer_id == "QmMe" and stored.epoch == 8
     assert [r.planner_peer_id for r in directory.published] == ["QmMe"]
+    # Summary readers learn of the new epoch and of the membership the planner saw, once.
+    (summary,) = directory.summaries
+    assert summary.plan_epoch == 8 and summary.peers_digest == membership_digest(peers)
+    asyncio.run(service.check())
+    assert len(directory.summaries) == 1  # nothing changed: no second summary within summary_ttl_s / 3
     with pytest.raises(ValueError, match="re-sign"):
         asyncio.run(service._refresh(foreign))
 

@@ -78,6 +78,9 @@ class MemoryDHT:
     async def get(self, key: str) -> dict[bytes, tuple[Any, float]]:
         return {k: v for k, v in self.data.get(key, {}).items() if v[1] > self.clock}
 
+    async def get_near(self, key: str, beam: int = 2) -> dict[bytes, tuple[Any, float]]:
+        return await self.get(key)
+
 
 def plan_value(planner: str, placement: dict[str, LayerRange], epoch: int) -> dict[str, Any]:
     plan = Plan("milp", {NodeID(p): r for p, r in placement.items()}, 10.0, epoch=epoch)

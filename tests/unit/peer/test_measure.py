@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
-from swarm.dht import LinkMeasure
+from swarm.dht import PeerRecord
 from swarm.models.spec import ModelSpec
 from swarm.peer.measure import LinkConfig, LinkMonitor, choose_range, max_layers_within
 from swarm.types import LayerRange
+from tests.unit.dht.records import peer_record
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -41,9 +43,57 @@ def test_max_layers_within_counts_weights_and_cache() -> None:
 
 def test_link_monitor_picks_nearest_plus_a_bounded_sample() -> None:
     monitor = LinkMonitor(None, "me", None, LinkConfig(nearest=2, sample=1), rng=random.Random(0))  # type: ignore[arg-type]
-    monitor.links = {f"p{i}": LinkMeasure(rtt_s=0.01 * (i + 1), bandwidth_bytes_s=1e6) for i in range(5)}
+    monitor.rtts = {f"p{i}": 0.01 * (i + 1) for i in range(5)}
     candidates = [f"p{i}" for i in range(10)]
     picked = monitor.pick(candidates)
     assert picked[:2] == ["p0", "p1"] and len(picked) == 3 and len(set(picked)) == 3
     fresh = LinkMonitor(None, "me", None, LinkConfig(nearest=2, sample=1), rng=random.Random(0))  # type: ignore[arg-type]
     assert len(fresh.pick(candidates)) == 3  # nothing measured yet: a random sample of nearest + sample
+
+
+class _Monitor(LinkMonitor):
+    """A link monitor whose probes answer at once, after a per-peer delay the test sets (no network)."""
+
+    def __init__(self, peers: list[str], config: LinkConfig, clock: list[float]) -> None:
+        records = {p: peer_record(p) for p in ["me", *peers]}
+
+        async def live() -> dict[str, PeerRecord]:
+            return records
+
+        super().__init__(None, "me", live, config, rng=random.Random(0), clock=lambda: clock[0])  # type: ignore[arg-type]
+        self.rtt = {p: 0.01 * (i + 1) for i, p in enumerate(peers)}
+        self.probes: list[tuple[str, int, int]] = []
+
+    async def _ping(self, peer_id: str, maddrs: list[str]) -> float:
+        self.probes.append((peer_id, 0, 0))
+        return self.rtt[peer_id]
+
+    async def _probe(self, peer_id: str, maddrs: list[str], sent: int, back: int) -> None:
+        self.probes.append((peer_id, sent, back))
+
+
+def test_link_monitor_announces_the_k_nearest_and_probes_bandwidth_rarely() -> None:
+    async def body() -> None:
+        clock = [0.0]
+        peers = [f"p{i}" for i in range(8)]
+        monitor = _Monitor(peers, LinkConfig(nearest=2, sample=2, bandwidth_refresh_s=600.0), clock)
+        for _ in range(12):  # the random samples find every peer's RTT within a few rounds
+            await monitor.refresh()
+            clock[0] += 30.0
+        assert set(monitor.links) == {"p0", "p1"}  # only the k nearest are announced
+        probed = {p for p, sent, back in monitor.probes if sent or back}
+        assert probed <= {"p0", "p1", *peers[:4]}  # bandwidth only for peers that were among the nearest
+        monitor.probes.clear()
+        await monitor.refresh()
+        assert all(sent == back == 0 for _, sent, back in monitor.probes)  # within bandwidth_refresh_s: pings
+        clock[0] += 600.0
+        monitor.probes.clear()
+        await monitor.refresh()
+        assert {p for p, sent, back in monitor.probes if sent or back} == {"p0", "p1"}
+        # A peer only a little nearer than an announced one (RTT jitter) does not take its place.
+        monitor.rtt["p2"] = monitor.rtt["p1"] - 0.001
+        for _ in range(6):
+            await monitor.refresh()
+        assert set(monitor.links) == {"p0", "p1"}
+
+    asyncio.run(body())
