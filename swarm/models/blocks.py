@@ -118,7 +118,7 @@ class BlockRange:
     # --- sessions -----------------------------------------------------------------------------------------
 
     def open_session(self, session_id: str, max_length_tokens: int) -> None:
-        """Reserve max_length_tokens of cache (CapacityError when the budget would be exceeded)."""
+        """Open a session of at most max_length_tokens; its cache is taken as its steps come (kv_cache)."""
         if self.max_context_tokens is not None and max_length_tokens > self.max_context_tokens:
             raise ProtocolError(
                 f"max_length_tokens {max_length_tokens} exceeds the sliding window of {self.spec.name} "
@@ -140,7 +140,7 @@ class BlockRange:
                 f"cannot carry sessions from {old.device}/{old.dtype} to {self.device}/{self.dtype}"
             )
         carried = old.cache.session_ids
-        needed = sum(old.cache.get(s).max_length_tokens for s in carried)
+        needed = old.cache.held_tokens(carried)
         if needed > self.cache.free_tokens:  # checked first: never carry half of them
             raise CapacityError(
                 f"carrying {len(carried)} sessions needs {needed} cache tokens, {self.cache.free_tokens} free"
@@ -154,11 +154,16 @@ class BlockRange:
 
     @property
     def free_cache_tokens(self) -> int:
-        return self.cache.free_tokens
+        """Cache tokens a new session can have now: free blocks and those of sessions idle enough to evict."""
+        return self.cache.available_tokens
 
     @property
     def active_sessions(self) -> list[str]:
         return self.cache.session_ids
+
+    def check_not_evicted(self, session_id: str, position: int) -> None:
+        """SessionEvicted if the session lost its cache here and the step at ``position`` needs it."""
+        self.cache.check_not_evicted(self.cache.get(session_id), position)
 
     def session_length(self, session_id: str, layer: int) -> int:
         if layer not in self.range:
@@ -194,6 +199,7 @@ class BlockRange:
                 )
             return
         session = self.cache.get(step.session_id)
+        self.cache.check_not_evicted(session, step.position)
         for layer in range(step.start, step.end):
             if session.length(layer) < step.position:
                 raise SessionError(
@@ -223,8 +229,13 @@ class BlockRange:
         for step in steps:  # only now change state: cut caches back to each step's position
             if step.session_id is not None:
                 session = self.cache.get(step.session_id)
+                session.evicted = False  # at position 0 (validate): it starts afresh
                 for layer in range(step.start, step.end):
                     session.truncate(layer, step.position)
+        # blocks for every step's tokens, taken back from idle sessions if need be (CapacityError if not)
+        self.cache.prepare(
+            {s.session_id: s.position + s.hidden.shape[0] for s in steps if s.session_id is not None}
+        )
 
         outputs: list[torch.Tensor | None] = [None] * len(steps)
         groups: dict[tuple[int, int], list[int]] = {}

@@ -37,7 +37,11 @@ class SessionConfig:
     # A remote peer is a client or the previous hop of a route (forwarding many clients' sessions): the
     # transport authenticates only the peer that calls us, so that is whose share a session counts against.
     max_sessions_per_remote: int = setting(256, "most sessions one remote peer may hold open on this peer")
-    max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may reserve")
+    max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may hold")
+    evict_idle_s: float = setting(
+        1.0,
+        "a session with a step this recent keeps its KV cache when the cache is short (older ones may lose it)",
+    )
     max_requests_per_remote: int = setting(64, "most steps one remote peer may have in flight on this peer")
     max_session_lifetime_s: float = setting(
         3600.0, "close a session this long after it opened, however busy (the client then replays it)"
@@ -54,7 +58,7 @@ class SessionConfig:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
         positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
         positive(self, "max_requests_per_remote")
-        positive(self, "max_session_lifetime_s", "order_wait_s")
+        positive(self, "max_session_lifetime_s", "order_wait_s", "evict_idle_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"

@@ -320,6 +320,7 @@ class Executor:
         sid = step.session_id
         assert sid is not None
         while True:
+            blocks.check_not_evicted(sid, step.position)  # its earlier steps' cache is gone: replay
             length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
             if length >= step.position:
                 return

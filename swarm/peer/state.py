@@ -144,6 +144,7 @@ class Peer:
         """Serve ``blocks`` from now on: new sessions open there; older ranges keep only their sessions."""
         for older in self.ranges:
             older.accepting = False
+        blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
         served = Served(blocks)
         self.ranges.append(served)
         if self.status is Status.JOINING:
@@ -162,6 +163,8 @@ class Peer:
         served = self.current
         if served is None or not blocks.range.covers(served.range):
             raise ValueError(f"cannot carry the sessions of {self.held} over to {blocks.range}")
+
+        blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
 
         def swap() -> None:
             blocks.carry_sessions(served.blocks)
@@ -355,25 +358,29 @@ class Peer:
         return served
 
     def _check_capacity(self, served: Served, owner: str, max_length_tokens: int) -> None:
-        """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session."""
+        """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session. The session's
+        cache is taken as its steps come (and idle sessions' cache taken back for it, swarm/models/kv_cache.py);
+        here it needs a block, and its owner's held cache must be within its share."""
         if self.session_count >= self.config.max_open:
             raise CapacityError(f"peer has {self.session_count} open sessions, its limit")
-        if max_length_tokens > served.blocks.free_cache_tokens:
+        cache = served.blocks.cache
+        if max_length_tokens > cache.cache_tokens:
             raise CapacityError(
-                f"session needs {max_length_tokens} cache tokens, this peer has "
-                f"{served.blocks.free_cache_tokens} free"
+                f"session asks for up to {max_length_tokens} cache tokens, this peer has {cache.cache_tokens}"
             )
         owned = [s for r in self.ranges for s in r.sessions.values() if s.owner == owner]
         if len(owned) >= self.config.max_sessions_per_remote:
             raise CapacityError(f"{owner[-8:]} has {len(owned)} sessions open here, the most one peer may")
         # Each range has its own cache: the share is of the one the session opens on.
-        reserved = sum(s.max_length_tokens for s in served.sessions.values() if s.owner == owner)
-        share = int(self.config.max_remote_cache_fraction * served.blocks.cache.cache_tokens)
-        if reserved + max_length_tokens > share:
+        held = cache.held_tokens([k for k, s in served.sessions.items() if s.owner == owner])
+        share = int(self.config.max_remote_cache_fraction * cache.cache_tokens)
+        if held + cache.pool.block_tokens > share:
             raise CapacityError(
-                f"{owner[-8:]} holds {reserved} cache tokens here and asks {max_length_tokens} more: "
-                f"over the {share} one peer may reserve"
+                f"{owner[-8:]} holds {held} cache tokens here: no room for another session within the {share} "
+                "one peer may hold"
             )
+        if served.blocks.free_cache_tokens <= 0:
+            raise CapacityError("this peer's cache is full with sessions that are all stepping")
 
     async def close(self, key: str) -> bool:
         """Close session ``key`` (see session_key) wherever it is open; False if it is not."""

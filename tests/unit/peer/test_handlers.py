@@ -86,9 +86,10 @@ def test_sessions_open_implicitly_count_against_the_budget_and_expire_when_idle(
         clock.now += 20
         await h.rpc_step(_step(h, "s1", 4, 1), "QmClient")  # a step resets the idle clock
         info = await h.rpc_info(InfoRequest(), "QmClient")
-        assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 32, 64)
-        with pytest.raises(CapacityError, match="free"):
-            await h.rpc_step(_step(h, "s2", 0, 1, max_length=40), "QmClient")
+        # 5 tokens hold one block of 16: the session's max_length (32) is a bound, not a reservation
+        assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 48, 64)
+        with pytest.raises(CapacityError, match="this peer has 64"):
+            await h.rpc_step(_step(h, "s2", 0, 1, max_length=65), "QmClient")
         with pytest.raises(SessionError, match="unknown session"):
             await h.rpc_step(_step(h, "never-opened", 3, 1), "QmClient")
         clock.now += 29
@@ -186,7 +187,7 @@ def test_probe_echoes_sizes() -> None:
 
 
 def test_one_remote_peer_cannot_have_more_steps_in_flight_than_its_share() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     h.config = SessionConfig(max_requests_per_remote=2)
 
     async def body() -> None:
@@ -227,7 +228,7 @@ def test_a_middle_hop_sends_decode_steps_on_one_route_on_together_each_with_its_
 ) -> None:
     """Steps with a hop after the next one (this peer is a middle hop) that came in one message go on to the
     next hop together, and a failure there fails only its own step, naming the hop that failed."""
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     hop = Hop("QmNext", ("/ip4/127.0.0.1/tcp/1/p2p/QmNext",), 2, 4)
     after = Hop("QmAfter", ("/ip4/127.0.0.1/tcp/1/p2p/QmAfter",), 4, 6)
     sent: list[list[str]] = []
@@ -270,8 +271,8 @@ def test_a_middle_hop_sends_decode_steps_on_one_route_on_together_each_with_its_
 
 
 def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
-    h = _handlers(Clock())
-    alone = _handlers(Clock())  # the same steps sent one by one, for the expected outputs
+    h = _handlers(Clock(), cache_tokens=1024)
+    alone = _handlers(Clock(), cache_tokens=1024)  # the same steps sent one by one, for the expected outputs
 
     def forwarded(sid: str, hidden: torch.Tensor) -> StepRequest:
         return replace(_step(h, sid, 0, 1, max_length=8), hidden=hidden, wait_result=True, origin="QmClient")
@@ -303,9 +304,9 @@ def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
 
 
 def test_a_clients_waits_in_one_message_each_get_their_own_output_or_error() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     alone = _handlers(
-        Clock()
+        Clock(), cache_tokens=1024
     )  # the same steps with their outputs answered directly, for the expected outputs
 
     def sent(handlers: PeerHandlers, sid: str, hidden: torch.Tensor, wait_result: bool) -> StepRequest:
