@@ -52,13 +52,18 @@ class SessionConfig:
     order_wait_s: float = setting(
         1.0, "how long a session's later step waits for its first step to arrive and open the session"
     )
+    # A close that overtook the session's first step (its client went away while the step was on its way, or
+    # the hop before us forwarded the step after passing the close on) must not let that step open it after.
+    closed_memory_s: float = setting(
+        10.0, "how long a session closed by its client stays closed here to steps still on their way"
+    )
     activations: ActivationConfig = component(ActivationConfig, prefix="activations")
 
     def __post_init__(self) -> None:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
         positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
         positive(self, "max_requests_per_remote")
-        positive(self, "max_session_lifetime_s", "order_wait_s", "evict_idle_s")
+        positive(self, "max_session_lifetime_s", "order_wait_s", "evict_idle_s", "closed_memory_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"

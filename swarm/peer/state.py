@@ -122,6 +122,8 @@ class Peer:
         self._opening: dict[str, asyncio.Future[None]] = {}  # sessions whose first step is opening them
         # sessions whose first step just failed here -> when (kept for order_wait_s, for the attempt's later steps)
         self._open_failed: dict[str, float] = {}
+        # sessions their clients closed -> (when, whether they were open here): see closed_memory_s
+        self._closed: dict[str, tuple[float, bool]] = {}
 
     @property
     def peer_id(self) -> str:
@@ -263,6 +265,9 @@ class Peer:
         position order (Executor.forward)."""
         served = self.find(key)
         if served is None and position == 0:
+            closed = self._closed.get(key)
+            if closed is not None and not closed[1]:  # its close came first: the client has gone
+                raise SessionError(f"session {key[:16]} was closed by its client before this step came")
             return await self._open(key, owner, layers, max_length_tokens)
         opening = self._opening.get(key)
         if served is None or opening is not None:  # not open yet, or its first step is opening it
@@ -381,6 +386,21 @@ class Peer:
             )
         if served.blocks.free_cache_tokens <= 0:
             raise CapacityError("this peer's cache is full with sessions that are all stepping")
+
+    async def close_for_client(self, key: str) -> bool:
+        """Close session ``key`` at its client's word, and remember that it did (``closed_since``): a step of
+        it still on its way must neither open it again nor go on to the next hop."""
+        now = self.clock()
+        while self._closed and next(iter(self._closed.values()))[0] < now - self.config.closed_memory_s:
+            del self._closed[next(iter(self._closed))]
+        self._closed.pop(key, None)
+        self._closed[key] = (now, self.find(key) is not None)  # before the close: a running step sees it
+        return await self.close(key)
+
+    def closed_since(self, key: str, since_s: float) -> bool:
+        """Whether session ``key``'s client closed it at or after ``since_s`` (the Peer's clock)."""
+        closed = self._closed.get(key)
+        return closed is not None and closed[0] >= since_s
 
     async def close(self, key: str) -> bool:
         """Close session ``key`` (see session_key) wherever it is open; False if it is not."""

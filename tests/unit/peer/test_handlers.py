@@ -4,8 +4,10 @@ route never call another peer). Time is an injected clock; waits are on events, 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -333,3 +335,65 @@ def test_a_clients_waits_in_one_message_each_get_their_own_output_or_error() -> 
             assert torch.allclose(outcome.hidden, expected.hidden, atol=1e-5)  # type: ignore[union-attr]
 
     run_peers([h.peer, alone.peer], body)
+
+
+def test_a_close_that_overtakes_the_first_step_keeps_the_session_closed() -> None:
+    """A client that went away closes its session before its first step got here: that step, when it comes,
+    opens nothing (the session would hold cache until its idle timeout); other sessions open as ever, and after
+    closed_memory_s the id is free again."""
+    clock = Clock()
+    h = _handlers(clock)
+
+    async def body() -> None:
+        assert (await h.rpc_close(CloseRequest("gone"), "QmClient")).closed is False
+        with pytest.raises(SessionError, match="closed by its client"):
+            await h.rpc_step(_step(h, "gone", 0, 4), "QmClient")
+        assert h.peer.session_count == 0
+        await h.rpc_step(_step(h, "other", 0, 4), "QmClient")
+        clock.now += SessionConfig().closed_memory_s + 1
+        await h.rpc_close(CloseRequest("other"), "QmClient")  # an open session's close: remembered too
+        await h.rpc_step(_step(h, "gone", 0, 4), "QmClient")
+        assert h.peer.session_count == 1
+
+    _run(h, body)
+
+
+def test_a_step_running_when_its_session_is_closed_does_not_go_on_to_the_next_hop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The close goes down the route at once; the step running here meanwhile must not follow it and open the
+    session again at the next hop."""
+    h = _handlers(Clock())
+    served = h.peer.current
+    assert served is not None
+    running, go = threading.Event(), threading.Event()
+    real_forward = served.blocks.forward
+    forwarded: list[StepRequest] = []
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        running.set()
+        go.wait(30)
+        return real_forward(*args, **kwargs)
+
+    async def next_hop(p2p: object, peer_id: str, request: StepRequest, **_: object) -> object:
+        forwarded.append(request)
+        raise AssertionError("a step of a closed session went on")
+
+    monkeypatch.setattr(handlers_module, "call_step_acked", next_hop)
+    monkeypatch.setattr(handlers_module, "call_step", next_hop)
+    hop = Hop("QmNext", ("/ip4/127.0.0.1/tcp/1/p2p/QmNext",), 2, 4)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        await h.rpc_step(_step(h, "s", 0, 4), "QmClient")  # opened here (no next hop)
+        served.blocks.forward = slow_forward  # type: ignore[method-assign]
+        step = asyncio.create_task(h.rpc_step(replace(_step(h, "s", 4, 1), route_rest=(hop,)), "QmClient"))
+        assert await loop.run_in_executor(None, running.wait, 30)
+        closing = asyncio.create_task(h.rpc_close(CloseRequest("s"), "QmClient"))
+        await asyncio.sleep(0)  # the close starts: it is remembered before it awaits anything
+        go.set()
+        with pytest.raises(SessionError, match="closed by its client while this step ran"):
+            await step
+        assert (await closing).closed is True and forwarded == [] and h.peer.session_count == 0
+
+    _run(h, body)
