@@ -9,10 +9,11 @@ gathers a session's blocks, the CPU kernel follows the table itself.
 
 Memory is taken as tokens arrive, never reserved: ``max_length_tokens`` is a promise the peer may decline later.
 When a step needs blocks and the pool is short, the cache takes them back from the sessions that have gone
-longest without a step relative to the tokens they hold (idle seconds per held token, highest first; a session
-with a step in the last ``min_idle_s`` or in the step's own batch is never chosen). Such a session keeps its
-place, empty, and its next step gets ``SessionEvicted`` (its client replays it, which may open it here again
-at position 0).
+longest without a step relative to the tokens they hold (idle seconds per held token, highest first; never a
+session of the step's own batch). A session decoding holds many tokens and steps every few tens of ms, so a
+session of a few tokens kept alive by a step now and then goes long before it. Such a session keeps its place,
+empty, and its next step gets ``SessionEvicted`` (its client replays it, which may open it here again at
+position 0). Announcements count as free the blocks of sessions idle for ``min_idle_s`` or more.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from swarm.types import LayerRange
 logger = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16  # tokens per block: a multiple of 8, which the CPU kernel's attention reads at a time
-MIN_IDLE_S = 1.0  # a session with a step this recent is never evicted
+MIN_IDLE_S = 1.0  # a session idle this long counts its blocks as free to newcomers (available_tokens)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class SessionCache:
         self.layers = home.layers
         self.lengths = [0] * len(self.layers)  # tokens cached per held layer
         self.blocks: list[int] = []  # pool block ids, in order
-        self.table = torch.zeros(0, dtype=torch.int64)  # the same ids as a tensor (what kernels read)
+        self._set_blocks([])  # and self.table, the same ids as a tensor (what kernels read)
         self.last_step_s = home.clock()
         self.evicted = False  # its blocks were taken back: its next step (past position 0) is told so
 
@@ -135,6 +136,15 @@ class SessionCache:
     def _set_blocks(self, blocks: list[int]) -> None:
         self.blocks = blocks
         self.table = torch.tensor(blocks, dtype=torch.int64)
+        self._tables: dict[torch.device, torch.Tensor] = {}  # the table on the pool's device, copied once
+
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.table
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = self.table.to(device)
+        return table
 
     def release(self) -> None:
         """Give every block back (closed or evicted)."""
@@ -159,7 +169,7 @@ class SessionCache:
         self.grow(new)
         keys, values = self.home.pool.storage(layer, k)
         at = torch.arange(old, new, device=keys.device)
-        table = self.table.to(keys.device)
+        table = self.table_on(keys.device)
         blocks, offsets = table[at // self.block_tokens], at % self.block_tokens
         keys[:, blocks, offsets] = k  # [kv_heads, T, head_dim] into their rows
         values[:, blocks, offsets] = v
@@ -172,7 +182,7 @@ class SessionCache:
         if stored is None or length > self.length(layer):
             raise ValueError(f"session {self.session_id}: layer {layer} holds {self.length(layer)} tokens")
         keys, values = stored
-        used = self.table[: math.ceil(length / self.block_tokens)].to(keys.device)
+        used = self.table_on(keys.device)[: math.ceil(length / self.block_tokens)]
         return _contiguous(keys, used, length), _contiguous(values, used, length)
 
     def rehome(self, home: KVCache) -> None:
@@ -228,8 +238,7 @@ class KVCache:
         self.evictions = 0  # sessions whose blocks were taken back, since the start
 
     def use_clock(self, clock: Callable[[], float], min_idle_s: float) -> None:
-        """Time sessions' steps by ``clock`` (the peer's), sparing from eviction those with a step within
-        ``min_idle_s``."""
+        """Time sessions' steps by ``clock`` (the peer's); sessions idle ``min_idle_s`` count as free."""
         now = clock()
         for session in self._sessions.values():
             session.last_step_s = now
@@ -337,12 +346,8 @@ class KVCache:
     def eviction_order(self, protect: Collection[str] = ()) -> list[SessionCache]:
         """Sessions that may be evicted, first to go first: idle seconds per held token, highest first."""
         now = self.clock()
-        idle = [
-            s
-            for s in self._sessions.values()
-            if s.blocks and s.session_id not in protect and now - s.last_step_s >= self.min_idle_s
-        ]
-        return sorted(idle, key=lambda s: ((now - s.last_step_s) / s.held_tokens, s.session_id), reverse=True)
+        held = [s for s in self._sessions.values() if s.blocks and s.session_id not in protect]
+        return sorted(held, key=lambda s: ((now - s.last_step_s) / s.held_tokens, s.session_id), reverse=True)
 
     def evict(self, session_id: str) -> None:
         session = self.get(session_id)

@@ -40,7 +40,7 @@ class SessionConfig:
     max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may hold")
     evict_idle_s: float = setting(
         1.0,
-        "a session with a step this recent keeps its KV cache when the cache is short (older ones may lose it)",
+        "a session idle this long counts its KV cache as free in announcements (evicted for a newcomer)",
     )
     max_requests_per_remote: int = setting(64, "most steps one remote peer may have in flight on this peer")
     max_session_lifetime_s: float = setting(

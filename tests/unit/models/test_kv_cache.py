@@ -38,22 +38,25 @@ def test_the_session_idle_longest_for_the_tokens_it_holds_goes_first() -> None:
     cache = _cache(8, clock)
     _fill(cache, "big-idle", 64, clock, 100.0)  # 4 blocks, idle 20 s at 120: 20 / 64 tokens
     _fill(cache, "small-idle", 1, clock, 110.0)  # 1 block, idle 10 s: 10 / 16 tokens, more per token
-    _fill(cache, "stepping", 16, clock, 119.5)  # a step 0.5 s ago: never evicted
+    _fill(cache, "decoding", 16, clock, 119.95)  # a step 50 ms ago: 0.05 / 16 tokens
     clock.now = 120.0
     order = [s.session_id for s in cache.eviction_order()]
-    assert order == ["small-idle", "big-idle"]
+    assert order == ["small-idle", "big-idle", "decoding"]
+    assert cache.available_tokens == 2 * 16 + 80  # free, and held by sessions idle a second or more
     # 2 free blocks; a newcomer needing 3 evicts the first in order only
     cache.open("new", 100)
     cache.prepare({"new": 48})
     assert cache.get("small-idle").evicted and not cache.get("big-idle").evicted
     assert cache.get("new").held_tokens == 48 and cache.free_tokens == 0 and cache.evictions == 1
-    # one more block: big-idle goes too; the stepping session and the step's own session are never taken
+    # one more block: big-idle goes too; the decoding session stays
     cache.prepare({"new": 49})
-    assert cache.get("big-idle").evicted and not cache.get("stepping").evicted
+    assert cache.get("big-idle").evicted and not cache.get("decoding").evicted
     assert cache.free_tokens == 48
+    # a batch's own sessions are never taken for it: with decoding in the batch, 10 blocks cannot be had
     with pytest.raises(CapacityError, match="KV cache full"):
-        cache.prepare({"new": 160})  # would need the stepping session's block
-    assert not cache.get("stepping").evicted and cache.get("new").held_tokens == 64  # nothing changed
+        cache.prepare({"new": 160, "decoding": 17})
+    assert not cache.get("decoding").evicted and cache.get("new").held_tokens == 64  # nothing changed
+    assert cache.get("decoding").held_tokens == 16
 
 
 def test_an_evicted_session_is_told_so_and_starts_afresh_at_position_0(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
