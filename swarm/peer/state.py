@@ -365,7 +365,7 @@ class Peer:
     def _check_capacity(self, served: Served, owner: str, max_length_tokens: int) -> None:
         """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session. The session's
         cache is taken as its steps come (and idle sessions' cache taken back for it, swarm/models/kv_cache.py);
-        here it needs a block, and its owner's held cache must be within its share."""
+        here its owner's held cache must leave room for a block of it within its share."""
         if self.session_count >= self.config.max_open:
             raise CapacityError(f"peer has {self.session_count} open sessions, its limit")
         cache = served.blocks.cache
@@ -384,8 +384,6 @@ class Peer:
                 f"{owner[-8:]} holds {held} cache tokens here: no room for another session within the {share} "
                 "one peer may hold"
             )
-        if served.blocks.free_cache_tokens <= 0:
-            raise CapacityError("this peer's cache is full with sessions that are all stepping")
 
     async def close_for_client(self, key: str) -> bool:
         """Close session ``key`` at its client's word, and remember that it did (``closed_since``): a step of
