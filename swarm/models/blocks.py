@@ -232,6 +232,9 @@ class BlockRange:
                 session.evicted = False  # at position 0 (validate): it starts afresh
                 for layer in range(step.start, step.end):
                     session.truncate(layer, step.position)
+        shared: dict[int, torch.Tensor] = {}  # step index -> outputs of the prefix rows it shared
+        if self.cache.share_prefixes:
+            steps, shared = self._share_prefixes(steps)
         # blocks for every step's tokens, taken back from idle sessions if need be (CapacityError if not)
         self.cache.prepare(
             {s.session_id: s.position + s.hidden.shape[0] for s in steps if s.session_id is not None}
@@ -247,7 +250,34 @@ class BlockRange:
         for group in groups.values():
             for i, out in zip(group, self._run([steps[i] for i in group], between_layers), strict=True):
                 outputs[i] = out
-        return [out for out in outputs if out is not None]
+        done = [out for out in outputs if out is not None]
+        if self.cache.share_prefixes:
+            for i, step in enumerate(steps):
+                if step.session_id is not None and (step.start, step.end) == (
+                    self.range.start,
+                    self.range.end,
+                ):
+                    session = self.cache.get(step.session_id)
+                    self.cache.register_prefix(session, step.position, step.hidden, done[i])
+            done = [torch.cat([shared[i], out]) if i in shared else out for i, out in enumerate(done)]
+        return done
+
+    def _share_prefixes(self, steps: Sequence[Step]) -> tuple[list[Step], dict[int, torch.Tensor]]:
+        """Steps through all our layers whose first full blocks others computed from the same inputs: those
+        blocks shared (kv_cache.KVCache.attach_prefix), the steps cut to the rows after them."""
+        kept, shared = list(steps), {}
+        for i, step in enumerate(steps):
+            if step.session_id is None or (step.start, step.end) != (self.range.start, self.range.end):
+                continue
+            session = self.cache.get(step.session_id)
+            prefix = self.cache.attach_prefix(session, step.position, step.hidden)
+            if prefix is not None:
+                rows = prefix.shape[0]
+                kept[i] = Step(
+                    step.session_id, step.hidden[rows:], step.start, step.end, step.position + rows
+                )
+                shared[i] = prefix
+        return kept, shared
 
     def _run(self, steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Session steps with the same [start, end), any number of tokens each (decode steps and prefill chunks

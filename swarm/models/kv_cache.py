@@ -18,6 +18,7 @@ position 0). Announcements count as free the blocks of sessions idle for ``min_i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -53,6 +54,12 @@ class BlockPool:
         self.blocks = blocks
         self.block_tokens = block_tokens
         self._free = list(range(blocks - 1, -1, -1))  # a stack: low ids first
+        self.refs = [0] * blocks  # sessions holding each block (more than one: a shared prefix block)
+        # full prefix blocks others may share: hash of their inputs (chained from position 0) -> block, and back;
+        # each with the range's outputs for its rows, which a session sharing it sends on without computing them
+        self.index: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
         self.keys: list[torch.Tensor | None] = [None] * len(layers)  # per layer [kv, blocks, B, hd]
         self.values: list[torch.Tensor | None] = [None] * len(layers)
 
@@ -65,10 +72,26 @@ class BlockPool:
             raise CapacityError(f"KV cache full: {count} blocks wanted, {len(self._free)} free")
         taken = self._free[len(self._free) - count :]
         del self._free[len(self._free) - count :]
+        for block in taken:
+            self.refs[block] = 1
         return taken[::-1]
 
     def give(self, ids: Collection[int]) -> None:
-        self._free.extend(ids)
+        """Drop one holder of each block; a block nobody holds is free again (and no longer shared)."""
+        for block in ids:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free.append(block)
+                key = self.hash_of.pop(block, None)
+                if key is not None:
+                    del self.index[key]
+                    del self.outputs[block]
+
+    def copy(self, source: int, target: int) -> None:
+        """Block ``source``'s keys and values into block ``target``, in every layer stored."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            if keys is not None and values is not None:
+                keys[:, target], values[:, target] = keys[:, source], values[:, source]
 
     def storage(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values [kv_heads, blocks, block_tokens, head_dim], made on first use in
@@ -98,6 +121,7 @@ class SessionCache:
         self.lengths = [0] * len(self.layers)  # tokens cached per held layer
         self.blocks: list[int] = []  # pool block ids, in order
         self._set_blocks([])  # and self.table, the same ids as a tensor (what kernels read)
+        self.chain: list[bytes] = []  # prefix hashes of its first full blocks (see KVCache.attach_prefix)
         self.last_step_s = home.clock()
         self.evicted = False  # its blocks were taken back: its next step (past position 0) is told so
 
@@ -121,6 +145,23 @@ class SessionCache:
         if keep < len(self.blocks):
             self.home.pool.give(self.blocks[keep:])
             self._set_blocks(self.blocks[:keep])
+        first = min(self.lengths) // self.block_tokens  # blocks from here on may be written again
+        del self.chain[first:]
+        self._own(first)
+
+    def _own(self, first: int) -> None:
+        """Copy-on-write: blocks from index ``first`` on that other sessions share become copies of our own."""
+        pool = self.home.pool
+        shared = [i for i in range(first, len(self.blocks)) if pool.refs[self.blocks[i]] > 1]
+        if not shared:
+            return
+        blocks = list(self.blocks)
+        for i in shared:
+            (copy,) = pool.take(1)
+            pool.copy(blocks[i], copy)
+            pool.give([blocks[i]])
+            blocks[i] = copy
+        self._set_blocks(blocks)
 
     def grow(self, tokens: int, protect: Collection[str] = ()) -> None:
         """Hold blocks for ``tokens`` tokens (evicting idle sessions other than ``protect`` if need be)."""
@@ -151,6 +192,7 @@ class SessionCache:
         self.home.pool.give(self.blocks)
         self._set_blocks([])
         self.lengths = [0] * len(self.layers)
+        self.chain = []
 
     def slot(self, layer: int, like: torch.Tensor) -> Slot:
         """Count ``like.shape[1]`` more tokens in ``layer``, whose keys and values the caller writes at once
@@ -206,6 +248,7 @@ class SessionCache:
         self.lengths = [0] * before + self.lengths + [0] * after
         self.layers, self.home = home.layers, home
         self._set_blocks(new_blocks)
+        self.chain = []  # our own copies: shared with nobody in the new pool
 
 
 def _contiguous(pool: torch.Tensor, used: torch.Tensor, length: int) -> torch.Tensor:
@@ -236,6 +279,9 @@ class KVCache:
         self.min_idle_s = MIN_IDLE_S
         self._sessions: dict[str, SessionCache] = {}
         self.evictions = 0  # sessions whose blocks were taken back, since the start
+        self.share_prefixes = False  # full blocks of identical prompts shared (attach_prefix); off by default
+        self.prefix_tokens_looked_up = 0  # prompt tokens whose blocks were looked for, since the start
+        self.prefix_tokens_shared = 0  # of them, found and shared
 
     def use_clock(self, clock: Callable[[], float], min_idle_s: float) -> None:
         """Time sessions' steps by ``clock`` (the peer's); sessions idle ``min_idle_s`` count as free."""
@@ -334,7 +380,7 @@ class KVCache:
             if freed >= short:
                 break
             victims.append(session)
-            freed += len(session.blocks)
+            freed += sum(self.pool.refs[b] == 1 for b in session.blocks)  # a shared block may stay held
         if freed < short:
             raise CapacityError(
                 f"KV cache full: {blocks} blocks of {self.pool.block_tokens} tokens wanted, "
@@ -368,3 +414,58 @@ class KVCache:
                 f"session {session.session_id[:16]} was evicted here (idle while the cache was short): "
                 "replay it"
             )
+
+    # --- prefix sharing ---------------------------------------------------------------------------------------
+
+    def attach_prefix(
+        self, session: SessionCache, position: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """For a step of ``session`` through all our layers at ``position`` (where its own full blocks end) with
+        inputs ``hidden`` [T, H]: share the full blocks other sessions computed from the same inputs at the same
+        positions (keys chained from position 0), at most all but the step's last token. Returns the range's
+        outputs for the shared rows [k * block_tokens, H] (the caller computes only the rows after them), or
+        None if nothing was shared."""
+        size = self.pool.block_tokens
+        if position != len(session.chain) * size or any(n != position for n in session.lengths):
+            return None
+        self.prefix_tokens_looked_up += hidden.shape[0]
+        shared: list[int] = []
+        while (len(shared) + 1) * size < hidden.shape[0]:
+            rows = hidden[len(shared) * size : (len(shared) + 1) * size]
+            key = _prefix_key(session.chain[-1] if session.chain else b"", rows)
+            block = self.pool.index.get(key)
+            if block is None:
+                break
+            self.pool.refs[block] += 1
+            shared.append(block)
+            session.chain.append(key)
+        if not shared:
+            return None
+        session._set_blocks(session.blocks + shared)
+        session.lengths = [position + len(shared) * size] * len(session.lengths)
+        self.prefix_tokens_shared += len(shared) * size
+        return torch.cat([self.pool.outputs[b] for b in shared])
+
+    def register_prefix(
+        self, session: SessionCache, position: int, hidden: torch.Tensor, outputs: torch.Tensor
+    ) -> None:
+        """After a step through all our layers at ``position`` with inputs ``hidden`` and ``outputs`` [T, H]:
+        offer the full blocks it completed for sharing (continuing the session's chain of prefix keys)."""
+        size = self.pool.block_tokens
+        while len(session.chain) * size >= position and (len(session.chain) + 1) * size <= position + len(
+            hidden
+        ):
+            j = len(session.chain)
+            rows = slice(j * size - position, (j + 1) * size - position)
+            key = _prefix_key(session.chain[-1] if session.chain else b"", hidden[rows])
+            block = session.blocks[j]
+            if key not in self.pool.index and block not in self.pool.hash_of:
+                self.pool.index[key], self.pool.hash_of[block] = block, key
+                self.pool.outputs[block] = outputs[rows].clone()
+            session.chain.append(key)
+
+
+def _prefix_key(previous: bytes, rows: torch.Tensor) -> bytes:
+    """The key of a block of input rows after the blocks whose key is ``previous``."""
+    data = rows.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(previous + data, digest_size=16).digest()

@@ -57,6 +57,11 @@ class SessionConfig:
     closed_memory_s: float = setting(
         10.0, "how long a session closed by its client stays closed here to steps still on their way"
     )
+    share_prefixes: bool = setting(
+        False,
+        "share the KV cache blocks of prompts that begin alike (copy-on-write)",
+        flag="--session-share-prefixes",
+    )
     activations: ActivationConfig = component(ActivationConfig, prefix="activations")
 
     def __post_init__(self) -> None:

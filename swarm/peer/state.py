@@ -147,6 +147,7 @@ class Peer:
         for older in self.ranges:
             older.accepting = False
         blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
+        blocks.cache.share_prefixes = self.config.share_prefixes
         served = Served(blocks)
         self.ranges.append(served)
         if self.status is Status.JOINING:
@@ -167,6 +168,7 @@ class Peer:
             raise ValueError(f"cannot carry the sessions of {self.held} over to {blocks.range}")
 
         blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
+        blocks.cache.share_prefixes = self.config.share_prefixes
 
         def swap() -> None:
             blocks.carry_sessions(served.blocks)

@@ -100,3 +100,37 @@ def test_carried_sessions_keep_their_tokens_in_the_new_ranges_blocks(tiny_source
 @pytest.fixture()
 def head(tiny_source):  # type: ignore[no-untyped-def]
     return tiny_source.load_head()
+
+
+def test_prompts_with_a_common_prefix_share_its_full_blocks_copy_on_write(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """With sharing on, a second prompt with the same first 40 tokens shares their 2 full blocks (and their
+    outputs) and computes only the rest: the same outputs as without sharing, then and after either session
+    rewinds into the shared blocks (each writes its own copy, the other's cache stays as it was)."""
+    shared, alone = (tiny_source.load_blocks(0, 6, cache_tokens=256) for _ in range(2))
+    shared.cache.share_prefixes = True
+    system = [(i * 37) % 300 for i in range(40)]
+    prompts = {"a": system + [5, 6, 7], "b": system + [9, 8]}
+
+    def both(sid: str, ids: list[int], position: int) -> torch.Tensor:
+        hidden = head.embed(torch.tensor(ids))
+        got, expected = (r.forward([Step(sid, hidden, 0, 6, position)])[0] for r in (shared, alone))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return got
+
+    for sid, ids in prompts.items():
+        shared.open_session(sid, 128)
+        alone.open_session(sid, 128)
+        both(sid, ids, 0)
+    cache = shared.cache
+    assert (cache.prefix_tokens_looked_up, cache.prefix_tokens_shared) == (43 + 42, 32)
+    assert cache.used_tokens == 4 * 16  # a: 3 blocks; b: its third block, the first two a's
+    assert cache.get("a").blocks[:2] == cache.get("b").blocks[:2]
+    both("b", [11], 42)
+    both("b", [1, 2, 3], 20)  # b rewinds into the second shared block: it gets a copy of its own
+    assert cache.get("a").blocks[1] != cache.get("b").blocks[1]
+    both("a", [13], 43)  # a's cache is untouched
+    both("a", [4, 4], 10)  # and a rewinds into the first block, still shared with b
+    both("b", [12], 23)
+    shared.close_session("a")
+    shared.close_session("b")
+    assert cache.free_tokens == 256 and cache.pool.index == {} and cache.pool.outputs == {}

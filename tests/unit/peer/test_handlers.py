@@ -397,3 +397,37 @@ def test_a_step_running_when_its_session_is_closed_does_not_go_on_to_the_next_ho
         assert (await closing).closed is True and forwarded == [] and h.peer.session_count == 0
 
     _run(h, body)
+
+
+def test_with_prefix_sharing_a_peer_answers_as_without_it() -> None:
+    """--session-share-prefixes: a prompt sent after another with the same first 32 tokens, whole or in chunks,
+    gets the same outputs as from a peer that computes everything (sharing the full blocks it can: a step
+    computes at least its last token)."""
+    source = resolve_model("tiny")
+    peers = []
+    for share in (True, False):
+        config = SessionConfig(share_prefixes=share)
+        identity = Identity("QmSelf", "unit", (), 1 << 30, 6)
+        peer = Peer(identity, source.spec, Executor(), config, clock=Clock())
+        peer.serve(source.load_blocks(0, 2, cache_tokens=256))
+        peers.append(PeerHandlers(peer, p2p=None, config=config))  # type: ignore[arg-type]
+    rows = torch.randn(40, source.spec.hidden_size, generator=torch.Generator().manual_seed(7))
+    other = torch.randn(8, source.spec.hidden_size, generator=torch.Generator().manual_seed(8))
+
+    def step(sid: str, position: int, hidden: torch.Tensor) -> StepRequest:
+        return StepRequest(sid, position, hidden, 0, 2, 64, source.spec.weights_hash)
+
+    async def body() -> None:
+        prompts = {"x": rows, "y": torch.cat([rows[:32], other]), "z": torch.cat([rows[:32], other])}
+        for h in peers:
+            replies = [await h.rpc_step(step("x", 0, prompts["x"]), "QmClient")]
+            replies.append(await h.rpc_step(step("y", 0, prompts["y"]), "QmClient"))
+            for position, end in ((0, 24), (24, 40)):  # z in chunks: its first shares a block
+                replies.append(await h.rpc_step(step("z", position, prompts["z"][position:end]), "QmC"))
+            h.outputs = torch.cat([r.hidden for r in replies])  # type: ignore[attr-defined]
+        sharing, plain = peers
+        torch.testing.assert_close(sharing.outputs, plain.outputs, atol=1e-5, rtol=1e-5)  # type: ignore[attr-defined]
+        cache = sharing.peer.current.blocks.cache  # type: ignore[union-attr]
+        assert cache.prefix_tokens_shared == 32 + 16  # y's two blocks, and one in z's first chunk
+
+    run_peers([h.peer for h in peers], body)
