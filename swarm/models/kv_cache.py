@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,9 +36,8 @@ BLOCK_TOKENS = 16  # tokens per block: a multiple of 8, which the CPU kernel's a
 MIN_IDLE_S = 1.0  # a session idle this long counts its blocks as free to newcomers (available_tokens)
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where a step's token goes in one layer, as the CPU kernel takes it."""
+class Slot(NamedTuple):
+    """Where a step's token goes in one layer, as the CPU kernel takes it (a tuple: made per layer and step)."""
 
     keys: torch.Tensor  # the layer's pool [kv_heads, blocks, block_tokens, head_dim]
     values: torch.Tensor
@@ -140,7 +139,9 @@ class SessionCache:
         """Forget tokens at positions >= length in `layer` (replay after a retry or failover); blocks no layer
         uses any more go back to the pool."""
         i = layer - self.layers.start
-        self.lengths[i] = min(self.lengths[i], length)
+        if length >= self.lengths[i]:  # every step cuts back to its position: mostly nothing to forget
+            return
+        self.lengths[i] = length
         keep = math.ceil(max(self.lengths) / self.block_tokens)
         if keep < len(self.blocks):
             self.home.pool.give(self.blocks[keep:])
@@ -169,6 +170,8 @@ class SessionCache:
             raise ProtocolError(
                 f"session {self.session_id}: {tokens} tokens exceed its max length {self.max_length_tokens}"
             )
+        if tokens <= len(self.blocks) * self.home.pool.block_tokens:  # room already: the common case
+            return
         more = math.ceil(tokens / self.block_tokens) - len(self.blocks)
         if more > 0:
             self.home.make_room(more, {*protect, self.session_id})

@@ -275,7 +275,7 @@ def decode_layers(
             f"decode_layers takes rows [N, hidden] of the run's size with N caches a layer and angles, got "
             f"{tuple(h.shape)} for {run.hidden} features and {len(run.layers)} layers"
         )
-    slots = [_paged(slot, attention) for layer in caches for slot in layer]
+    slots = _paged([slot for layer in caches for slot in layer], attention)
     cos, sin = cos.contiguous(), sin.contiguous()
     pointers = ctypes.c_void_p * len(slots)
     counts = ctypes.c_long * len(slots)
@@ -313,16 +313,34 @@ Cache = Slot | tuple[torch.Tensor, torch.Tensor, int]
 _ONE_BLOCK = torch.zeros(1, dtype=torch.int64)  # the table of a contiguous cache: one block, the whole of it
 
 
-def _paged(cache: Cache, attention: Attention) -> Slot:
-    """``cache`` as a pool of blocks with a table, checked against what the kernel reads and writes: a
-    contiguous (keys, values, length) of [kv_heads, capacity, head_dim] is one block of ``capacity`` tokens.
-    The table's entries are the pool's own (kv_cache), not checked one by one."""
-    if not isinstance(cache, Slot):
-        keys, values, length = cache
-        if keys.ndim != 3 or keys.shape != values.shape:
-            raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {length}")
-        cache = Slot(keys[:, None], values[:, None], _ONE_BLOCK, length)
-    keys, values, table = cache.keys, cache.values, cache.table
+def _paged(caches: Sequence[Cache], attention: Attention) -> list[Slot]:
+    """``caches`` as pools of blocks with tables, checked against what the kernel reads and writes: a contiguous
+    (keys, values, length) of [kv_heads, capacity, head_dim] is one block of ``capacity`` tokens. Each pool and
+    table is checked once (a call's rows share them); the tables' entries are the pool's own (kv_cache), not
+    checked one by one."""
+    slots: list[Slot] = []
+    pools: dict[int, int] = {}  # id of a pool -> its block size
+    tables: dict[int, int] = {}  # id of a table -> its entries
+    for cache in caches:
+        if not isinstance(cache, Slot):
+            keys, values, length = cache
+            if keys.ndim != 3 or keys.shape != values.shape:
+                raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {length}")
+            cache = Slot(keys[:, None], values[:, None], _ONE_BLOCK, length)
+        block_tokens = pools.get(id(cache.keys))
+        if block_tokens is None:
+            block_tokens = pools[id(cache.keys)] = _pool_block_tokens(cache, attention)
+        entries = tables.get(id(cache.table))
+        if entries is None:
+            entries = tables[id(cache.table)] = _table_entries(cache.table, block_tokens)
+        if not 0 <= cache.length < entries * block_tokens:
+            raise ValueError(f"a cache of shape {tuple(cache.keys.shape)} cannot take token {cache.length}")
+        slots.append(cache)
+    return slots
+
+
+def _pool_block_tokens(slot: Slot, attention: Attention) -> int:
+    keys, values = slot.keys, slot.values
     kv_heads, _, block_tokens, head_dim = keys.shape if keys.ndim == 4 else (0, 0, 0, 0)
     if not (
         keys.shape == values.shape
@@ -330,15 +348,23 @@ def _paged(cache: Cache, attention: Attention) -> Slot:
         and keys.is_contiguous()
         and values.is_contiguous()
         and keys.dtype == values.dtype == torch.float32
-        and table.dtype == torch.int64
+    ):
+        raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {slot.length}")
+    return int(block_tokens)
+
+
+def _table_entries(table: torch.Tensor, block_tokens: int) -> int:
+    """The table's length, once it is known to be one the kernel reads (blocks of a multiple of 8 tokens,
+    unless there is one block)."""
+    if not (
+        table.dtype == torch.int64
         and table.ndim == 1
         and table.is_contiguous()
         and table.device.type == "cpu"
-        and 0 <= cache.length < table.numel() * block_tokens
         and (table.numel() == 1 or block_tokens % 8 == 0)
     ):
-        raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {cache.length}")
-    return cache
+        raise ValueError(f"a block table of {table.dtype} {tuple(table.shape)} cannot be read")
+    return table.numel()
 
 
 def available() -> bool:

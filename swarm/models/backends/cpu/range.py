@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -166,7 +165,7 @@ class CpuRange(TorchRange):
                 if size == 1:
                     reserved.append(slot)
                 else:
-                    reserved.extend(replace(slot, length=slot.length + i) for i in range(size))
+                    reserved.extend(slot._replace(length=slot.length + i) for i in range(size))
             return reserved
 
         before = [[cache.length(layer) for layer in range(start, end)] for cache in batch.caches]
