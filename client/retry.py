@@ -15,6 +15,7 @@ client catches swarm errors to retry them. The mapping follows the tree in swarm
                                                             checks the successor is a live holder first,
                                                             else it is a plain SessionError)
     SessionError    peer forgot our session              -> route afresh from its stage, replay; no ban
+    SessionEvicted  peer took our idle session's cache   -> (a SessionError) the same
     VersionMismatch, ModelMismatch, NoRouteError, other  -> give up at once (retrying cannot help)
 
 A hop found silent (by PeerSilent, or when the session asks each hop after an error) is withdrawn: no route

@@ -514,7 +514,7 @@ class InferenceSession:
             return
         self._closed = True
         self.routes.release(self.session_id)
-        if self.stages and self.token_ids:
+        if self.stages:  # even before any step came back: the first one may be on its way or running
             await self._close_quietly(self.stages)
 
     async def _close_quietly(self, stages: Sequence[Stage]) -> None:

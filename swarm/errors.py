@@ -54,6 +54,13 @@ class SessionMoved(SessionError):
         self.successor_id = successor_id
 
 
+class SessionEvicted(SessionError):
+    """The peer's cache was short and this session, idle longest for the tokens it held, lost its blocks. A
+    subclass of SessionError: the client replays it, as after any lost session."""
+
+    code = "session_evicted"
+
+
 class NoRouteError(SwarmError):
     code = "no_route"
 
@@ -80,6 +87,7 @@ _BY_CODE: dict[str, type[SwarmError]] = {
         CapacityError,
         SessionError,
         SessionMoved,
+        SessionEvicted,
         PlanningError,
         ModelMismatch,
     )

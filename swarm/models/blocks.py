@@ -118,7 +118,7 @@ class BlockRange:
     # --- sessions -----------------------------------------------------------------------------------------
 
     def open_session(self, session_id: str, max_length_tokens: int) -> None:
-        """Reserve max_length_tokens of cache (CapacityError when the budget would be exceeded)."""
+        """Open a session of at most max_length_tokens; its cache is taken as its steps come (kv_cache)."""
         if self.max_context_tokens is not None and max_length_tokens > self.max_context_tokens:
             raise ProtocolError(
                 f"max_length_tokens {max_length_tokens} exceeds the sliding window of {self.spec.name} "
@@ -140,7 +140,7 @@ class BlockRange:
                 f"cannot carry sessions from {old.device}/{old.dtype} to {self.device}/{self.dtype}"
             )
         carried = old.cache.session_ids
-        needed = sum(old.cache.get(s).max_length_tokens for s in carried)
+        needed = old.cache.held_tokens(carried)
         if needed > self.cache.free_tokens:  # checked first: never carry half of them
             raise CapacityError(
                 f"carrying {len(carried)} sessions needs {needed} cache tokens, {self.cache.free_tokens} free"
@@ -154,11 +154,16 @@ class BlockRange:
 
     @property
     def free_cache_tokens(self) -> int:
-        return self.cache.free_tokens
+        """Cache tokens a new session can have now: free blocks and those of sessions idle enough to evict."""
+        return self.cache.available_tokens
 
     @property
     def active_sessions(self) -> list[str]:
         return self.cache.session_ids
+
+    def check_not_evicted(self, session_id: str, position: int) -> None:
+        """SessionEvicted if the session lost its cache here and the step at ``position`` needs it."""
+        self.cache.check_not_evicted(self.cache.get(session_id), position)
 
     def session_length(self, session_id: str, layer: int) -> int:
         if layer not in self.range:
@@ -194,6 +199,7 @@ class BlockRange:
                 )
             return
         session = self.cache.get(step.session_id)
+        self.cache.check_not_evicted(session, step.position)
         for layer in range(step.start, step.end):
             if session.length(layer) < step.position:
                 raise SessionError(
@@ -223,8 +229,16 @@ class BlockRange:
         for step in steps:  # only now change state: cut caches back to each step's position
             if step.session_id is not None:
                 session = self.cache.get(step.session_id)
+                session.evicted = False  # at position 0 (validate): it starts afresh
                 for layer in range(step.start, step.end):
                     session.truncate(layer, step.position)
+        shared: dict[int, torch.Tensor] = {}  # step index -> outputs of the prefix rows it shared
+        if self.cache.share_prefixes:
+            steps, shared = self._share_prefixes(steps)
+        # blocks for every step's tokens, taken back from idle sessions if need be (CapacityError if not)
+        self.cache.prepare(
+            {s.session_id: s.position + s.hidden.shape[0] for s in steps if s.session_id is not None}
+        )
 
         outputs: list[torch.Tensor | None] = [None] * len(steps)
         groups: dict[tuple[int, int], list[int]] = {}
@@ -236,7 +250,34 @@ class BlockRange:
         for group in groups.values():
             for i, out in zip(group, self._run([steps[i] for i in group], between_layers), strict=True):
                 outputs[i] = out
-        return [out for out in outputs if out is not None]
+        done = [out for out in outputs if out is not None]
+        if self.cache.share_prefixes:
+            for i, step in enumerate(steps):
+                if step.session_id is not None and (step.start, step.end) == (
+                    self.range.start,
+                    self.range.end,
+                ):
+                    session = self.cache.get(step.session_id)
+                    self.cache.register_prefix(session, step.position, step.hidden, done[i])
+            done = [torch.cat([shared[i], out]) if i in shared else out for i, out in enumerate(done)]
+        return done
+
+    def _share_prefixes(self, steps: Sequence[Step]) -> tuple[list[Step], dict[int, torch.Tensor]]:
+        """Steps through all our layers whose first full blocks others computed from the same inputs: those
+        blocks shared (kv_cache.KVCache.attach_prefix), the steps cut to the rows after them."""
+        kept, shared = list(steps), {}
+        for i, step in enumerate(steps):
+            if step.session_id is None or (step.start, step.end) != (self.range.start, self.range.end):
+                continue
+            session = self.cache.get(step.session_id)
+            prefix = self.cache.attach_prefix(session, step.position, step.hidden)
+            if prefix is not None:
+                rows = prefix.shape[0]
+                kept[i] = Step(
+                    step.session_id, step.hidden[rows:], step.start, step.end, step.position + rows
+                )
+                shared[i] = prefix
+        return kept, shared
 
     def _run(self, steps: list[Step], between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Session steps with the same [start, end), any number of tokens each (decode steps and prefill chunks

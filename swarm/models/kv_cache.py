@@ -1,164 +1,474 @@
-"""Per-session KV caches for a range of layers, under a budget of cache tokens.
+"""Per-session KV caches for a range of layers, in fixed-size blocks of one pool (paged attention's layout).
 
-Layout: each session owns, for every layer it holds, one keys and one values tensor shaped
-[kv_heads, capacity, head_dim]. Capacity grows by doubling up to the session's max_length_tokens, so a session
-that asked for 8k tokens but used 50 holds memory for 64. The BUDGET however is reserved up front: opening a
-session reserves max_length_tokens slots from `cache_tokens`, so a session never fails half-way for lack of room.
-Each layer keeps its own length because routes may run a session through only part of a block's layers.
+Layout: the range's cache is a pool of ``cache_tokens // block_tokens`` blocks. Each layer stores them as one
+keys and one values tensor [kv_heads, blocks, block_tokens, head_dim] (made on the layer's first use); block b
+of a session holds its tokens [b * block_tokens, (b + 1) * block_tokens) in every layer of the range. A session
+has a block table (the pool's block ids in order, the same for all its layers) and one length per layer (routes
+may run a session through only part of a range's layers). Attention reads through the table: the torch path
+gathers a session's blocks, the CPU kernel follows the table itself.
+
+Memory is taken as tokens arrive, never reserved: ``max_length_tokens`` is a promise the peer may decline later.
+When a step needs blocks and the pool is short, the cache takes them back from the sessions that have gone
+longest without a step relative to the tokens they hold (idle seconds per held token, highest first; never a
+session of the step's own batch). A session decoding holds many tokens and steps every few tens of ms, so a
+session of a few tokens kept alive by a step now and then goes long before it. Such a session keeps its place,
+empty, and its next step gets ``SessionEvicted`` (its client replays it, which may open it here again at
+position 0). Announcements count as free the blocks of sessions idle for ``min_idle_s`` or more.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass, field
+import math
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import NamedTuple
 
 import torch
 
-from swarm.errors import CapacityError, ProtocolError, SessionError
+from swarm.errors import CapacityError, ProtocolError, SessionError, SessionEvicted
 from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
-_MIN_CAPACITY_TOKENS = 64
+BLOCK_TOKENS = 16  # tokens per block: a multiple of 8, which the CPU kernel's attention reads at a time
+MIN_IDLE_S = 1.0  # a session idle this long counts its blocks as free to newcomers (available_tokens)
 
 
-@dataclass
+class Slot(NamedTuple):
+    """Where a step's token goes in one layer, as the CPU kernel takes it (a tuple: made per layer and step)."""
+
+    keys: torch.Tensor  # the layer's pool [kv_heads, blocks, block_tokens, head_dim]
+    values: torch.Tensor
+    table: torch.Tensor  # int64 [n]: the session's blocks in order
+    length: int  # tokens cached before this one
+
+
+class BlockPool:
+    """The blocks of one range: which are free, and each layer's storage of them."""
+
+    def __init__(self, layers: LayerRange, blocks: int, block_tokens: int) -> None:
+        self.layers = layers
+        self.blocks = blocks
+        self.block_tokens = block_tokens
+        self._free = list(range(blocks - 1, -1, -1))  # a stack: low ids first
+        self.refs = [0] * blocks  # sessions holding each block (more than one: a shared prefix block)
+        # full prefix blocks others may share: hash of their inputs (chained from position 0) -> block, and back;
+        # each with the range's outputs for its rows, which a session sharing it sends on without computing them
+        self.index: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.keys: list[torch.Tensor | None] = [None] * len(layers)  # per layer [kv, blocks, B, hd]
+        self.values: list[torch.Tensor | None] = [None] * len(layers)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise CapacityError(f"KV cache full: {count} blocks wanted, {len(self._free)} free")
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        for block in taken:
+            self.refs[block] = 1
+        return taken[::-1]
+
+    def give(self, ids: Collection[int]) -> None:
+        """Drop one holder of each block; a block nobody holds is free again (and no longer shared)."""
+        for block in ids:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free.append(block)
+                key = self.hash_of.pop(block, None)
+                if key is not None:
+                    del self.index[key]
+                    del self.outputs[block]
+
+    def copy(self, source: int, target: int) -> None:
+        """Block ``source``'s keys and values into block ``target``, in every layer stored."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            if keys is not None and values is not None:
+                keys[:, target], values[:, target] = keys[:, source], values[:, source]
+
+    def storage(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values [kv_heads, blocks, block_tokens, head_dim], made on first use in
+        ``like``'s kv heads, head size, dtype and device (like: [kv_heads, T, head_dim])."""
+        i = layer - self.layers.start
+        keys, values = self.keys[i], self.values[i]
+        if keys is None or values is None:
+            shape = (like.shape[0], self.blocks, self.block_tokens, like.shape[2])
+            keys = self.keys[i] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            values = self.values[i] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return keys, values
+
+    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        i = layer - self.layers.start
+        keys, values = self.keys[i], self.values[i]
+        return None if keys is None or values is None else (keys, values)
+
+
 class SessionCache:
-    """Keys and values of one session for layers [layers.start, layers.end)."""
+    """Keys and values of one session for layers [layers.start, layers.end): its block table and lengths."""
 
-    session_id: str
-    max_length_tokens: int
-    layers: LayerRange
-    keys: list[torch.Tensor | None] = field(
-        default_factory=list
-    )  # per held layer: [kv_heads, capacity, head_dim]
-    values: list[torch.Tensor | None] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)  # tokens cached per held layer
+    def __init__(self, session_id: str, max_length_tokens: int, home: KVCache) -> None:
+        self.session_id = session_id
+        self.max_length_tokens = max_length_tokens
+        self.home = home
+        self.layers = home.layers
+        self.lengths = [0] * len(self.layers)  # tokens cached per held layer
+        self.blocks: list[int] = []  # pool block ids, in order
+        self._set_blocks([])  # and self.table, the same ids as a tensor (what kernels read)
+        self.chain: list[bytes] = []  # prefix hashes of its first full blocks (see KVCache.attach_prefix)
+        self.last_step_s = home.clock()
+        self.evicted = False  # its blocks were taken back: its next step (past position 0) is told so
 
-    def __post_init__(self) -> None:
-        n = len(self.layers)
-        self.keys, self.values, self.lengths = [None] * n, [None] * n, [0] * n
+    @property
+    def block_tokens(self) -> int:
+        return self.home.pool.block_tokens
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens
 
     def length(self, layer: int) -> int:
         return self.lengths[layer - self.layers.start]
 
     def truncate(self, layer: int, length: int) -> None:
-        """Forget tokens at positions >= length in `layer` (replay after a retry or failover)."""
+        """Forget tokens at positions >= length in `layer` (replay after a retry or failover); blocks no layer
+        uses any more go back to the pool."""
         i = layer - self.layers.start
-        self.lengths[i] = min(self.lengths[i], length)
+        if length >= self.lengths[i]:  # every step cuts back to its position: mostly nothing to forget
+            return
+        self.lengths[i] = length
+        keep = math.ceil(max(self.lengths) / self.block_tokens)
+        if keep < len(self.blocks):
+            self.home.pool.give(self.blocks[keep:])
+            self._set_blocks(self.blocks[:keep])
+        first = min(self.lengths) // self.block_tokens  # blocks from here on may be written again
+        del self.chain[first:]
+        self._own(first)
+
+    def _own(self, first: int) -> None:
+        """Copy-on-write: blocks from index ``first`` on that other sessions share become copies of our own."""
+        pool = self.home.pool
+        shared = [i for i in range(first, len(self.blocks)) if pool.refs[self.blocks[i]] > 1]
+        if not shared:
+            return
+        blocks = list(self.blocks)
+        for i in shared:
+            (copy,) = pool.take(1)
+            pool.copy(blocks[i], copy)
+            pool.give([blocks[i]])
+            blocks[i] = copy
+        self._set_blocks(blocks)
+
+    def grow(self, tokens: int, protect: Collection[str] = ()) -> None:
+        """Hold blocks for ``tokens`` tokens (evicting idle sessions other than ``protect`` if need be)."""
+        if tokens > self.max_length_tokens:
+            raise ProtocolError(
+                f"session {self.session_id}: {tokens} tokens exceed its max length {self.max_length_tokens}"
+            )
+        if tokens <= len(self.blocks) * self.home.pool.block_tokens:  # room already: the common case
+            return
+        more = math.ceil(tokens / self.block_tokens) - len(self.blocks)
+        if more > 0:
+            self.home.make_room(more, {*protect, self.session_id})
+            self._set_blocks(self.blocks + self.home.pool.take(more))
+
+    def _set_blocks(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        self.table = torch.tensor(blocks, dtype=torch.int64)
+        self._tables: dict[torch.device, torch.Tensor] = {}  # the table on the pool's device, copied once
+
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.table
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = self.table.to(device)
+        return table
+
+    def release(self) -> None:
+        """Give every block back (closed or evicted)."""
+        self.home.pool.give(self.blocks)
+        self._set_blocks([])
+        self.lengths = [0] * len(self.layers)
+        self.chain = []
+
+    def slot(self, layer: int, like: torch.Tensor) -> Slot:
+        """Count ``like.shape[1]`` more tokens in ``layer``, whose keys and values the caller writes at once
+        (the CPU kernel): the layer's pool, the table and the old length."""
+        i = layer - self.layers.start
+        old = self.lengths[i]
+        self.grow(old + like.shape[1])
+        keys, values = self.home.pool.storage(layer, like)
+        self.lengths[i] = old + like.shape[1]
+        return Slot(keys, values, self.table, old)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [kv_heads, T, head_dim] after the cached tokens; return views of all [kv_heads, L, head_dim]."""
-        keys, values, old = self.reserve(layer, k)
-        new = old + k.shape[1]
-        keys[:, old:new] = k
-        values[:, old:new] = v
-        return keys[:, :new], values[:, :new]
-
-    def reserve(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Count ``like.shape[1]`` more tokens in ``layer``, whose keys and values the caller writes at once:
-        (keys, values, old length), the whole stores [kv_heads, capacity, head_dim] with room for them."""
+        """Append k, v [kv_heads, T, head_dim] after the cached tokens; return all [kv_heads, L, head_dim]."""
         i = layer - self.layers.start
-        old, new = self.lengths[i], self.lengths[i] + like.shape[1]
-        if new > self.max_length_tokens:
-            raise ProtocolError(
-                f"session {self.session_id}: {new} tokens exceed its max length {self.max_length_tokens}"
-            )
-        keys, values = self.keys[i], self.values[i]
-        if keys is None or values is None or keys.shape[1] < new:
-            keys, values = self._grow(i, like, new)
+        old, new = self.lengths[i], self.lengths[i] + k.shape[1]
+        self.grow(new)
+        keys, values = self.home.pool.storage(layer, k)
+        at = torch.arange(old, new, device=keys.device)
+        table = self.table_on(keys.device)
+        blocks, offsets = table[at // self.block_tokens], at % self.block_tokens
+        keys[:, blocks, offsets] = k  # [kv_heads, T, head_dim] into their rows
+        values[:, blocks, offsets] = v
         self.lengths[i] = new
-        return keys, values, old
+        return self.gather(layer, new)
 
-    def widen(self, layers: LayerRange) -> None:
-        """Hold ``layers`` (which cover the held ones) from now on; the new layers start empty. The cached
-        tensors are kept, not copied: a peer whose new range contains its old one carries its sessions over."""
-        if not layers.covers(self.layers):
-            raise ValueError(f"session {self.session_id}: {layers} does not cover its layers {self.layers}")
-        before, after = self.layers.start - layers.start, layers.end - self.layers.end
-        self.keys = [None] * before + self.keys + [None] * after
-        self.values = [None] * before + self.values + [None] * after
+    def gather(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of ``layer`` as contiguous keys and values [kv_heads, length, head_dim]."""
+        stored = self.home.pool.stored(layer)
+        if stored is None or length > self.length(layer):
+            raise ValueError(f"session {self.session_id}: layer {layer} holds {self.length(layer)} tokens")
+        keys, values = stored
+        used = self.table_on(keys.device)[: math.ceil(length / self.block_tokens)]
+        return _contiguous(keys, used, length), _contiguous(values, used, length)
+
+    def rehome(self, home: KVCache) -> None:
+        """Move into ``home`` (a range containing ours): blocks copied into its pool, the new layers empty. The
+        object stays the same, so whoever still holds it (a step queued on the old range) reads the new pool."""
+        if not home.layers.covers(self.layers):
+            raise ValueError(
+                f"session {self.session_id}: {home.layers} does not cover its layers {self.layers}"
+            )
+        old_pool, old_blocks = self.home.pool, self.blocks
+        new_blocks = home.pool.take(len(old_blocks))
+        for layer in range(self.layers.start, self.layers.end):
+            stored = old_pool.stored(layer)
+            if stored is not None and old_blocks:
+                ids = torch.tensor(old_blocks, device=stored[0].device)
+                target = torch.tensor(new_blocks, device=stored[0].device)
+                keys, values = home.pool.storage(layer, stored[0][:, 0])
+                keys[:, target], values[:, target] = stored[0][:, ids], stored[1][:, ids]
+        old_pool.give(old_blocks)
+        before, after = self.layers.start - home.layers.start, home.layers.end - self.layers.end
         self.lengths = [0] * before + self.lengths + [0] * after
-        self.layers = layers
+        self.layers, self.home = home.layers, home
+        self._set_blocks(new_blocks)
+        self.chain = []  # our own copies: shared with nobody in the new pool
 
-    def _grow(self, i: int, like: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        old_keys, old_values = self.keys[i], self.values[i]
-        capacity = _MIN_CAPACITY_TOKENS if old_keys is None else old_keys.shape[1]
-        while capacity < needed:
-            capacity *= 2
-        capacity = min(capacity, self.max_length_tokens)
-        shape = (like.shape[0], capacity, like.shape[2])
-        keys = torch.empty(shape, dtype=like.dtype, device=like.device)
-        values = torch.empty(shape, dtype=like.dtype, device=like.device)
-        if old_keys is not None and old_values is not None:
-            keep = self.lengths[i]
-            keys[:, :keep] = old_keys[:, :keep]
-            values[:, :keep] = old_values[:, :keep]
-        self.keys[i], self.values[i] = keys, values
-        return keys, values
+
+def _contiguous(pool: torch.Tensor, used: torch.Tensor, length: int) -> torch.Tensor:
+    # pool [kv_heads, blocks, B, head_dim] -> its blocks `used` [kv_heads, n, B, head_dim] -> [kv_heads, n * B,
+    # head_dim], cut to length
+    kv_heads, _, block_tokens, head_dim = pool.shape
+    return pool.index_select(1, used).view(kv_heads, -1, head_dim)[:, :length]
 
 
 class KVCache:
-    """The sessions of one BlockRange and the cache-token budget they share."""
+    """The sessions of one BlockRange and the pool of blocks they share."""
 
-    def __init__(self, layers: LayerRange, cache_tokens: int) -> None:
+    def __init__(
+        self,
+        layers: LayerRange,
+        cache_tokens: int,
+        block_tokens: int = BLOCK_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if cache_tokens < 0:
             raise ValueError(f"cache_tokens must be >= 0, got {cache_tokens}")
+        if block_tokens <= 0 or block_tokens % 8:
+            raise ValueError(f"block_tokens must be a positive multiple of 8, got {block_tokens}")
         self.layers = layers
-        self.cache_tokens = cache_tokens
+        self.pool = BlockPool(layers, cache_tokens // block_tokens, block_tokens)
+        self.cache_tokens = self.pool.blocks * block_tokens
+        self.clock = clock
+        self.min_idle_s = MIN_IDLE_S
         self._sessions: dict[str, SessionCache] = {}
-        self._reserved_tokens = 0
+        self.evictions = 0  # sessions whose blocks were taken back, since the start
+        self.share_prefixes = False  # full blocks of identical prompts shared (attach_prefix); off by default
+        self.prefix_tokens_looked_up = 0  # prompt tokens whose blocks were looked for, since the start
+        self.prefix_tokens_shared = 0  # of them, found and shared
+
+    def use_clock(self, clock: Callable[[], float], min_idle_s: float) -> None:
+        """Time sessions' steps by ``clock`` (the peer's); sessions idle ``min_idle_s`` count as free."""
+        now = clock()
+        for session in self._sessions.values():
+            session.last_step_s = now
+        self.clock, self.min_idle_s = clock, min_idle_s
 
     @property
     def free_tokens(self) -> int:
-        return self.cache_tokens - self._reserved_tokens
+        return self.pool.free_blocks * self.pool.block_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        return self.cache_tokens - self.free_tokens
+
+    @property
+    def available_tokens(self) -> int:
+        """Free tokens and those of sessions that could be evicted now: what a new session can get."""
+        now = self.clock()
+        sessions = list(self._sessions.values())  # one copy: read from the event loop too
+        idle = sum(s.held_tokens for s in sessions if now - s.last_step_s >= self.min_idle_s)
+        return self.free_tokens + idle
 
     @property
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 
     def open(self, session_id: str, max_length_tokens: int) -> SessionCache:
+        """Open a session holding nothing yet; ``max_length_tokens`` only bounds it (it must fit the pool)."""
         if not isinstance(session_id, str) or not session_id:
             raise ProtocolError(f"session id must be a non-empty string, got {session_id!r}")
         if max_length_tokens <= 0:
             raise ProtocolError(f"max_length_tokens must be positive, got {max_length_tokens}")
         if session_id in self._sessions:
             raise SessionError(f"session {session_id} is already open")
-        if max_length_tokens > self.free_tokens:
+        if max_length_tokens > self.cache_tokens:
             raise CapacityError(
                 f"KV cache full: session {session_id} asks for {max_length_tokens} tokens, "
-                f"{self.free_tokens} of {self.cache_tokens} are free"
+                f"this cache holds {self.cache_tokens}"
             )
-        session = SessionCache(session_id, max_length_tokens, self.layers)
+        session = SessionCache(session_id, max_length_tokens, self)
         self._sessions[session_id] = session
-        self._reserved_tokens += max_length_tokens
-        logger.debug(
-            "opened session %s (%d tokens, %d free)", session_id, max_length_tokens, self.free_tokens
-        )
+        logger.debug("opened session %s (up to %d tokens)", session_id, max_length_tokens)
         return session
 
     def adopt(self, session: SessionCache) -> None:
-        """Take ``session`` (open in the cache of a range this one contains) as it is: same id, same tensors,
-        widened to our layers, its reservation counted against our budget."""
+        """Take ``session`` (open in the cache of a range this one contains): same id and object, its blocks
+        copied into our pool, widened to our layers."""
         if session.session_id in self._sessions:
             raise SessionError(f"session {session.session_id} is already open")
-        if session.max_length_tokens > self.free_tokens:
-            raise CapacityError(
-                f"KV cache full: cannot carry session {session.session_id} over "
-                f"({session.max_length_tokens} tokens, {self.free_tokens} free)"
-            )
-        session.widen(self.layers)
+        session.rehome(self)
         self._sessions[session.session_id] = session
-        self._reserved_tokens += session.max_length_tokens
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is None:
             raise SessionError(f"unknown session {session_id}")
-        self._reserved_tokens -= session.max_length_tokens
+        if session.home is self:  # a session carried to another range gives its blocks back there
+            session.release()
 
     def get(self, session_id: str) -> SessionCache:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionError(f"unknown session {session_id}: open it first (or it expired)")
         return session
+
+    def held_tokens(self, session_ids: Collection[str]) -> int:
+        """Tokens the pool holds for these sessions (those open here)."""
+        sessions = [self._sessions.get(s) for s in session_ids]  # read from the event loop too
+        return sum(s.held_tokens for s in sessions if s is not None)
+
+    def prepare(self, tokens: Mapping[str, int]) -> None:
+        """Before a forward call (on the torch thread): each of these sessions holds blocks for its number of
+        tokens, idle sessions evicted for them if need be (all or none: CapacityError if they cannot be had),
+        and has stepped now."""
+        sessions = {sid: self.get(sid) for sid in tokens}
+        more = sum(
+            max(0, math.ceil(t / self.pool.block_tokens) - len(sessions[sid].blocks))
+            for sid, t in tokens.items()
+        )
+        self.make_room(more, set(tokens))
+        now = self.clock()
+        for sid, t in tokens.items():
+            sessions[sid].grow(t, tokens.keys())
+            sessions[sid].last_step_s = now
+
+    def make_room(self, blocks: int, protect: Collection[str]) -> None:
+        """Free at least ``blocks`` blocks, evicting idle sessions not in ``protect``; CapacityError if even
+        that is not enough (nothing is evicted then)."""
+        short = blocks - self.pool.free_blocks
+        if short <= 0:
+            return
+        victims, freed = [], 0
+        for session in self.eviction_order(protect):
+            if freed >= short:
+                break
+            victims.append(session)
+            freed += sum(self.pool.refs[b] == 1 for b in session.blocks)  # a shared block may stay held
+        if freed < short:
+            raise CapacityError(
+                f"KV cache full: {blocks} blocks of {self.pool.block_tokens} tokens wanted, "
+                f"{self.pool.free_blocks} free and {freed} held by idle sessions"
+            )
+        for session in victims:
+            self.evict(session.session_id)
+
+    def eviction_order(self, protect: Collection[str] = ()) -> list[SessionCache]:
+        """Sessions that may be evicted, first to go first: idle seconds per held token, highest first."""
+        now = self.clock()
+        held = [s for s in self._sessions.values() if s.blocks and s.session_id not in protect]
+        return sorted(held, key=lambda s: ((now - s.last_step_s) / s.held_tokens, s.session_id), reverse=True)
+
+    def evict(self, session_id: str) -> None:
+        session = self.get(session_id)
+        logger.info(
+            "evicting session %s (%d tokens, idle %.1f s)",
+            session_id[:8],
+            session.held_tokens,
+            self.clock() - session.last_step_s,
+        )
+        session.release()
+        session.evicted = True
+        self.evictions += 1
+
+    def check_not_evicted(self, session: SessionCache, position: int) -> None:
+        """SessionEvicted for a step past position 0 of an evicted session (one at 0 opens it afresh)."""
+        if session.evicted and position > 0:
+            raise SessionEvicted(
+                f"session {session.session_id[:16]} was evicted here (idle while the cache was short): "
+                "replay it"
+            )
+
+    # --- prefix sharing ---------------------------------------------------------------------------------------
+
+    def attach_prefix(
+        self, session: SessionCache, position: int, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """For a step of ``session`` through all our layers at ``position`` (where its own full blocks end) with
+        inputs ``hidden`` [T, H]: share the full blocks other sessions computed from the same inputs at the same
+        positions (keys chained from position 0), at most all but the step's last token. Returns the range's
+        outputs for the shared rows [k * block_tokens, H] (the caller computes only the rows after them), or
+        None if nothing was shared."""
+        size = self.pool.block_tokens
+        if position != len(session.chain) * size or any(n != position for n in session.lengths):
+            return None
+        self.prefix_tokens_looked_up += hidden.shape[0]
+        shared: list[int] = []
+        while (len(shared) + 1) * size < hidden.shape[0]:
+            rows = hidden[len(shared) * size : (len(shared) + 1) * size]
+            key = _prefix_key(session.chain[-1] if session.chain else b"", rows)
+            block = self.pool.index.get(key)
+            if block is None:
+                break
+            self.pool.refs[block] += 1
+            shared.append(block)
+            session.chain.append(key)
+        if not shared:
+            return None
+        session._set_blocks(session.blocks + shared)
+        session.lengths = [position + len(shared) * size] * len(session.lengths)
+        self.prefix_tokens_shared += len(shared) * size
+        return torch.cat([self.pool.outputs[b] for b in shared])
+
+    def register_prefix(
+        self, session: SessionCache, position: int, hidden: torch.Tensor, outputs: torch.Tensor
+    ) -> None:
+        """After a step through all our layers at ``position`` with inputs ``hidden`` and ``outputs`` [T, H]:
+        offer the full blocks it completed for sharing (continuing the session's chain of prefix keys)."""
+        size = self.pool.block_tokens
+        while len(session.chain) * size >= position and (len(session.chain) + 1) * size <= position + len(
+            hidden
+        ):
+            j = len(session.chain)
+            rows = slice(j * size - position, (j + 1) * size - position)
+            key = _prefix_key(session.chain[-1] if session.chain else b"", hidden[rows])
+            block = session.blocks[j]
+            if key not in self.pool.index and block not in self.pool.hash_of:
+                self.pool.index[key], self.pool.hash_of[block] = block, key
+                self.pool.outputs[block] = outputs[rows].clone()
+            session.chain.append(key)
+
+
+def _prefix_key(previous: bytes, rows: torch.Tensor) -> bytes:
+    """The key of a block of input rows after the blocks whose key is ``previous``."""
+    data = rows.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(previous + data, digest_size=16).digest()

@@ -33,13 +33,18 @@ class SessionConfig:
     close_timeout_s: float = setting(5.0, "deadline of passing a close down the route")
     dial_back_timeout_s: float = setting(5.0, "deadline of dialling a peer back for its reachability check")
     max_probe_reply_bytes: int = setting(
-        256 * 1024, "most bytes a probe may ask back (download measurement; the largest link probe by default)"
+        256 * 1024,
+        "most bytes a probe may ask back (download measurement; the largest link probe by default)",
     )
     max_open: int = setting(1024, "most sessions open on this peer at once")
     # A remote peer is a client or the previous hop of a route (forwarding many clients' sessions): the
     # transport authenticates only the peer that calls us, so that is whose share a session counts against.
     max_sessions_per_remote: int = setting(256, "most sessions one remote peer may hold open on this peer")
-    max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may reserve")
+    max_remote_cache_fraction: float = setting(0.5, "most of the KV cache one remote peer may hold")
+    evict_idle_s: float = setting(
+        1.0,
+        "a session idle this long counts its KV cache as free in announcements (evicted for a newcomer)",
+    )
     max_requests_per_remote: int = setting(64, "most steps one remote peer may have in flight on this peer")
     max_session_lifetime_s: float = setting(
         3600.0, "close a session this long after it opened, however busy (the client then replays it)"
@@ -50,13 +55,23 @@ class SessionConfig:
     order_wait_s: float = setting(
         1.0, "how long a session's later step waits for its first step to arrive and open the session"
     )
+    # A close that overtook the session's first step (its client went away while the step was on its way, or
+    # the hop before us forwarded the step after passing the close on) must not let that step open it after.
+    closed_memory_s: float = setting(
+        10.0, "how long a session closed by its client stays closed here to steps still on their way"
+    )
+    share_prefixes: bool = setting(
+        False,
+        "share the KV cache blocks of prompts that begin alike (copy-on-write)",
+        flag="--session-share-prefixes",
+    )
     activations: ActivationConfig = component(ActivationConfig, prefix="activations")
 
     def __post_init__(self) -> None:
         positive(self, "idle_timeout_s", "forward_timeout_s", "close_timeout_s", "dial_back_timeout_s")
         positive(self, "max_open", "reap_interval_s", "max_probe_reply_bytes", "max_sessions_per_remote")
         positive(self, "max_requests_per_remote")
-        positive(self, "max_session_lifetime_s", "order_wait_s")
+        positive(self, "max_session_lifetime_s", "order_wait_s", "evict_idle_s", "closed_memory_s")
         if not 0 < self.max_remote_cache_fraction <= 1:
             raise ValueError(
                 f"max_remote_cache_fraction must be in (0, 1], got {self.max_remote_cache_fraction}"

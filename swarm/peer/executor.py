@@ -21,7 +21,7 @@ lower priority and waits for their decode calls; for a lone peer it is off and c
 Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a KV cache
 is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever lane they run
 on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued after it go on
-meanwhile. The BlockRange's own admission check (free cache tokens) turns into a CapacityError.
+meanwhile. A step whose cache blocks cannot be had (kv_cache.KVCache.prepare) is a CapacityError.
 
 Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt as
 consecutive chunks sent without waiting (client/session.py), and two chunks may overtake each other on the way.
@@ -320,6 +320,7 @@ class Executor:
         sid = step.session_id
         assert sid is not None
         while True:
+            blocks.check_not_evicted(sid, step.position)  # its earlier steps' cache is gone: replay
             length = min(blocks.session_length(sid, layer) for layer in range(step.start, step.end))
             if length >= step.position:
                 return

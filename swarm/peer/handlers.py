@@ -185,10 +185,13 @@ class PeerHandlers:
                 (_finish(HopTiming(self.peer_id, request.start, request.end, 0.0, 0.0, 0.0), received),)
             )
         onward = request.route_rest[0].peer_id if request.route_rest else ""
+        started_s = self.peer.clock()
         result = await self._compute(served, step, group, onward, paced=not request.origin)
         timing = HopTiming(self.peer_id, request.start, request.end, result.queue_s, result.compute_s, 0.0)
         if not request.route_rest:
             return StepReply(result.hidden, (_finish(timing, received),))
+        if self.peer.closed_since(key, started_s):  # its close went on meanwhile: the step must not follow it
+            raise SessionError(f"session {key[:16]} was closed by its client while this step ran here")
         # TEST ONLY: lie about the hops after us. Only a relayed step can: a wait_result step's output goes from
         # the last hop to the client, so a middle hop cannot answer for the hops after it.
         if self.faults is not None and not request.wait_result and self.faults.skip_forward():
@@ -320,7 +323,7 @@ class PeerHandlers:
 
     async def rpc_close(self, request: CloseRequest, remote_id: str) -> CloseReply:
         origin = request.origin or remote_id
-        closed = await self.peer.close(session_key(origin, request.session_id))
+        closed = await self.peer.close_for_client(session_key(origin, request.session_id))
         # Passed on only when it closed something here: forwarding a close for a session we never saw would
         # let anyone send closes down a route in our name.
         if closed and request.route_rest:

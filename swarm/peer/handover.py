@@ -258,10 +258,9 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
         return None
     keys, values = [], []
     for i in range(first, last + 1):
-        k, v = cache.keys[i], cache.values[i]
-        assert k is not None and v is not None
-        keys.append(k[:, :position].to("cpu", copy=True))
-        values.append(v[:, :position].to("cpu", copy=True))
+        k, v = cache.gather(cache.layers.start + i, position)
+        keys.append(k.to("cpu", copy=True))
+        values.append(v.to("cpu", copy=True))
     layers = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
     return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
 

@@ -122,6 +122,8 @@ class Peer:
         self._opening: dict[str, asyncio.Future[None]] = {}  # sessions whose first step is opening them
         # sessions whose first step just failed here -> when (kept for order_wait_s, for the attempt's later steps)
         self._open_failed: dict[str, float] = {}
+        # sessions their clients closed -> (when, whether they were open here): see closed_memory_s
+        self._closed: dict[str, tuple[float, bool]] = {}
 
     @property
     def peer_id(self) -> str:
@@ -144,6 +146,8 @@ class Peer:
         """Serve ``blocks`` from now on: new sessions open there; older ranges keep only their sessions."""
         for older in self.ranges:
             older.accepting = False
+        blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
+        blocks.cache.share_prefixes = self.config.share_prefixes
         served = Served(blocks)
         self.ranges.append(served)
         if self.status is Status.JOINING:
@@ -162,6 +166,9 @@ class Peer:
         served = self.current
         if served is None or not blocks.range.covers(served.range):
             raise ValueError(f"cannot carry the sessions of {self.held} over to {blocks.range}")
+
+        blocks.cache.use_clock(self.clock, self.config.evict_idle_s)
+        blocks.cache.share_prefixes = self.config.share_prefixes
 
         def swap() -> None:
             blocks.carry_sessions(served.blocks)
@@ -260,6 +267,9 @@ class Peer:
         position order (Executor.forward)."""
         served = self.find(key)
         if served is None and position == 0:
+            closed = self._closed.get(key)
+            if closed is not None and not closed[1]:  # its close came first: the client has gone
+                raise SessionError(f"session {key[:16]} was closed by its client before this step came")
             return await self._open(key, owner, layers, max_length_tokens)
         opening = self._opening.get(key)
         if served is None or opening is not None:  # not open yet, or its first step is opening it
@@ -355,25 +365,42 @@ class Peer:
         return served
 
     def _check_capacity(self, served: Served, owner: str, max_length_tokens: int) -> None:
-        """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session."""
+        """CapacityError if this peer, or ``owner``'s share of it, cannot take one more session. The session's
+        cache is taken as its steps come (and idle sessions' cache taken back for it, swarm/models/kv_cache.py);
+        here its owner's held cache must leave room for a block of it within its share."""
         if self.session_count >= self.config.max_open:
             raise CapacityError(f"peer has {self.session_count} open sessions, its limit")
-        if max_length_tokens > served.blocks.free_cache_tokens:
+        cache = served.blocks.cache
+        if max_length_tokens > cache.cache_tokens:
             raise CapacityError(
-                f"session needs {max_length_tokens} cache tokens, this peer has "
-                f"{served.blocks.free_cache_tokens} free"
+                f"session asks for up to {max_length_tokens} cache tokens, this peer has {cache.cache_tokens}"
             )
         owned = [s for r in self.ranges for s in r.sessions.values() if s.owner == owner]
         if len(owned) >= self.config.max_sessions_per_remote:
             raise CapacityError(f"{owner[-8:]} has {len(owned)} sessions open here, the most one peer may")
         # Each range has its own cache: the share is of the one the session opens on.
-        reserved = sum(s.max_length_tokens for s in served.sessions.values() if s.owner == owner)
-        share = int(self.config.max_remote_cache_fraction * served.blocks.cache.cache_tokens)
-        if reserved + max_length_tokens > share:
+        held = cache.held_tokens([k for k, s in served.sessions.items() if s.owner == owner])
+        share = int(self.config.max_remote_cache_fraction * cache.cache_tokens)
+        if held + cache.pool.block_tokens > share:
             raise CapacityError(
-                f"{owner[-8:]} holds {reserved} cache tokens here and asks {max_length_tokens} more: "
-                f"over the {share} one peer may reserve"
+                f"{owner[-8:]} holds {held} cache tokens here: no room for another session within the {share} "
+                "one peer may hold"
             )
+
+    async def close_for_client(self, key: str) -> bool:
+        """Close session ``key`` at its client's word, and remember that it did (``closed_since``): a step of
+        it still on its way must neither open it again nor go on to the next hop."""
+        now = self.clock()
+        while self._closed and next(iter(self._closed.values()))[0] < now - self.config.closed_memory_s:
+            del self._closed[next(iter(self._closed))]
+        self._closed.pop(key, None)
+        self._closed[key] = (now, self.find(key) is not None)  # before the close: a running step sees it
+        return await self.close(key)
+
+    def closed_since(self, key: str, since_s: float) -> bool:
+        """Whether session ``key``'s client closed it at or after ``since_s`` (the Peer's clock)."""
+        closed = self._closed.get(key)
+        return closed is not None and closed[0] >= since_s
 
     async def close(self, key: str) -> bool:
         """Close session ``key`` (see session_key) wherever it is open; False if it is not."""

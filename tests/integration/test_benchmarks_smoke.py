@@ -716,3 +716,26 @@ def test_bench_spec_quick(tmp_path: Path) -> None:
         assert 0 < out["mean_accepted"][d]["lookup-k4"]["edit"] <= 4
     # speculative tokens equal plain ones, and plain ones equal local transformers'
     assert out["tokens_equal"] is True and len(out["tokens_equal_by"]) == 2 * 2 * 3
+
+
+def test_bench_kv_quick(tmp_path: Path) -> None:
+    out_file = tmp_path / "kv.json"
+    out = _run_json(["scripts/bench_kv.py", "--quick", "--json", str(out_file)], 300)
+    assert json.loads(out_file.read_text()) == out
+    result = _check(
+        out,
+        {
+            "model": lambda v: v == "tiny",
+            "date": lambda v: isinstance(v, str),
+            "sybil_honest_ok": lambda v: v is True,
+            "sybil": lambda v: isinstance(v, dict) and v["cache_full_before"] is True,
+            "sessions_fit": lambda v: v == {"paged": 32, "reserved": 8},
+            "prefix_ttft_ratio": _positive,
+            "prefix_hit_rate": lambda v: 0 < v < 1,
+            "decode_ratio_vs_contiguous": lambda v: set(v) == {"1", "2"} and all(map(_positive, v.values())),
+            "decode_tok_s": lambda v: set(v) == {"paged", "contiguous"},
+            "decode_form": lambda v: isinstance(v, str),
+            "contiguous_from": lambda v: v == "one block per session",
+        },
+    )
+    assert result["sybil"]["honest_tokens"] == 49

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.errors import CapacityError, NoRouteError, ProtocolError, SessionError, VersionMismatch
+from swarm.errors import (
+    CapacityError,
+    NoRouteError,
+    ProtocolError,
+    SessionError,
+    SessionEvicted,
+    VersionMismatch,
+)
 from swarm.wire import (
     DEFAULT_STEP_TIMEOUT_S,
     MAX_LAYER,
@@ -138,6 +145,9 @@ def test_error_reply_keeps_the_error_type_and_failed_peer() -> None:
     downstream.failed_peer_id = "QmC"
     assert ErrorReply.from_error(downstream, "QmA").failed_peer_id == "QmC"  # the deepest failure is kept
     assert isinstance(ErrorReply("no_route", "x").to_error(), NoRouteError)
+    evicted = decode_reply(encode_reply(ErrorReply.from_error(SessionEvicted("idle, cache short"), "QmA")))
+    assert isinstance(evicted, ErrorReply) and evicted.code == "session_evicted"
+    assert isinstance(evicted.to_error(), SessionEvicted)  # and so a SessionError: the client replays
     plain = ErrorReply.from_error(RuntimeError("boom"), "QmA")
     assert plain.code == "swarm_error" and "RuntimeError: boom" in plain.message
 

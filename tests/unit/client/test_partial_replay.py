@@ -182,3 +182,28 @@ def test_a_tail_that_starts_on_the_last_kept_peer_becomes_one_stage_and_a_repeat
     )
     assert join_route((_stage("a", 0, 1), _stage("b", 1, 2)), (_stage("a", 2, 6),)) is None
     assert join_route((), (_stage("a", 0, 6),)) == (_stage("a", 0, 6),)
+
+
+def test_a_session_evicted_mid_answer_is_replayed_exactly_on_its_stage(
+    tiny_source: ModelSource, reference: Any
+) -> None:
+    """The middle peer's cache was short and took our idle session's blocks back: its next step is told
+    SessionEvicted, and the client refills that stage alone (the first stage resends its log) and goes on; the
+    greedy tokens stay transformers'."""
+    client, chain = make_client(tiny_source, TINY_SPLIT)
+
+    def evict(count: int) -> None:
+        if count == 5:
+            chain.blocks[NodeID("b")].cache.evict(_session(client).session_id)
+
+    chain.on_step = evict
+    got = asyncio.run(client.generate_ids(PROMPT_IDS, STEPS, SamplingParams()))
+    assert got == greedy_reference(reference, PROMPT_IDS, STEPS)
+    session = _session(client)
+    assert [(f.error, f.peer, f.action.name) for f in session.failover_log] == [
+        ("SessionEvicted", "b", "REPLAY")
+    ]
+    assert [(r.stages, r.tokens, r.resent_by) for r in session.replays] == [
+        ((Stage(NodeID("b"), LayerRange(2, 4)),), 11, "a")
+    ]
+    assert _recomputed(chain, {"a", "c"}) == [("a", 0, 8), ("c", 0, 8)]

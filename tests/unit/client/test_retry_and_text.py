@@ -13,6 +13,7 @@ from swarm.errors import (
     NoRouteError,
     ProtocolError,
     SessionError,
+    SessionEvicted,
     TransportError,
     VersionMismatch,
 )
@@ -35,6 +36,7 @@ def _named(error: Exception, peer: str) -> Exception:
         (ProtocolError("garbage"), Action.BAN_AND_REROUTE),
         (CapacityError("full"), Action.REROUTE),
         (SessionError("unknown session"), Action.REPLAY),
+        (SessionEvicted("idle while the cache was short"), Action.REPLAY),
         (VersionMismatch("v2"), Action.GIVE_UP),
         (ModelMismatch("other weights"), Action.GIVE_UP),
         (NoRouteError([3]), Action.GIVE_UP),

@@ -222,15 +222,22 @@ def test_replay_from_an_earlier_position_truncates_the_cache(head, whole) -> Non
         whole.forward([Step("s", extra, 0, 6, len(PROMPT) + 1)])
 
 
-def test_session_budget(tiny_source) -> None:  # type: ignore[no-untyped-def]
-    block = tiny_source.load_blocks(0, 2, cache_tokens=100)
-    block.open_session("a", 60)
-    assert block.free_cache_tokens == 40 and block.active_sessions == ["a"]
-    with pytest.raises(CapacityError, match="KV cache full"):
-        block.open_session("b", 41)
-    block.open_session("b", 40)
+def test_sessions_take_cache_blocks_as_their_tokens_come(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """Opening takes nothing; each step takes whole blocks of 16 tokens for the tokens it brings; a rewind
+    gives back the blocks past it; closing gives back the rest. max_length_tokens only bounds a session."""
+    block = tiny_source.load_blocks(0, 2, cache_tokens=100)  # 6 blocks of 16: 96 tokens
+    assert block.cache.cache_tokens == 96 and block.free_cache_tokens == 96
+    block.open_session("a", 96)
+    block.open_session("b", 96)  # each may grow to all of it: a promise, not a reservation
+    assert block.cache.free_tokens == 96 and block.active_sessions == ["a", "b"]
+    block.forward([Step("a", head.embed(torch.tensor(PROMPT * 2)), 0, 2, 0)])  # 18 tokens: 2 blocks
+    assert block.cache.free_tokens == 64 and block.cache.get("a").held_tokens == 32
+    block.forward([Step("a", head.embed(torch.tensor([1])), 0, 2, 5)])  # a rewind to position 5
+    assert block.cache.free_tokens == 80 and block.session_length("a", 0) == 6
+    with pytest.raises(CapacityError, match="holds 96"):
+        block.open_session("c", 97)
     block.close_session("a")
-    assert block.free_cache_tokens == 60 and block.active_sessions == ["b"]
+    assert block.cache.free_tokens == 96 and block.active_sessions == ["b"]
     with pytest.raises(SessionError):
         block.close_session("a")
     with pytest.raises(SessionError, match="already open"):

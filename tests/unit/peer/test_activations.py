@@ -65,7 +65,7 @@ def _set(h: PeerHandlers, mode: str) -> None:
 def test_a_hop_sends_its_output_on_in_the_codec_it_is_set_to(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h, next_hop = _handlers(Clock()), NextHop(monkeypatch)
+    h, next_hop = _handlers(Clock(), cache_tokens=1024), NextHop(monkeypatch)
     _set(h, mode)
     hidden = torch.randn(1, h.peer.spec.hidden_size)
 
@@ -85,7 +85,7 @@ def test_a_hop_sends_its_output_on_in_the_codec_it_is_set_to(
 def test_auto_goes_lighter_as_the_measured_link_to_the_next_hop_slows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h, next_hop = _handlers(Clock()), NextHop(monkeypatch)
+    h, next_hop = _handlers(Clock(), cache_tokens=1024), NextHop(monkeypatch)
     _set(h, "auto")
     hidden = torch.randn(1, h.peer.spec.hidden_size)  # 64 float32 values: 256 bytes, 128 in f16, 82 in q8
     chosen = {}
@@ -103,7 +103,7 @@ def test_auto_goes_lighter_as_the_measured_link_to_the_next_hop_slows(
 
 
 def test_the_last_hop_answers_a_wait_in_the_codec_it_asks_for() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     hidden = torch.randn(1, h.peer.spec.hidden_size)
     outputs = {}
 
@@ -122,7 +122,7 @@ def test_the_last_hop_answers_a_wait_in_the_codec_it_asks_for() -> None:
 
 
 def test_lighter_states_that_arrive_run_in_the_peers_dtype() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     hidden = torch.randn(3, h.peer.spec.hidden_size)
     replies = {}
 

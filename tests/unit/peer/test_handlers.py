@@ -4,8 +4,10 @@ route never call another peer). Time is an injected clock; waits are on events, 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -86,9 +88,10 @@ def test_sessions_open_implicitly_count_against_the_budget_and_expire_when_idle(
         clock.now += 20
         await h.rpc_step(_step(h, "s1", 4, 1), "QmClient")  # a step resets the idle clock
         info = await h.rpc_info(InfoRequest(), "QmClient")
-        assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 32, 64)
-        with pytest.raises(CapacityError, match="free"):
-            await h.rpc_step(_step(h, "s2", 0, 1, max_length=40), "QmClient")
+        # 5 tokens hold one block of 16: the session's max_length (32) is a bound, not a reservation
+        assert (info.active_sessions, info.free_cache_tokens, info.cache_tokens_total) == (1, 48, 64)
+        with pytest.raises(CapacityError, match="this peer has 64"):
+            await h.rpc_step(_step(h, "s2", 0, 1, max_length=65), "QmClient")
         with pytest.raises(SessionError, match="unknown session"):
             await h.rpc_step(_step(h, "never-opened", 3, 1), "QmClient")
         clock.now += 29
@@ -186,7 +189,7 @@ def test_probe_echoes_sizes() -> None:
 
 
 def test_one_remote_peer_cannot_have_more_steps_in_flight_than_its_share() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     h.config = SessionConfig(max_requests_per_remote=2)
 
     async def body() -> None:
@@ -227,7 +230,7 @@ def test_a_middle_hop_sends_decode_steps_on_one_route_on_together_each_with_its_
 ) -> None:
     """Steps with a hop after the next one (this peer is a middle hop) that came in one message go on to the
     next hop together, and a failure there fails only its own step, naming the hop that failed."""
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     hop = Hop("QmNext", ("/ip4/127.0.0.1/tcp/1/p2p/QmNext",), 2, 4)
     after = Hop("QmAfter", ("/ip4/127.0.0.1/tcp/1/p2p/QmAfter",), 4, 6)
     sent: list[list[str]] = []
@@ -270,8 +273,8 @@ def test_a_middle_hop_sends_decode_steps_on_one_route_on_together_each_with_its_
 
 
 def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
-    h = _handlers(Clock())
-    alone = _handlers(Clock())  # the same steps sent one by one, for the expected outputs
+    h = _handlers(Clock(), cache_tokens=1024)
+    alone = _handlers(Clock(), cache_tokens=1024)  # the same steps sent one by one, for the expected outputs
 
     def forwarded(sid: str, hidden: torch.Tensor) -> StepRequest:
         return replace(_step(h, sid, 0, 1, max_length=8), hidden=hidden, wait_result=True, origin="QmClient")
@@ -303,9 +306,9 @@ def test_forwarded_steps_each_run_as_their_own_step_and_fail_alone() -> None:
 
 
 def test_a_clients_waits_in_one_message_each_get_their_own_output_or_error() -> None:
-    h = _handlers(Clock())
+    h = _handlers(Clock(), cache_tokens=1024)
     alone = _handlers(
-        Clock()
+        Clock(), cache_tokens=1024
     )  # the same steps with their outputs answered directly, for the expected outputs
 
     def sent(handlers: PeerHandlers, sid: str, hidden: torch.Tensor, wait_result: bool) -> StepRequest:
@@ -332,3 +335,99 @@ def test_a_clients_waits_in_one_message_each_get_their_own_output_or_error() -> 
             assert torch.allclose(outcome.hidden, expected.hidden, atol=1e-5)  # type: ignore[union-attr]
 
     run_peers([h.peer, alone.peer], body)
+
+
+def test_a_close_that_overtakes_the_first_step_keeps_the_session_closed() -> None:
+    """A client that went away closes its session before its first step got here: that step, when it comes,
+    opens nothing (the session would hold cache until its idle timeout); other sessions open as ever, and after
+    closed_memory_s the id is free again."""
+    clock = Clock()
+    h = _handlers(clock)
+
+    async def body() -> None:
+        assert (await h.rpc_close(CloseRequest("gone"), "QmClient")).closed is False
+        with pytest.raises(SessionError, match="closed by its client"):
+            await h.rpc_step(_step(h, "gone", 0, 4), "QmClient")
+        assert h.peer.session_count == 0
+        await h.rpc_step(_step(h, "other", 0, 4), "QmClient")
+        clock.now += SessionConfig().closed_memory_s + 1
+        await h.rpc_close(CloseRequest("other"), "QmClient")  # an open session's close: remembered too
+        await h.rpc_step(_step(h, "gone", 0, 4), "QmClient")
+        assert h.peer.session_count == 1
+
+    _run(h, body)
+
+
+def test_a_step_running_when_its_session_is_closed_does_not_go_on_to_the_next_hop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The close goes down the route at once; the step running here meanwhile must not follow it and open the
+    session again at the next hop."""
+    h = _handlers(Clock())
+    served = h.peer.current
+    assert served is not None
+    running, go = threading.Event(), threading.Event()
+    real_forward = served.blocks.forward
+    forwarded: list[StepRequest] = []
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        running.set()
+        go.wait(30)
+        return real_forward(*args, **kwargs)
+
+    async def next_hop(p2p: object, peer_id: str, request: StepRequest, **_: object) -> object:
+        forwarded.append(request)
+        raise AssertionError("a step of a closed session went on")
+
+    monkeypatch.setattr(handlers_module, "call_step_acked", next_hop)
+    monkeypatch.setattr(handlers_module, "call_step", next_hop)
+    hop = Hop("QmNext", ("/ip4/127.0.0.1/tcp/1/p2p/QmNext",), 2, 4)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        await h.rpc_step(_step(h, "s", 0, 4), "QmClient")  # opened here (no next hop)
+        served.blocks.forward = slow_forward  # type: ignore[method-assign]
+        step = asyncio.create_task(h.rpc_step(replace(_step(h, "s", 4, 1), route_rest=(hop,)), "QmClient"))
+        assert await loop.run_in_executor(None, running.wait, 30)
+        closing = asyncio.create_task(h.rpc_close(CloseRequest("s"), "QmClient"))
+        await asyncio.sleep(0)  # the close starts: it is remembered before it awaits anything
+        go.set()
+        with pytest.raises(SessionError, match="closed by its client while this step ran"):
+            await step
+        assert (await closing).closed is True and forwarded == [] and h.peer.session_count == 0
+
+    _run(h, body)
+
+
+def test_with_prefix_sharing_a_peer_answers_as_without_it() -> None:
+    """--session-share-prefixes: a prompt sent after another with the same first 32 tokens, whole or in chunks,
+    gets the same outputs as from a peer that computes everything (sharing the full blocks it can: a step
+    computes at least its last token)."""
+    source = resolve_model("tiny")
+    peers = []
+    for share in (True, False):
+        config = SessionConfig(share_prefixes=share)
+        identity = Identity("QmSelf", "unit", (), 1 << 30, 6)
+        peer = Peer(identity, source.spec, Executor(), config, clock=Clock())
+        peer.serve(source.load_blocks(0, 2, cache_tokens=256))
+        peers.append(PeerHandlers(peer, p2p=None, config=config))  # type: ignore[arg-type]
+    rows = torch.randn(40, source.spec.hidden_size, generator=torch.Generator().manual_seed(7))
+    other = torch.randn(8, source.spec.hidden_size, generator=torch.Generator().manual_seed(8))
+
+    def step(sid: str, position: int, hidden: torch.Tensor) -> StepRequest:
+        return StepRequest(sid, position, hidden, 0, 2, 64, source.spec.weights_hash)
+
+    async def body() -> None:
+        prompts = {"x": rows, "y": torch.cat([rows[:32], other]), "z": torch.cat([rows[:32], other])}
+        for h in peers:
+            replies = [await h.rpc_step(step("x", 0, prompts["x"]), "QmClient")]
+            replies.append(await h.rpc_step(step("y", 0, prompts["y"]), "QmClient"))
+            for position, end in ((0, 24), (24, 40)):  # z in chunks: its first shares a block
+                replies.append(await h.rpc_step(step("z", position, prompts["z"][position:end]), "QmC"))
+            h.outputs = torch.cat([r.hidden for r in replies])  # type: ignore[attr-defined]
+        sharing, plain = peers
+        torch.testing.assert_close(sharing.outputs, plain.outputs, atol=1e-5, rtol=1e-5)  # type: ignore[attr-defined]
+        cache = sharing.peer.current.blocks.cache  # type: ignore[union-attr]
+        assert cache.prefix_tokens_shared == 32 + 16  # y's two blocks, and one in z's first chunk
+
+    run_peers([h.peer for h in peers], body)

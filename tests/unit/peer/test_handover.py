@@ -139,7 +139,7 @@ def test_hostile_hand_over_chunks_get_clear_errors_and_the_receiver_keeps_servin
             await b.rpc_handover(bad, "QmEvil")
         assert b.peer.session_count == 0, "a refused hand-over frees what it reserved"
         with pytest.raises(CapacityError):
-            await b.rpc_handover(replace(first, max_length_tokens=33), "QmEvil")  # over its share
+            await b.rpc_handover(replace(first, max_length_tokens=65), "QmEvil")  # over the whole cache
         assert not (await b.rpc_handover(first, "QmEvil")).installed
         with pytest.raises(ProtocolError, match="expected layer"):
             await b.rpc_handover(replace(second, token_start=1), "QmEvil")  # out of order
@@ -154,17 +154,17 @@ def test_hostile_hand_over_chunks_get_clear_errors_and_the_receiver_keeps_servin
 
 def test_a_hand_over_counts_against_the_senders_share() -> None:
     a = _handlers("QmA", cache_tokens=128)
-    b = _handlers("QmB", cache_tokens=64)  # one remote may reserve half of it by default
-    prompt = torch.randn(2, a.peer.spec.hidden_size)
+    b = _handlers("QmB", cache_tokens=64)  # one remote may hold half of it by default: 2 blocks
+    prompt = torch.randn(20, a.peer.spec.hidden_size)  # 2 blocks
 
     async def body() -> None:
         for sid in ("s1", "s2"):
             await a.rpc_step(_step(a, 0, prompt, sid), CLIENT)
-        for request in _snapshot_chunks(a, 2, "s1"):
+        for request in _snapshot_chunks(a, 20, "s1"):
             last = await b.rpc_handover(request, "QmSender")
         assert last.installed
         with pytest.raises(CapacityError, match="QmSender"[-8:]):
-            await b.rpc_handover(_snapshot_chunks(a, 2, "s2")[0], "QmSender")
+            await b.rpc_handover(_snapshot_chunks(a, 20, "s2")[0], "QmSender")
 
     _run([a, b], body)
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from swarm.errors import CapacityError, ProtocolError, SessionError
+from swarm.errors import CapacityError, ProtocolError, SessionError, SessionEvicted
 from swarm.models.loading import resolve_model
 from swarm.peer import handlers as handlers_module
 from swarm.peer.config import ExecutorConfig, SessionConfig
@@ -153,13 +153,15 @@ def test_dial_back_is_only_to_the_caller_and_never_echoes_the_dial_error() -> No
     assert reply.dial_back_ok is False and reply.dial_back_error == DIAL_BACK_FAILED
 
 
-def _peer(clock: Clock, sessions: SessionConfig, queue_jobs: int = 256) -> PeerHandlers:
+def _peer(
+    clock: Clock, sessions: SessionConfig, queue_jobs: int = 256, cache_tokens: int = 64
+) -> PeerHandlers:
     torch.set_num_threads(1)
     source = resolve_model("tiny")
     identity = Identity("QmSelf", "unit", (), 1 << 30, 6)
     executor = Executor(ExecutorConfig(queue_jobs=queue_jobs))
     peer = Peer(identity, source.spec, executor, sessions, clock=clock)
-    peer.serve(source.load_blocks(0, 2, cache_tokens=64))
+    peer.serve(source.load_blocks(0, 2, cache_tokens=cache_tokens))
     return PeerHandlers(peer, p2p=None, config=sessions)  # type: ignore[arg-type]
 
 
@@ -222,15 +224,50 @@ def test_one_remote_cannot_squat_the_cache_or_the_session_table() -> None:
     h = _peer(Clock(), SessionConfig(max_sessions_per_remote=2, max_remote_cache_fraction=0.5))
 
     async def body() -> None:
-        await h.rpc_step(_step(h, "big", 0, 1, max_length=32), "QmSquatter")  # its whole share
-        with pytest.raises(CapacityError, match="one peer may reserve"):
+        await h.rpc_step(_step(h, "big", 0, 20, max_length=64), "QmSquatter")  # 2 blocks: its whole share
+        with pytest.raises(CapacityError, match="one peer may hold"):
             await h.rpc_step(_step(h, "more", 0, 1, max_length=1), "QmSquatter")
-        await h.rpc_step(_step(h, "honest", 0, 1, max_length=32), "QmHonest")  # the other half is free
+        await h.rpc_step(_step(h, "honest", 0, 20, max_length=64), "QmHonest")  # the other half is free
         await h.rpc_close(CloseRequest("honest"), "QmHonest")
         await h.rpc_step(_step(h, "a", 0, 1, max_length=1), "QmMany")
         await h.rpc_step(_step(h, "b", 0, 1, max_length=1), "QmMany")
         with pytest.raises(CapacityError, match="sessions open here"):
             await h.rpc_step(_step(h, "c", 0, 1, max_length=1), "QmMany")
+
+    _run(h, body)
+
+
+def test_fresh_identities_holding_one_token_sessions_cannot_keep_an_honest_client_out() -> None:
+    """Sybils: 16 fresh identities fill the whole cache with one-token sessions of the largest size they may
+    ask for, and keep them alive with a step every 30 s. An honest client opening then generates 40 tokens, a
+    step a second: every step is served at once (no refusal, no retry), taking its blocks from the squatters;
+    a squatter whose blocks were taken is told SessionEvicted; the honest session never loses its cache."""
+    clock = Clock()
+    h = _peer(clock, SessionConfig(idle_timeout_s=60.0, max_remote_cache_fraction=0.5), cache_tokens=512)
+    squatters = [(f"QmSybil{i:02d}", f"s{j}") for i in range(16) for j in range(2)]  # 32 blocks: all of it
+
+    async def body() -> None:
+        for remote, sid in squatters:
+            await h.rpc_step(_step(h, sid, 0, 1, max_length=256), remote)
+        assert h.peer.current is not None and h.peer.current.blocks.cache.free_tokens == 0
+        evicted: set[tuple[str, str]] = set()
+        position = 0
+        for second in range(1, 60):
+            clock.now += 1.0
+            if second % 30 == 0:  # the squatters' keep-alive
+                for remote, sid in squatters:
+                    if (remote, sid) not in evicted:
+                        try:
+                            await h.rpc_step(_step(h, sid, 1, 1, max_length=256), remote)
+                        except SessionEvicted:
+                            evicted.add((remote, sid))
+            if position < 40:
+                tokens = 9 if position == 0 else 1  # a prompt, then decode steps
+                reply = await h.rpc_step(_step(h, "honest", position, tokens, max_length=256), "QmHonest")
+                assert reply.hidden.shape[0] == tokens
+                position += tokens
+        assert position == 40 and _length(h, "QmHonest", "honest") == 40
+        assert len(evicted) == 3  # 40 tokens: 3 blocks taken back from squatters, each told so at its step
 
     _run(h, body)
 

@@ -133,15 +133,16 @@ def test_a_step_queued_on_the_old_blocks_still_runs_after_the_carry_over(tiny_so
 
 def test_carrying_sessions_over_checks_containment_and_budget(tiny_source):
     old = tiny_source.load_blocks(1, 3, cache_tokens=256)
-    old.open_session("a", 100)
-    old.open_session("b", 100)
+    for sid in ("a", "b"):  # 80 tokens each: 5 blocks
+        old.open_session(sid, 100)
+        old.forward([Step(sid, torch.randn(80, tiny_source.spec.hidden_size), 1, 3, 0)])
     with pytest.raises(ValueError, match="does not contain"):
         assemble_blocks(tiny_source, old, R(2, 4)).carry_sessions(old)
     held = list(old.layers)
     small = BlockRange(tiny_source.spec, tiny_source.config, held, R(1, 3), 150, old.device, old.dtype)
     with pytest.raises(CapacityError):
         small.carry_sessions(old)
-    assert small.active_sessions == [] and small.free_cache_tokens == 150  # none carried half-way
+    assert small.active_sessions == [] and small.free_cache_tokens == 144  # none carried half-way (9 blocks)
     assert old.cache.get("a").layers == R(1, 3)
 
 

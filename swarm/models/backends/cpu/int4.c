@@ -225,29 +225,49 @@ static inline __m256 dots8(const float *q, const float *keys, long dim) {
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-/* out[8 * lanes] = sum over j of p[j] * values[j] (row stride dim), the sums over j in order for each element (as
-   a plain loop adds them) in registers: written to memory and read back for every key instead, they would hold
-   decode attention to the store and load ports. The results are bit for bit the same. `lanes` is a constant once inlined, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void weigh_lanes(const float *p, const float *values, long length,
+/* A kv head's cache in blocks: token j's row is at base + (table[j / block] * block + j % block) * dim (the
+   pool's blocks of that kv head one after another, block rows each). A contiguous cache is one block. */
+typedef struct {
+    const float *base;
+    const int64_t *table;
+    long block;
+} paged;
+
+static inline const float *paged_block(paged c, long j0, long dim) { return c.base + c.table[j0 / c.block] * c.block * dim; }
+
+/* out[8 * lanes] = sum over j of p[j] * values[j] (each row's elements from `offset`), the sums over j in order
+   for each element (as a plain loop adds them) in registers: written to memory and read back for every key
+   instead, they would hold decode attention to the store and load ports. The results are bit for bit the same.
+   `lanes` is a constant once inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_lanes(const float *p, paged values, long offset, long length,
                                                               long dim, const int lanes, float *out) {
     __m256 acc[8];
     for (int c = 0; c < lanes; c++) acc[c] = _mm256_setzero_ps();
-    for (long j = 0; j < length; j++) {
-        __m256 pj = _mm256_set1_ps(p[j]);
-        const float *v = values + j * dim;
-        for (int c = 0; c < lanes; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(pj, _mm256_loadu_ps(v + 8 * c)));
+    for (long j0 = 0; j0 < length; j0 += values.block) {
+        const float *rows = paged_block(values, j0, dim) + offset;
+        long n = length - j0 < values.block ? length - j0 : values.block;
+        for (long j = 0; j < n; j++) {
+            __m256 pj = _mm256_set1_ps(p[j0 + j]);
+            const float *v = rows + j * dim;
+            for (int c = 0; c < lanes; c++)
+                acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(pj, _mm256_loadu_ps(v + 8 * c)));
+        }
     }
     for (int c = 0; c < lanes; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 
 /* out[dim] = sum over j of p[j] * values[j]: 64 elements at a time, then 8, then one */
-static void weigh_values(const float *p, const float *values, long length, long dim, float *out) {
+static void weigh_values(const float *p, paged values, long length, long dim, float *out) {
     long i = 0;
-    for (; i + 64 <= dim; i += 64) weigh_lanes(p, values + i, length, dim, 8, out + i);
-    for (; i + 8 <= dim; i += 8) weigh_lanes(p, values + i, length, dim, 1, out + i);
+    for (; i + 64 <= dim; i += 64) weigh_lanes(p, values, i, length, dim, 8, out + i);
+    for (; i + 8 <= dim; i += 8) weigh_lanes(p, values, i, length, dim, 1, out + i);
     for (; i < dim; i++) {
         float o = 0.0f;
-        for (long j = 0; j < length; j++) o += p[j] * values[j * dim + i];
+        for (long j0 = 0; j0 < length; j0 += values.block) {
+            const float *rows = paged_block(values, j0, dim);
+            long n = length - j0 < values.block ? length - j0 : values.block;
+            for (long j = 0; j < n; j++) o += p[j0 + j] * rows[j * dim + i];
+        }
         out[i] = o;
     }
 }
@@ -255,16 +275,23 @@ static void weigh_values(const float *p, const float *values, long length, long 
 /* softmax(q . K^T * scale) V over `length` keys of one kv head, for the `group` query heads that share it
    (q and out [group][dim]; scores [group][length]): each key is read once for the whole group, the values once
    per head of it (from the core's caches after the first: a kv head's values at 1024 tokens are 256 KB). */
-static void attend(const float *q, long group, const float *keys, const float *values, long length, long dim,
+static void attend(const float *q, long group, paged keys, paged values, long length, long dim,
                    float scale, float *scores, float *out) {
-    long j = 0;
-    if (dim % 8 == 0)
-        for (; j + 8 <= length; j += 8)
+    long j;
+    /* 8 keys at a time within a block (a block's rows are a multiple of 8, or it is the only one), then one */
+    for (long j0 = 0; j0 < length; j0 += keys.block) {
+        const float *rows = paged_block(keys, j0, dim);
+        long n = length - j0 < keys.block ? length - j0 : keys.block;
+        j = 0;
+        if (dim % 8 == 0)
+            for (; j + 8 <= n; j += 8)
+                for (long h = 0; h < group; h++)
+                    _mm256_storeu_ps(scores + h * length + j0 + j,
+                                     _mm256_mul_ps(dots8(q + h * dim, rows + j * dim, dim), _mm256_set1_ps(scale)));
+        for (; j < n; j++)
             for (long h = 0; h < group; h++)
-                _mm256_storeu_ps(scores + h * length + j,
-                                 _mm256_mul_ps(dots8(q + h * dim, keys + j * dim, dim), _mm256_set1_ps(scale)));
-    for (; j < length; j++)
-        for (long h = 0; h < group; h++) scores[h * length + j] = dot(q + h * dim, keys + j * dim, dim) * scale;
+                scores[h * length + j0 + j] = dot(q + h * dim, rows + j * dim, dim) * scale;
+    }
     float sums[group];
     for (long h = 0; h < group; h++) {
         float *row = scores + h * length, most = -INFINITY;
@@ -294,14 +321,15 @@ static void attend(const float *q, long group, const float *keys, const float *v
    order, each cached before the next attends, so consecutive rows of one session (one cache, lengths counting
    up) attend causally to each other.
    Packed weights as int4_matmul takes them: q|k|v one after another, o, gate|up one after another, down.
-   cos, sin [rows, head_dim]: each row's rotary angles. keys[r], values[r]: row r's cache of this layer,
-   [kv_heads, capacities[r], head_dim], whose first lengths[r] tokens are cached; this token goes after them.
+   cos, sin [rows, head_dim]: each row's rotary angles. keys[r], values[r]: row r's cache of this layer, a pool
+   [kv_heads, pools[r], blocks[r], head_dim] of pools[r] blocks of blocks[r] tokens, of which its session holds
+   tables[r] in order; its first lengths[r] tokens are cached, and this token goes after them.
    Returns 0, or -1 if scratch memory could not be had (h is then unchanged). */
 int decode_layer(float *h, long rows, long hidden, const float *norm_in, const float *norm_post, float eps,
                  const uint8_t *qkv, const uint8_t *o, const uint8_t *gate_up, const uint8_t *down,
                  long intermediate, long heads, long kv_heads, long head_dim, float scale, const float *cos,
-                 const float *sin, float *const *keys, float *const *values, const long *capacities,
-                 const long *lengths) {
+                 const float *sin, float *const *keys, float *const *values, const int64_t *const *tables,
+                 const long *blocks, const long *pools, const long *lengths) {
     long q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     long longest = 0;
     for (long r = 0; r < rows; r++) longest = lengths[r] + 1 > longest ? lengths[r] + 1 : longest;
@@ -329,19 +357,21 @@ int decode_layer(float *h, long rows, long hidden, const float *norm_in, const f
         float *q = projected + r * qkv_width, *k = q + q_width, *v = k + kv_width;
         const float *c = cos + r * head_dim, *s = sin + r * head_dim;
         for (long head = 0; head < heads; head++) rope(q + head * head_dim, head_dim, c, s);
-        long at = lengths[r], capacity = capacities[r];
+        long at = lengths[r], block = blocks[r], head_floats = pools[r] * block * head_dim;
+        long row = (tables[r][at / block] * block + at % block) * head_dim;  /* within a kv head's pool */
         for (long kv = 0; kv < kv_heads; kv++) {
             rope(k + kv * head_dim, head_dim, c, s);
-            float *kc = keys[r] + (kv * capacity + at) * head_dim, *vc = values[r] + (kv * capacity + at) * head_dim;
+            float *kc = keys[r] + kv * head_floats + row, *vc = values[r] + kv * head_floats + row;
             for (long i = 0; i < head_dim; i++) {
                 kc[i] = k[kv * head_dim + i];
                 vc[i] = v[kv * head_dim + i];
             }
         }
-        for (long kv = 0; kv < kv_heads; kv++)  /* query heads kv * group .. (kv + 1) * group - 1 share it */
-            attend(q + kv * group * head_dim, group, keys[r] + kv * capacity * head_dim,
-                   values[r] + kv * capacity * head_dim, at + 1, head_dim, scale, scores,
+        for (long kv = 0; kv < kv_heads; kv++) {  /* query heads kv * group .. (kv + 1) * group - 1 share it */
+            paged kh = {keys[r] + kv * head_floats, tables[r], block}, vh = {values[r] + kv * head_floats, tables[r], block};
+            attend(q + kv * group * head_dim, group, kh, vh, at + 1, head_dim, scale, scores,
                    attended + r * q_width + kv * group * head_dim);
+        }
     }
     int4_matmul(attended, rows, q_width, o, hidden, back);
     for (long i = 0; i < rows * hidden; i++) h[i] = h[i] + back[i];
@@ -374,13 +404,13 @@ int decode_layers(float *h, long rows, long hidden, long layers, const float *co
                   const float *const *norm_post, const float *eps, const uint8_t *const *qkv,
                   const uint8_t *const *o, const uint8_t *const *gate_up, const uint8_t *const *down,
                   long intermediate, long heads, long kv_heads, long head_dim, float scale, const float *cos,
-                  const float *sin, float *const *keys, float *const *values, const long *capacities,
-                  const long *lengths) {
+                  const float *sin, float *const *keys, float *const *values, const int64_t *const *tables,
+                  const long *blocks, const long *pools, const long *lengths) {
     for (long l = 0; l < layers; l++) {
         long at = l * rows;
         int failed = decode_layer(h, rows, hidden, norm_in[l], norm_post[l], eps[l], qkv[l], o[l], gate_up[l],
                                   down[l], intermediate, heads, kv_heads, head_dim, scale, cos, sin, keys + at,
-                                  values + at, capacities + at, lengths + at);
+                                  values + at, tables + at, blocks + at, pools + at, lengths + at);
         if (failed) return failed;
     }
     return 0;

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from swarm.config import cache_dir
+from swarm.models.kv_cache import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +244,11 @@ def decode_layers(
     attention: Attention,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    caches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, int]]],
+    caches: Sequence[Sequence[Cache]],
 ) -> None:
     """int4.c's ``decode_layer`` through each layer of ``run`` in turn, in one call of the library: caches[i] are the
-    rows' caches in the run's layer i (one call, not one per layer: each call costs interpreter work). If it fails
+    rows' caches in the run's layer i (one call, not one per layer: each call costs interpreter work), each a
+    pool of blocks with the session's table (kv_cache.Slot) or a contiguous (keys, values, length). If it fails
     (MemoryError), h holds the layers before the one that failed: the caller drops the step's cache writes
     (CpuRange._run_fused)."""
     function = _decode_layers()
@@ -273,17 +275,7 @@ def decode_layers(
             f"decode_layers takes rows [N, hidden] of the run's size with N caches a layer and angles, got "
             f"{tuple(h.shape)} for {run.hidden} features and {len(run.layers)} layers"
         )
-    slots = [slot for layer in caches for slot in layer]
-    for keys, values, length in slots:
-        shape = (attention.kv_heads, keys.shape[1], attention.head_dim)
-        if not (
-            keys.shape == values.shape == shape
-            and keys.is_contiguous()
-            and values.is_contiguous()
-            and keys.dtype == values.dtype == torch.float32
-            and 0 <= length < shape[1]
-        ):
-            raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {length}")
+    slots = _paged([slot for layer in caches for slot in layer], attention)
     cos, sin = cos.contiguous(), sin.contiguous()
     pointers = ctypes.c_void_p * len(slots)
     counts = ctypes.c_long * len(slots)
@@ -306,13 +298,73 @@ def decode_layers(
         attention.scale,
         cos.data_ptr(),
         sin.data_ptr(),
-        pointers(*(k.data_ptr() for k, _, _ in slots)),
-        pointers(*(v.data_ptr() for _, v, _ in slots)),
-        counts(*(k.shape[1] for k, _, _ in slots)),
-        counts(*(length for _, _, length in slots)),
+        pointers(*(slot.keys.data_ptr() for slot in slots)),
+        pointers(*(slot.values.data_ptr() for slot in slots)),
+        pointers(*(slot.table.data_ptr() for slot in slots)),
+        counts(*(slot.keys.shape[2] for slot in slots)),
+        counts(*(slot.keys.shape[1] for slot in slots)),
+        counts(*(slot.length for slot in slots)),
     )
     if failed:
         raise MemoryError("decode_layers could not allocate its scratch memory")
+
+
+Cache = Slot | tuple[torch.Tensor, torch.Tensor, int]
+_ONE_BLOCK = torch.zeros(1, dtype=torch.int64)  # the table of a contiguous cache: one block, the whole of it
+
+
+def _paged(caches: Sequence[Cache], attention: Attention) -> list[Slot]:
+    """``caches`` as pools of blocks with tables, checked against what the kernel reads and writes: a contiguous
+    (keys, values, length) of [kv_heads, capacity, head_dim] is one block of ``capacity`` tokens. Each pool and
+    table is checked once (a call's rows share them); the tables' entries are the pool's own (kv_cache), not
+    checked one by one."""
+    slots: list[Slot] = []
+    pools: dict[int, int] = {}  # id of a pool -> its block size
+    tables: dict[int, int] = {}  # id of a table -> its entries
+    for cache in caches:
+        if not isinstance(cache, Slot):
+            keys, values, length = cache
+            if keys.ndim != 3 or keys.shape != values.shape:
+                raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {length}")
+            cache = Slot(keys[:, None], values[:, None], _ONE_BLOCK, length)
+        block_tokens = pools.get(id(cache.keys))
+        if block_tokens is None:
+            block_tokens = pools[id(cache.keys)] = _pool_block_tokens(cache, attention)
+        entries = tables.get(id(cache.table))
+        if entries is None:
+            entries = tables[id(cache.table)] = _table_entries(cache.table, block_tokens)
+        if not 0 <= cache.length < entries * block_tokens:
+            raise ValueError(f"a cache of shape {tuple(cache.keys.shape)} cannot take token {cache.length}")
+        slots.append(cache)
+    return slots
+
+
+def _pool_block_tokens(slot: Slot, attention: Attention) -> int:
+    keys, values = slot.keys, slot.values
+    kv_heads, _, block_tokens, head_dim = keys.shape if keys.ndim == 4 else (0, 0, 0, 0)
+    if not (
+        keys.shape == values.shape
+        and (kv_heads, head_dim) == (attention.kv_heads, attention.head_dim)
+        and keys.is_contiguous()
+        and values.is_contiguous()
+        and keys.dtype == values.dtype == torch.float32
+    ):
+        raise ValueError(f"a cache of shape {tuple(keys.shape)} cannot take token {slot.length}")
+    return int(block_tokens)
+
+
+def _table_entries(table: torch.Tensor, block_tokens: int) -> int:
+    """The table's length, once it is known to be one the kernel reads (blocks of a multiple of 8 tokens,
+    unless there is one block)."""
+    if not (
+        table.dtype == torch.int64
+        and table.ndim == 1
+        and table.is_contiguous()
+        and table.device.type == "cpu"
+        and (table.numel() == 1 or block_tokens % 8 == 0)
+    ):
+        raise ValueError(f"a block table of {table.dtype} {tuple(table.shape)} cannot be read")
+    return table.numel()
 
 
 def available() -> bool:
@@ -374,7 +426,7 @@ def _decode_layers() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         *(_ADDRESS,) * 3,  # per layer: norm weights in and after attention, eps
         *(_ADDRESS,) * 4,  # per layer: packed qkv, o, gate_up, down
         *(_COUNT, _COUNT, _COUNT, _COUNT, _REAL),  # intermediate size, heads, kv heads, head dim, scale
-        *(_ADDRESS,) * 6,  # cos, sin; per layer and row: keys, values, capacities, lengths
+        *(_ADDRESS,) * 8,  # cos, sin; per layer and row: keys, values, tables, block and pool sizes, lengths
     ]
     return _function("decode_layers", arguments, ctypes.c_int)
 

@@ -33,6 +33,7 @@ from swarm.models.backends.cpu.matmul import (
     taken,
 )
 from swarm.models.backends.generic import TorchRange, _cut_back
+from swarm.models.kv_cache import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,14 @@ class CpuRange(TorchRange):
             size: torch.empty(self.shape.num_kv_heads, size, self.shape.head_dim) for size in set(batch.sizes)
         }
 
-        def slots(layer: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-            reserved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        def slots(layer: int) -> list[Slot]:
+            reserved: list[Slot] = []
             for cache, size in zip(batch.caches, batch.sizes, strict=True):
-                keys, values, length = cache.reserve(layer, likes[size])
-                reserved.extend((keys, values, length + i) for i in range(size))
+                slot = cache.slot(layer, likes[size])
+                if size == 1:
+                    reserved.append(slot)
+                else:
+                    reserved.extend(slot._replace(length=slot.length + i) for i in range(size))
             return reserved
 
         before = [[cache.length(layer) for layer in range(start, end)] for cache in batch.caches]

@@ -18,6 +18,7 @@ from swarm.models import SamplingParams, Step
 from swarm.models.backends.cpu import int4, matmul
 from swarm.models.backends.cpu.held import Int4Linear, hold
 from swarm.models.backends.cpu.matmul import PACKED_TIMED_ROWS, Forms, NotFourBit, pack, taken
+from swarm.models.kv_cache import Slot
 from swarm.testing.weights import four_bit, make_four_bit
 
 pytestmark = [
@@ -288,10 +289,7 @@ def test_steps_through_the_fused_layer_equal_the_layer_written_out(
         caches = {s: block.cache.get(s) for s in sessions}
         results[mode] = (
             outputs,
-            {
-                s: [(c.keys[i][:, : c.lengths[i]], c.values[i][:, : c.lengths[i]]) for i in range(2)]
-                for s, c in caches.items()
-            },
+            {s: [c.gather(4 + i, c.lengths[i]) for i in range(2)] for s, c in caches.items()},
             {s: list(c.lengths) for s, c in caches.items()},
         )
         for session in sessions:
@@ -346,11 +344,7 @@ def test_a_range_in_one_call_is_bit_for_bit_its_layers_called_one_by_one(
             ]
             outputs.extend(block.forward(steps, gives_way))
         caches = [block.cache.get(f"r{i}") for i in range(3)]
-        kv = [
-            (c.keys[j][:, : c.lengths[j]].clone(), c.values[j][:, : c.lengths[j]].clone())
-            for c in caches
-            for j in range(2)
-        ]
+        kv = [c.gather(4 + j, c.lengths[j]) for c in caches for j in range(2)]
         results.append((outputs, kv))
         for i in range(3):
             block.close_session(f"r{i}")
@@ -551,3 +545,50 @@ def test_a_build_the_compiler_refuses_leaves_the_avx2_build() -> None:
         assert packed is not None
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(int4.product(x, packed, 8), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [12, 32, 72])
+@pytest.mark.parametrize("cached", [0, 15, 16, 40])
+def test_attention_through_a_block_table_is_bit_for_bit_the_contiguous_cache(
+    head_dim: int, cached: int
+) -> None:
+    """A session's cache in blocks of a pool, out of order (kv_cache's layout), gives the same output and
+    writes the same key and value as the same tokens in one contiguous cache, bit for bit."""
+    heads, kv_heads, hidden, block = 8, 2, 64, 16
+    generator = torch.Generator().manual_seed(head_dim + cached)
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    packed_qkv = int4.unpack(_weight(q_width + 2 * kv_width, hidden, seed=head_dim))
+    packed_o = int4.unpack(_weight(hidden, q_width, seed=cached + 1))
+    assert packed_qkv is not None and packed_o is not None
+    zero = _zero_layer(hidden, heads, kv_heads, head_dim)
+    weights = dataclasses.replace(zero, norm_in=torch.ones(hidden), qkv=packed_qkv, o=packed_o)
+    attention = int4.Attention(heads, kv_heads, head_dim, scale=head_dim**-0.5)
+    h = torch.randn(1, hidden, generator=generator)
+    angles = torch.rand(1, head_dim, generator=generator)
+    capacity = (cached // block + 1) * block
+    keys = torch.randn(kv_heads, capacity, head_dim, generator=generator)
+    values = torch.randn(kv_heads, capacity, head_dim, generator=generator)
+    # the same tokens in a pool of 7 blocks, the session's blocks scattered in it
+    table = torch.tensor([5, 1, 6, 0, 3][: capacity // block], dtype=torch.int64)
+    pool_keys = torch.randn(kv_heads, 7, block, head_dim, generator=generator)
+    pool_values = torch.randn(kv_heads, 7, block, head_dim, generator=generator)
+    pool_keys[:, table] = keys.view(kv_heads, -1, block, head_dim)
+    pool_values[:, table] = values.view(kv_heads, -1, block, head_dim)
+    run = int4.LayerRun([weights])
+    contiguous, paged = h.clone(), h.clone()
+    int4.decode_layers(contiguous, run, attention, angles.cos(), angles.sin(), [[(keys, values, cached)]])
+    slot = Slot(pool_keys, pool_values, table, cached)
+    int4.decode_layers(paged, run, attention, angles.cos(), angles.sin(), [[slot]])
+    assert torch.equal(paged, contiguous)
+    written = pool_keys[:, table].reshape(kv_heads, capacity, head_dim)
+    assert torch.equal(written[:, : cached + 1], keys[:, : cached + 1])
+    assert torch.equal(pool_values[:, table].reshape(kv_heads, capacity, head_dim), values)
+    with pytest.raises(ValueError, match="cannot take token"):  # a table without room for the token
+        int4.decode_layers(
+            paged,
+            run,
+            attention,
+            angles.cos(),
+            angles.sin(),
+            [[Slot(pool_keys, pool_values, table, capacity)]],
+        )

@@ -1,0 +1,136 @@
+"""The paged KV cache: blocks taken as tokens come, idle sessions evicted in order, never a stepping one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.errors import CapacityError, SessionError, SessionEvicted
+from swarm.models import Step
+from swarm.models.kv_cache import KVCache
+from swarm.types import LayerRange
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cache(blocks: int, clock: Clock) -> KVCache:
+    return KVCache(LayerRange(0, 2), blocks * 16, clock=clock)
+
+
+def _fill(cache: KVCache, session_id: str, tokens: int, clock: Clock, at_s: float) -> None:
+    clock.now = at_s
+    cache.open(session_id, 1000 if cache.cache_tokens >= 1000 else cache.cache_tokens)
+    cache.prepare({session_id: tokens})
+
+
+def test_the_session_idle_longest_for_the_tokens_it_holds_goes_first() -> None:
+    clock = Clock()
+    cache = _cache(8, clock)
+    _fill(cache, "big-idle", 64, clock, 100.0)  # 4 blocks, idle 20 s at 120: 20 / 64 tokens
+    _fill(cache, "small-idle", 1, clock, 110.0)  # 1 block, idle 10 s: 10 / 16 tokens, more per token
+    _fill(cache, "decoding", 16, clock, 119.95)  # a step 50 ms ago: 0.05 / 16 tokens
+    clock.now = 120.0
+    order = [s.session_id for s in cache.eviction_order()]
+    assert order == ["small-idle", "big-idle", "decoding"]
+    assert cache.available_tokens == 2 * 16 + 80  # free, and held by sessions idle a second or more
+    # 2 free blocks; a newcomer needing 3 evicts the first in order only
+    cache.open("new", 100)
+    cache.prepare({"new": 48})
+    assert cache.get("small-idle").evicted and not cache.get("big-idle").evicted
+    assert cache.get("new").held_tokens == 48 and cache.free_tokens == 0 and cache.evictions == 1
+    # one more block: big-idle goes too; the decoding session stays
+    cache.prepare({"new": 49})
+    assert cache.get("big-idle").evicted and not cache.get("decoding").evicted
+    assert cache.free_tokens == 48
+    # a batch's own sessions are never taken for it: with decoding in the batch, 10 blocks cannot be had
+    with pytest.raises(CapacityError, match="KV cache full"):
+        cache.prepare({"new": 160, "decoding": 17})
+    assert not cache.get("decoding").evicted and cache.get("new").held_tokens == 64  # nothing changed
+    assert cache.get("decoding").held_tokens == 16
+
+
+def test_an_evicted_session_is_told_so_and_starts_afresh_at_position_0(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    blocks = tiny_source.load_blocks(0, 2, cache_tokens=32)  # 2 blocks
+    blocks.cache = KVCache(blocks.range, 32, clock=clock)
+    prompt = head.embed(torch.tensor(PROMPT))
+    blocks.open_session("idle", 32)
+    first = blocks.forward([Step("idle", prompt, 0, 2, 0)])[0]
+    clock.now += 5.0
+    blocks.open_session("busy", 32)
+    blocks.forward([Step("busy", head.embed(torch.tensor(PROMPT * 3)), 0, 2, 0)])  # 27 tokens: both blocks
+    assert blocks.cache.get("idle").evicted and blocks.session_length("idle", 0) == 0
+    with pytest.raises(SessionEvicted, match="evicted") as evicted:
+        blocks.forward([Step("idle", prompt[:1], 0, 2, len(PROMPT))])
+    assert isinstance(evicted.value, SessionError)  # a client that knows only SessionError replays
+    clock.now += 5.0  # busy idles in turn; idle's replay from 0 takes its blocks back, same result
+    again = blocks.forward([Step("idle", prompt, 0, 2, 0)])[0]
+    assert torch.equal(first, again) and not blocks.cache.get("idle").evicted
+    assert blocks.cache.get("busy").evicted
+
+
+def test_carried_sessions_keep_their_tokens_in_the_new_ranges_blocks(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """A range that grows carries its sessions over: their blocks copied into its pool, the steps that follow
+    giving what they would have on the old range."""
+    old, new, check = (tiny_source.load_blocks(a, b, cache_tokens=64) for a, b in [(2, 4), (0, 4), (2, 4)])
+    prompt = head.embed(torch.tensor(PROMPT * 2))
+    for blocks in (old, check):
+        blocks.open_session("s", 64)
+        blocks.forward([Step("s", prompt, 2, 4, 0)])
+    assert new.carry_sessions(old) == ["s"]
+    assert old.cache.free_tokens == 64 and new.cache.free_tokens == 32
+    token = head.embed(torch.tensor([7]))
+    assert torch.equal(
+        new.forward([Step("s", token, 2, 4, 18)])[0], check.forward([Step("s", token, 2, 4, 18)])[0]
+    )
+    new.close_session("s")
+    assert new.cache.free_tokens == 64
+
+
+@pytest.fixture()
+def head(tiny_source):  # type: ignore[no-untyped-def]
+    return tiny_source.load_head()
+
+
+def test_prompts_with_a_common_prefix_share_its_full_blocks_copy_on_write(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """With sharing on, a second prompt with the same first 40 tokens shares their 2 full blocks (and their
+    outputs) and computes only the rest: the same outputs as without sharing, then and after either session
+    rewinds into the shared blocks (each writes its own copy, the other's cache stays as it was)."""
+    shared, alone = (tiny_source.load_blocks(0, 6, cache_tokens=256) for _ in range(2))
+    shared.cache.share_prefixes = True
+    system = [(i * 37) % 300 for i in range(40)]
+    prompts = {"a": system + [5, 6, 7], "b": system + [9, 8]}
+
+    def both(sid: str, ids: list[int], position: int) -> torch.Tensor:
+        hidden = head.embed(torch.tensor(ids))
+        got, expected = (r.forward([Step(sid, hidden, 0, 6, position)])[0] for r in (shared, alone))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return got
+
+    for sid, ids in prompts.items():
+        shared.open_session(sid, 128)
+        alone.open_session(sid, 128)
+        both(sid, ids, 0)
+    cache = shared.cache
+    assert (cache.prefix_tokens_looked_up, cache.prefix_tokens_shared) == (43 + 42, 32)
+    assert cache.used_tokens == 4 * 16  # a: 3 blocks; b: its third block, the first two a's
+    assert cache.get("a").blocks[:2] == cache.get("b").blocks[:2]
+    both("b", [11], 42)
+    both("b", [1, 2, 3], 20)  # b rewinds into the second shared block: it gets a copy of its own
+    assert cache.get("a").blocks[1] != cache.get("b").blocks[1]
+    both("a", [13], 43)  # a's cache is untouched
+    both("a", [4, 4], 10)  # and a rewinds into the first block, still shared with b
+    both("b", [12], 23)
+    shared.close_session("a")
+    shared.close_session("b")
+    assert cache.free_tokens == 256 and cache.pool.index == {} and cache.pool.outputs == {}
