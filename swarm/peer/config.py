@@ -222,6 +222,12 @@ class PlannerConfig:
         "publish a working plan's replacement only when its max flow is this much higher",
     )
     change_fraction: float = setting(0.20, "a measured speed or memory change this large triggers a re-solve")
+    # Lower than change_fraction: a re-flow moves nobody, while a slow link left with a sixth of the flow is
+    # a sixth of the sessions waiting on it.
+    reflow_fraction: float = setting(
+        0.05,
+        "publish a re-flow (same placement, flows on re-measured links) when this share of the flow moves",
+    )
     # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
     # hold instead of swapping ranges for nothing.
     reload_cost_tokens_s: float = setting(
@@ -262,8 +268,16 @@ class PlannerConfig:
         positive(self, "max_layer_tokens_s", "max_link_bandwidth_bytes_s")
         if self.min_reporters < 0:
             raise ValueError(f"min_reporters must be >= 0, got {self.min_reporters}")
-        if self.improve_fraction < 0 or self.change_fraction < 0 or self.move_cost_fraction < 0:
-            raise ValueError("improve_fraction, change_fraction and move_cost_fraction must be >= 0")
+        fractions = (
+            self.improve_fraction,
+            self.change_fraction,
+            self.reflow_fraction,
+            self.move_cost_fraction,
+        )
+        if min(fractions) < 0:
+            raise ValueError(
+                "improve_fraction, change_fraction, reflow_fraction and move_cost_fraction must be >= 0"
+            )
         if self.max_moves < 0 or self.spare_replicas < 0:
             raise ValueError("max_moves and spare_replicas must be >= 0")
 

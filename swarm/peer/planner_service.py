@@ -10,7 +10,7 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
   4. re-flow? when links were re-measured (a link's time per token moved by change_fraction and
      LINK_CHANGE_S) or a re-solve found no better placement: the same placement's flows on today's links
      (graph.max_flow: slow links carry only what the max flow needs), published as a new epoch when they
-     moved by change_fraction of the flow. Nobody moves, and clients route around a link that became slow.
+     moved by reflow_fraction of the flow. Nobody moves, and clients route around a link that became slow.
 Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. After each
 check the planner stores the swarm's summary (membership digest and plan epoch) when either changed, else every
 summary_ttl_s / 3: the other peers read only that, and the records when it changes (swarm.dht.watch). Only a
@@ -165,16 +165,16 @@ def links_changed(before: Cluster | None, now: Cluster, change_fraction: float) 
     return None
 
 
-def reflow(cluster: Cluster, current: Plan, change_fraction: float) -> tuple[Plan | None, str]:
-    """The current placement with its flows on `cluster`'s links, when those moved by more than
-    `change_fraction` of the flow (None otherwise), and why."""
+def reflow(cluster: Cluster, current: Plan, fraction: float) -> tuple[Plan | None, str]:
+    """The current placement with its flows on `cluster`'s links, when those moved by more than `fraction` of
+    the flow (None otherwise), and why."""
     fresh = max_flow(cluster, current.placement, current.method)
     old = {(f.src, f.dst): f.tokens_s for f in current.flows}
     new = {(f.src, f.dst): f.tokens_s for f in fresh.flows}
     # A token that changes paths leaves one edge for another: half the summed change, against the flow.
     moved = sum(abs(new.get(e, 0.0) - old.get(e, 0.0)) for e in old.keys() | new.keys()) / 2
     total = max(current.max_flow_tokens_s, fresh.max_flow_tokens_s)
-    if total <= 0 or moved / total <= change_fraction:
+    if total <= 0 or moved / total <= fraction:
         return None, "flows unchanged"
     return fresh, f"flows re-routed on re-measured links ({moved / total:.0%} of the flow moved)"
 
@@ -311,7 +311,7 @@ class PlannerService:
         relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
         if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
             self._flowed_cluster = cluster
-            candidate, why = await asyncio.to_thread(reflow, cluster, current, self.config.change_fraction)
+            candidate, why = await asyncio.to_thread(reflow, cluster, current, self.config.reflow_fraction)
             if candidate is not None:
                 return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:

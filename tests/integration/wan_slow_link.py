@@ -3,8 +3,8 @@ recipe for bench_wan's slow-link figures):
 
     python -m tests.integration.wan_slow_link --initial-peers MADDR --model tiny:0 --slow P1_ID P3_ID
 
-waits until every serving peer announces its links to all the others, gives the planner `--settle-s` to
-re-flow, then prints one JSON line: the plan's share of flow over the slow link, and the share of sessions
+waits until every serving peer announces its links to all the others and a plan is published, gives the
+planner `--settle-s` to re-flow, then prints one JSON line: the plan's share of flow over the slow link, and the share of sessions
 routed over it, lone (opened and closed one by one) and together (8 open at once)."""
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ async def _links_complete(client: AsyncSwarmClient, peers: int, wait_s: float) -
     raise TimeoutError(f"peers did not announce their links within {wait_s} s")
 
 
+async def _plan_published(client: AsyncSwarmClient, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while (await client.routes.snapshot(force=True)).plan is None:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no plan published within {wait_s} s")
+        await asyncio.sleep(1.0)
+
+
 async def _routes(client: AsyncSwarmClient, together: int, rounds: int) -> list[Route]:
     routes: list[Route] = []
     for _ in range(rounds):
@@ -47,10 +55,11 @@ async def measure(
     client: AsyncSwarmClient, slow: tuple[NodeID, NodeID], peers: int, settle_s: float
 ) -> dict[str, object]:
     await _links_complete(client, peers, 120.0)
-    await asyncio.sleep(settle_s)
+    await _plan_published(client, 120.0)  # the planner's lease and first solve may come after the links
+    await asyncio.sleep(settle_s)  # time to re-flow on the links as measured
     snapshot = await client.routes.snapshot(force=True)  # type: ignore[attr-defined]
     if snapshot.plan is None:
-        raise RuntimeError("no plan published")
+        raise RuntimeError("the plan was withdrawn")
     plan = snapshot.plan.to_plan()
     lone = await _routes(client, 1, 16)
     together = await _routes(client, 8, 4)
