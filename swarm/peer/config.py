@@ -228,6 +228,10 @@ class PlannerConfig:
         0.05,
         "publish a re-flow (same placement, flows on re-measured links) when this share of the flow moves",
     )
+    # Peers of uneven speed push one's surplus through the only other way across, however slow that link is.
+    slow_flow_give: float = setting(
+        0.1, "share of the max flow a published plan's flows may give up to keep tokens off slow links"
+    )
     # Positive so that among placements of equal flow (common: identical peers) the solver keeps what peers
     # hold instead of swapping ranges for nothing.
     reload_cost_tokens_s: float = setting(
@@ -274,9 +278,10 @@ class PlannerConfig:
             self.reflow_fraction,
             self.move_cost_fraction,
         )
-        if min(fractions) < 0:
+        if min(fractions) < 0 or not 0 <= self.slow_flow_give < 1:
             raise ValueError(
-                "improve_fraction, change_fraction, reflow_fraction and move_cost_fraction must be >= 0"
+                "improve_fraction, change_fraction, reflow_fraction and move_cost_fraction must be >= 0, "
+                "and slow_flow_give in [0, 1)"
             )
         if self.max_moves < 0 or self.spare_replicas < 0:
             raise ValueError("max_moves and spare_replicas must be >= 0")

@@ -31,6 +31,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.dht.directory import membership_digest
@@ -165,10 +166,11 @@ def links_changed(before: Cluster | None, now: Cluster, change_fraction: float) 
     return None
 
 
-def reflow(cluster: Cluster, current: Plan, fraction: float) -> tuple[Plan | None, str]:
-    """The current placement with its flows on `cluster`'s links, when those moved by more than `fraction` of
-    the flow (None otherwise), and why."""
-    fresh = max_flow(cluster, current.placement, current.method)
+def reflow(cluster: Cluster, current: Plan, fraction: float, give: float = 0.0) -> tuple[Plan | None, str]:
+    """The current placement with its flows on `cluster`'s links (slow links kept to what the fast ones lack
+    for 1 - `give` of the max flow), when those moved by more than `fraction` of the flow (None otherwise),
+    and why."""
+    fresh = max_flow(cluster, current.placement, current.method, give=give)
     old = {(f.src, f.dst): f.tokens_s for f in current.flows}
     new = {(f.src, f.dst): f.tokens_s for f in fresh.flows}
     # A token that changes paths leaves one edge for another: half the summed change, against the flow.
@@ -307,11 +309,18 @@ class PlannerService:
             candidate, why = await self._solve(cluster, snapshot.peers, current, reason)
             if candidate is not None:
                 self._flowed_cluster = cluster
-                return await self._publish(candidate, epoch + 1, why)
+                give = self.config.slow_flow_give
+                flowed = await asyncio.to_thread(
+                    max_flow, cluster, candidate.placement, candidate.method, give=give
+                )
+                given = replace(candidate, flows=flowed.flows, max_flow_tokens_s=flowed.max_flow_tokens_s)
+                return await self._publish(given, epoch + 1, why)
         relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
         if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
             self._flowed_cluster = cluster
-            candidate, why = await asyncio.to_thread(reflow, cluster, current, self.config.reflow_fraction)
+            candidate, why = await asyncio.to_thread(
+                reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give
+            )
             if candidate is not None:
                 return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:

@@ -31,7 +31,10 @@ alternative exists; with no slow link the flows are exactly preflow-push's. Late
 trade against throughput (a plan never serves fewer tokens/s to save a link's delay: the swarm's capacity
 is what its many sessions share, and a lone session's latency is the client's route choice to make, see
 swarm.routing.route); nor does it change the placement search, which scores placements by max flow alone
-(the min-cost flow is computed once, for the chosen placement).
+(the min-cost flow is computed once, for the chosen placement). One exception, for the plan a planner
+publishes (`give`): peers of uneven speed would push one's surplus through the only other way across, a slow
+link; the published flows may give up a small share of the max flow (a tenth by default) so that slow links
+carry only what the fast ones lack for the rest.
 """
 
 from __future__ import annotations
@@ -95,14 +98,21 @@ def link_cost_s(cluster: Cluster, src: NodeID, dst: NodeID) -> float:
 
 
 def max_flow(
-    cluster: Cluster, placement: Placement, method: str = "evaluate", *, least_delay: bool = True
+    cluster: Cluster,
+    placement: Placement,
+    method: str = "evaluate",
+    *,
+    least_delay: bool = True,
+    give: float = 0.0,
 ) -> Plan:
     """Max tokens/s through the placement and the flow on every edge that carries some.
 
     With `least_delay`, slow links carry no more flow than the least-delay max flow gives them (see the
     module docstring); without, whichever max flow preflow-push finds (the same value, for scoring many
-    placements faster). Nodes not in `placement` are idle. The placement is not checked here; see
-    placement.check_placement.
+    placements faster). `give` (with `least_delay`): the share of the max flow the plan may give up to keep
+    tokens off slow links, which then carry only what the fast links lack for the rest (a published plan's
+    flows; scoring and comparing keep the whole max flow). Nodes not in `placement` are idle. The placement
+    is not checked here; see placement.check_placement.
     """
     started = time.perf_counter()
     # Integer vertices (0 source, 1 sink, 2 + 2i node i in, 3 + 2i node i out): preflow-push keeps sets of
@@ -121,7 +131,7 @@ def max_flow(
         cost = round(link_cost_s(cluster, u, v) * _COST_SCALE)
         graph.add_edge(tail, head, capacity=int(cap * _SCALE), weight=cost)
     if least_delay:
-        _cap_slow_links(graph)
+        _cap_slow_links(graph, give)
     value, flow_dict = nx.maximum_flow(graph, 0, 1, flow_func=preflow_push)
     flows: list[EdgeFlow] = []
     for tail, heads in flow_dict.items():
@@ -151,8 +161,9 @@ def link_flow_share(plan: Plan, src: NodeID, dst: NodeID) -> float:
     return on_link / plan.max_flow_tokens_s
 
 
-def _cap_slow_links(graph: nx.DiGraph) -> None:
-    """Cap each slow link of `graph` (see the module docstring) at its flow in the min-cost max flow."""
+def _cap_slow_links(graph: nx.DiGraph, give: float) -> None:
+    """Cap each slow link of `graph` (see the module docstring) at its flow in the min-cost flow of 1 - `give`
+    of the max flow (the min-cost max flow when `give` is 0)."""
     hops = [(u, v, w) for u, v, w in graph.edges(data="weight") if not (u >= 2 and u % 2 == 0)]
     cheapest_out: dict[int, int] = {}
     cheapest_in: dict[int, int] = {}
@@ -164,7 +175,13 @@ def _cap_slow_links(graph: nx.DiGraph) -> None:
     ]
     if not slow:
         return
-    least = nx.max_flow_min_cost(graph, 0, 1)
+    if give > 0:
+        wanted = int(nx.maximum_flow_value(graph, 0, 1, flow_func=preflow_push) * (1.0 - give))
+        demands = graph.copy()
+        demands.nodes[0]["demand"], demands.nodes[1]["demand"] = -wanted, wanted
+        least = nx.min_cost_flow(demands)
+    else:
+        least = nx.max_flow_min_cost(graph, 0, 1)
     for u, v in slow:
         graph[u][v]["capacity"] = least[u][v]
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.planner import solve
-from swarm.planner.cluster import Cluster, full_mesh_links
+from swarm.planner.cluster import Cluster, ClusterNode, full_mesh_links
 from swarm.planner.graph import link_flow_share, max_flow
 from swarm.planner.synthetic import slow_link_layout
 from swarm.types import SINK, SOURCE, LayerRange, NodeID
@@ -99,3 +100,26 @@ def test_least_delay_keeps_the_max_flow_value_and_conserves_flow(seed: int) -> N
 def test_link_flow_share_of_an_empty_plan_is_zero() -> None:
     cluster, slow = slow_link_layout()
     assert link_flow_share(max_flow(cluster, {}), *slow) == 0.0
+
+
+def test_a_published_plan_gives_a_little_flow_to_keep_a_faster_peers_surplus_off_the_slow_link() -> None:
+    # p1 and p3, the slow link's ends, compute a third faster than p2 and p4: with the whole max flow kept,
+    # what p1 has over p4's share can only reach p3 over the slow link. Giving up a tenth keeps most of it off.
+    cluster, slow = slow_link_layout()
+
+    def faster(node: ClusterNode) -> ClusterNode:
+        return replace(node, tokens_s_by_layers=tuple(1.35 * t for t in node.tokens_s_by_layers))
+
+    cluster = replace(cluster, nodes=tuple(faster(n) if n.id in slow else n for n in cluster.nodes))
+    placement = {
+        n.id: LayerRange(0, 15) if n.id in ("p1", "p2") else LayerRange(15, 30) for n in cluster.nodes
+    }
+    whole = max_flow(cluster, placement)
+    giving = max_flow(cluster, placement, give=0.1)
+    assert link_flow_share(whole, *slow) > 0.1  # the surplus crosses the slow link
+    assert link_flow_share(giving, *slow) <= 0.1 * whole.max_flow_tokens_s / giving.max_flow_tokens_s
+    assert giving.max_flow_tokens_s >= 0.9 * whole.max_flow_tokens_s - 0.01  # milli-token rounding
+    for n in placement:  # still a flow: conserved at every node
+        inflow = sum(f.tokens_s for f in giving.flows if f.dst == n)
+        outflow = sum(f.tokens_s for f in giving.flows if f.src == n)
+        assert inflow == pytest.approx(outflow, abs=1e-6)
