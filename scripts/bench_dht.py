@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,8 @@ from swarm.dht.watch import WatchConfig  # noqa: E402
 from swarm.peer.config import LinkConfig, PlannerConfig  # noqa: E402
 from swarm.sim.background import Rates, Sizes, hottest_bytes_s, model_bytes_s  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
-from swarm.testing.wan import EmulatedNet, LinkSpec, namespaces_unavailable  # noqa: E402
+from swarm.testing.wan import EmulatedNet, LinkSpec  # noqa: E402
+from swarm.testing.wan.bench import bench_main  # noqa: E402
 from swarm.transport.linkprobe import ProbeSizes  # noqa: E402
 
 PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
@@ -346,14 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.model_only:
         print(json.dumps(model(args.sizes)))
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the `with` blocks stop peers and router
-    reason = namespaces_unavailable()
-    if reason:
-        sys.exit(f"bench_dht needs network namespaces: {reason}")
-    text = json.dumps(run(args))
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    bench_main("bench_dht", lambda: run(args), args.json)
 
 
 if __name__ == "__main__":
