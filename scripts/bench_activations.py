@@ -38,6 +38,7 @@ import torch
 from swarm.codec import CODECS, relative_errors, round_trip
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.head import ClientHead
+from swarm.models.kv_cache import BLOCK_TOKENS
 from swarm.models.loading import ModelSource, resolve_model
 from swarm.testing.prompts import QUESTION, chat_prompt_ids
 from swarm.testing.reference import greedy_reference
@@ -53,8 +54,9 @@ QUESTIONS = (
 def _stages(source: ModelSource, count: int, max_length: int, dtype: str) -> list[BlockRange]:
     layers = source.spec.num_layers
     cuts = [round(i * layers / count) for i in range(count + 1)]
+    cache_tokens = -(-max_length // BLOCK_TOKENS) * BLOCK_TOKENS  # the cache holds whole blocks
     return [
-        source.load_blocks(a, b, dtype=dtype, cache_tokens=max_length)
+        source.load_blocks(a, b, dtype=dtype, cache_tokens=cache_tokens)
         for a, b in zip(cuts, cuts[1:], strict=False)
     ]
 

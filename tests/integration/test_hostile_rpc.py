@@ -123,14 +123,16 @@ def test_a_kv_squatting_client_is_capped_while_another_is_served(
             swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_d1, _r1, squatter),
             swarm_client(peer.maddrs, tiny.spec.weights_hash) as (_d2, _r2, other),
         ):
-            with pytest.raises(CapacityError):  # the whole cache in one session: over one peer's share
-                await call_step(squatter, peer.peer_id, _step(tiny, "all", 1, CACHE_TOKENS), timeout_s=30)
+            with pytest.raises(CapacityError):  # longer than the whole cache: never
+                await call_step(squatter, peer.peer_id, _step(tiny, "all", 1, 2 * CACHE_TOKENS), timeout_s=30)
+            # The cache is taken as tokens come (max_length_tokens reserves nothing): a squatter holds what it
+            # sends, up to one caller's share (half the cache), and no more.
             half = CACHE_TOKENS // 2
-            await call_step(squatter, peer.peer_id, _step(tiny, "half", 1, half), timeout_s=30)
+            await call_step(squatter, peer.peer_id, _step(tiny, "half", half, half), timeout_s=30)
             with pytest.raises(CapacityError):  # its share is used up
-                await call_step(squatter, peer.peer_id, _step(tiny, "more", 1, 8), timeout_s=30)
-            reply = await call_step(other, peer.peer_id, _step(tiny, "mine", 1, half // 2), timeout_s=30)
-            assert reply.hidden.shape == (1, tiny.spec.hidden_size)
+                await call_step(squatter, peer.peer_id, _step(tiny, "more", 8, 8), timeout_s=30)
+            reply = await call_step(other, peer.peer_id, _step(tiny, "mine", half // 2, half), timeout_s=30)
+            assert reply.hidden.shape == (half // 2, tiny.spec.hidden_size)
 
     asyncio.run(body())
 
