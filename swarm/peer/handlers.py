@@ -69,6 +69,8 @@ from swarm.wire import (
 
 logger = logging.getLogger(__name__)
 
+MAX_CODECS_KEPT = 1024  # next hops whose codec we remember (to log each change once)
+
 DIAL_BACK_FAILED = "could not dial you back at the addresses you gave"  # the only failure a probe reports
 
 
@@ -236,9 +238,9 @@ class PeerHandlers:
             (hop.end - hop.start) / speed if speed > 0 else None,
             activations.auto_fraction,
         )
-        # Remembered (and logged on change) only for peers we measured: the next hops are the client's choice.
-        if link is not None and self.codecs.get(hop.peer_id) != codec:
-            self.codecs = {p: c for p, c in self.codecs.items() if p in self.peer.links}
+        if self.codecs.get(hop.peer_id) != codec:
+            if len(self.codecs) >= MAX_CODECS_KEPT:  # the next hops are the clients' choice: bounded
+                self.codecs.clear()
             self.codecs[hop.peer_id] = codec
             measured = f"{bandwidth / 1e6:.1f} MB/s" if bandwidth else "not measured"
             logger.info("hidden states to %s go as %s (link %s)", hop.peer_id[-8:], codec, measured)
