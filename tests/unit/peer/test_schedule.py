@@ -47,7 +47,11 @@ def _schedule(decoding: bool = False, **config: object) -> Schedule:
 
 
 def test_the_policy_imports_no_threads_event_loop_clock_or_torch() -> None:
-    tree = ast.parse(Path(schedule_module.__file__).read_text())
+    source = Path(schedule_module.__file__).read_text()
+    try:
+        tree = ast.parse(source)
+    except SystemError:  # CPython 3.11's "AST constructor recursion depth mismatch" (gh-106905): parse again
+        tree = ast.parse(source)
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(tree)
