@@ -50,7 +50,8 @@ def test_the_policy_imports_no_threads_event_loop_clock_or_torch() -> None:
     source = Path(schedule_module.__file__).read_text()
     try:
         tree = ast.parse(source)
-    except SystemError:  # CPython 3.11 at times raises "AST constructor recursion depth mismatch": parse again
+    except SystemError:
+        # CPython 3.11 at times raises "AST constructor recursion depth mismatch": parse again
         tree = ast.parse(source)
     imported = {
         alias.name.split(".")[0]
