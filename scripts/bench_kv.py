@@ -12,10 +12,13 @@
 - sessions_fit: chat sessions of a 400-token system prompt and a 100-token answer (max_length_tokens 2048)
   that open and fill in the cache 8 reservations of 2048 tokens took before (16384 tokens), paged (opened
   until one would evict another) against reserved (16384 // 2048).
-- prefix_ttft_ratio: the model's layers in one BlockRange in this process with prefix sharing on (one torch
-  thread): time to prefill a 400-token system prompt and a 37-token question, over that of a second session
-  with the same system prompt and another question, which shares the prompt's 25 full blocks (median of 3
-  rounds, a new system prompt each).
+- prefix_ttft_ratio: through two real `swarm-peer join` processes on 127.0.0.1 (the layers split in two,
+  --session-share-prefixes, one torch thread each) and the Python client: time to the first token of a chat
+  with a 400-token system prompt and a 37-token question, over that of the next chat with the same system
+  prompt and another question, after the first closed (median of 3 rounds, a new system prompt each; random
+  token ids, fixed seed). prefix_hit_rate: the peers' rpc_info (prompt tokens found among shared blocks over
+  those looked for, the warm-up chat included). prefix_ttft_ratio_in_process: the same through the model's
+  layers in one BlockRange in this process, the first session still open.
 - decode_ratio_vs_contiguous: decode tokens/s of the model's layers in one BlockRange in a process of its
   own (one torch thread; --sessions sessions of --prompt-tokens cached tokens, --steps batched decode
   steps), paged (blocks of 16 tokens) over contiguous: each session's cache one block (the layout before
@@ -112,6 +115,67 @@ def decode_ratio(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def prefix_ttft_swarm(model: str, system_tokens: int = 400, question_tokens: int = 37) -> dict[str, Any]:
+    """Through two peers: the first chat's time to first token over the next one's with the same system prompt."""
+    import tempfile
+
+    import torch
+
+    from client import SwarmClient
+    from swarm.models.loading import resolve_model
+    from swarm.testing import LocalSwarm
+    from swarm.transport import call_info
+
+    source = resolve_model(model)
+    n, vocab = source.spec.num_layers, source.spec.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(count: int) -> list[int]:
+        return [int(i) for i in torch.randint(3, vocab, (count,), generator=generator)]
+
+    async def ttft(client: Any, prompt: list[int]) -> float:
+        session = client.new_session(len(prompt) + 1)
+        try:
+            began = time.perf_counter()
+            await session.forward(prompt, argmax_only=True)
+            return time.perf_counter() - began
+        finally:
+            await session.close()
+
+    async def hit_rates(client: Any, peer_ids: list[str]) -> list[float]:
+        p2p = client.chain.p2p
+        infos = [await call_info(p2p, peer_id, timeout_s=10.0) for peer_id in peer_ids]
+        return [info.cache.prefix_hit_rate if info.cache else 0.0 for info in infos]
+
+    extra = ["--no-follow-plan", "--session-share-prefixes"]
+    ratios: list[float] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="flowswarm-bench-kv-") as tmp,
+        LocalSwarm(Path(tmp), model=model) as swarm,
+    ):
+        swarm.start_peer(layers=f"0:{n // 2}", name="kv-a", timeout_s=300, extra_args=extra)
+        swarm.start_peer(layers=f"{n // 2}:{n}", name="kv-b", wait=False, extra_args=extra)
+        swarm.wait_all_ready(timeout_s=300)
+        with SwarmClient(
+            swarm.initial_peers, model=model, spot_check_rate=0.0, step_timeout_s=300.0
+        ) as client:
+            client.run(ttft(client.aclient, ids(system_tokens + question_tokens)))  # warm up connections
+            times: list[tuple[float, float]] = []
+            for r in range(3):
+                print(f"prefix round {r + 1}/3", file=sys.stderr)
+                system = ids(system_tokens)
+                first = client.run(ttft(client.aclient, system + ids(question_tokens)))
+                second = client.run(ttft(client.aclient, system + ids(question_tokens)))
+                times.append((first, second))
+                ratios.append(first / second)
+            rates = client.run(hit_rates(client.aclient, [p.peer_id for p in swarm.peers]))
+    return {
+        "prefix_ttft_ratio": round(statistics.median(ratios), 3),
+        "prefix_ttft_s": [[round(a, 4), round(b, 4)] for a, b in times],
+        "prefix_hit_rate": [round(r, 4) for r in rates],
+    }
+
+
 def prefix_ttft(model: str, system_tokens: int = 400, question_tokens: int = 37) -> dict[str, Any]:
     """First session's prefill time over a second's with the same system prompt (sharing its blocks)."""
     import torch
@@ -139,8 +203,10 @@ def prefix_ttft(model: str, system_tokens: int = 400, question_tokens: int = 37)
             blocks.close_session(sid)
     cache = blocks.cache
     return {
-        "prefix_ttft_ratio": round(statistics.median(ratios), 3),
-        "prefix_hit_rate": round(cache.prefix_tokens_shared / max(1, cache.prefix_tokens_looked_up), 4),
+        "prefix_ttft_ratio_in_process": round(statistics.median(ratios), 3),
+        "prefix_hit_rate_in_process": round(
+            cache.prefix_tokens_shared / max(1, cache.prefix_tokens_looked_up), 4
+        ),
     }
 
 
@@ -280,6 +346,7 @@ def main() -> None:
     result.update(asyncio.run(_sybil(args.step_timeout_s)))
     result["sessions_fit"] = sessions_fit()
     result.update(prefix_ttft(args.model))
+    result.update(prefix_ttft_swarm(args.model))
     result.update(decode_ratio(args))
     text = json.dumps(result, indent=2)
     print(text)

@@ -93,9 +93,12 @@ class Plan:
     solve_s: float = 0.0
     epoch: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # Prefill and decode planned as two flows over one placement: ``flows`` then carry prompt tokens and these
+    # the decode tokens. Empty: ``flows`` serve both phases (a plan where splitting does not pay).
+    decode_flows: tuple[EdgeFlow, ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "method": self.method,
             "epoch": self.epoch,
             "placement": {str(n): r.to_list() for n, r in self.placement.items()},
@@ -104,6 +107,11 @@ class Plan:
             "flows": [{"src": f.src, "dst": f.dst, "tokens_s": f.tokens_s} for f in self.flows],
             "solve_s": self.solve_s,
         }
+        if self.decode_flows:  # left out otherwise, so a plan of one flow keeps its old bytes
+            body["decode_flows"] = [
+                {"src": f.src, "dst": f.dst, "tokens_s": f.tokens_s} for f in self.decode_flows
+            ]
+        return body
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:  # type: ignore[type-arg]
@@ -118,6 +126,10 @@ class Plan:
                 for f in data.get("flows", [])
             ),
             solve_s=float(data.get("solve_s", 0.0)),
+            decode_flows=tuple(
+                EdgeFlow(NodeID(f["src"]), NodeID(f["dst"]), float(f["tokens_s"]))
+                for f in data.get("decode_flows", [])
+            ),
         )
 
 

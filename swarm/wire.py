@@ -22,7 +22,7 @@ Requests and their replies:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import msgpack
@@ -56,7 +56,7 @@ MAX_BATCH_STEPS = 1024  # a client's decode steps sent together (StepRequest.bat
 # how a peer refuses a message kind it does not know (one of a later release): the sender may then send as before
 UNKNOWN_KIND = "unexpected message kind"
 MAX_FORWARDED_STEPS = 256  # steps in one StepBatch (under the request's longest list, _REQUEST_ARRAY_LEN)
-MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 15 fields
+MAX_MAP_FIELDS = 32  # the widest message, InfoReply, has 16 fields
 MAX_TRAFFIC_CAUSES = 16  # InfoReply.background_bytes entries
 # Everything of a message but its tensor data or probe payload: the biggest legitimate one is a full route
 # (MAX_ROUTE_HOPS hops of MAX_MADDRS multiaddrs of 512 characters: about 4.3 MB).
@@ -270,6 +270,24 @@ class InfoRequest:
 
 
 @dataclass(frozen=True)
+class CacheStats:
+    """A peer's KV cache blocks now, and its prefix sharing since it started (InfoReply.cache)."""
+
+    block_tokens: int
+    used_blocks: int  # held by at least one session
+    shared_blocks: int  # of them, held by more than one (a common prefix)
+    free_blocks: int  # including prefixes nobody holds, kept for sharing until needed
+    prefix_tokens_looked_up: int  # prompt tokens looked for among shared blocks
+    prefix_tokens_shared: int  # of them, found
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_tokens_shared / self.prefix_tokens_looked_up if self.prefix_tokens_looked_up else 0.0
+        )
+
+
+@dataclass(frozen=True)
 class InfoReply:
     """What a peer serves right now."""
 
@@ -289,6 +307,7 @@ class InfoReply:
     protocol_version: int = PROTOCOL_VERSION
     # The peer's background traffic so far: (cause, payload bytes sent, received), swarm.dht.traffic.CAUSES.
     background_bytes: tuple[tuple[str, int, int], ...] = ()
+    cache: CacheStats | None = None  # None while it serves no range
 
 
 @dataclass(frozen=True)
@@ -565,6 +584,19 @@ def _str(body: dict[str, Any], key: str, what: str, max_chars: int = MAX_TEXT_CH
     return value
 
 
+def _cache_stats(body: dict[str, Any], what: str) -> CacheStats | None:
+    """InfoReply.cache: absent, or [block_tokens, used, shared, free, prefix looked up, prefix shared]."""
+    items = body.get("cache")
+    if items is None:
+        return None
+    names = list(CacheStats.__dataclass_fields__)
+    if not isinstance(items, list) or len(items) != len(names):
+        raise ProtocolError(f"{what}.cache must be a list of {len(names)} ints")
+    return CacheStats(
+        **{name: _int({name: item}, name, what) for name, item in zip(names, items, strict=True)}
+    )
+
+
 def _background_bytes(body: dict[str, Any], what: str) -> tuple[tuple[str, int, int], ...]:
     """InfoReply.background_bytes: at most MAX_TRAFFIC_CAUSES [cause, sent, received] triples."""
     items = body.get("background_bytes", [])
@@ -673,8 +705,13 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("keys", "values")}
         return fields | {"keys": encode_tensor(msg.keys), "values": encode_tensor(msg.values)}
     if isinstance(msg, InfoReply):
-        fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k != "background_bytes"}
-        return fields | _absent_when_unset(background_bytes=[list(c) for c in msg.background_bytes])
+        fields = {
+            k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("background_bytes", "cache")
+        }
+        cache = list(astuple(msg.cache)) if msg.cache is not None else None
+        return fields | _absent_when_unset(
+            background_bytes=[list(c) for c in msg.background_bytes], cache=cache
+        )
     # CloseReply, InfoRequest: flat fields of plain types.
     return {k: getattr(msg, k) for k in msg.__dataclass_fields__}
 
@@ -851,7 +888,7 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         strs = ("peer_id", "name", "model_name", "model_hash", "dtype", "state")
         fields: dict[str, Any] = {k: _int(body, k, w) for k in ints}
         fields.update({k: _str(body, k, w) for k in strs})
-        return InfoReply(**fields, background_bytes=_background_bytes(body, w))
+        return InfoReply(**fields, background_bytes=_background_bytes(body, w), cache=_cache_stats(body, w))
     if kind == "probe":
         payload = body.get("payload", b"")
         if not isinstance(payload, bytes) or len(payload) > MAX_PROBE_BYTES:
@@ -996,6 +1033,7 @@ def decode_reply(data: bytes) -> Reply:
 
 
 __all__ = [
+    "CacheStats",
     "CloseReply",
     "CloseRequest",
     "ErrorReply",

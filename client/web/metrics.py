@@ -53,6 +53,24 @@ class WebMetrics:
             ["peer", "cause", "direction"],
             registry=r,
         )
+        self.kv_blocks = Gauge(
+            "flowswarm_peer_kv_blocks",
+            "a serving peer's KV cache blocks now: used (shared among them) and free",
+            ["peer", "kind"],
+            registry=r,
+        )
+        self.prefix_tokens = Gauge(
+            "flowswarm_peer_prefix_tokens",
+            "a serving peer's prompt tokens looked for among shared prefix blocks, and found, so far",
+            ["peer", "kind"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "flowswarm_peer_prefix_hit_rate",
+            "a serving peer's prompt tokens found among shared prefix blocks over those looked for, so far",
+            ["peer"],
+            registry=r,
+        )
         self.errors = Counter(
             "flowswarm_errors", "errors sent to clients, by type and code", ["type", "code"], registry=r
         )

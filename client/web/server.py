@@ -128,21 +128,34 @@ class WebServer:
         except (TimeoutError, OSError, RuntimeError) as error:
             logger.info("directory read for /metrics failed: %r", error)
         else:
-            await self._read_background(snapshot)
+            await self._read_peers(snapshot)
         self.metrics.queued.set(self.slots.waiting)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _read_background(self, snapshot: SwarmSnapshot) -> None:
-        """Each serving peer's background traffic by cause, as it answers rpc_info now."""
+    async def _read_peers(self, snapshot: SwarmSnapshot) -> None:
+        """Each serving peer's background traffic by cause and its KV cache, as it answers rpc_info now."""
         p2p = getattr(self.client.chain, "p2p", None)
         if p2p is None:
             return
         live = await read_live(p2p, snapshot.peers.values(), self.config.status_timeout_s)
-        self.metrics.background.clear()
+        m = self.metrics
+        for gauge in (m.background, m.kv_blocks, m.prefix_tokens, m.prefix_hit_rate):
+            gauge.clear()
         for peer_id, info in live.items():
             for cause, sent, received in info.background_bytes:
-                self.metrics.background.labels(peer_id, cause, "sent").set(sent)
-                self.metrics.background.labels(peer_id, cause, "received").set(received)
+                m.background.labels(peer_id, cause, "sent").set(sent)
+                m.background.labels(peer_id, cause, "received").set(received)
+            if info.cache is not None:
+                c = info.cache
+                for kind, blocks in (
+                    ("used", c.used_blocks),
+                    ("shared", c.shared_blocks),
+                    ("free", c.free_blocks),
+                ):
+                    m.kv_blocks.labels(peer_id, kind).set(blocks)
+                m.prefix_tokens.labels(peer_id, "looked_up").set(c.prefix_tokens_looked_up)
+                m.prefix_tokens.labels(peer_id, "shared").set(c.prefix_tokens_shared)
+                m.prefix_hit_rate.labels(peer_id).set(c.prefix_hit_rate)
 
     async def _read_snapshot(self) -> SwarmSnapshot:
         async with asyncio.timeout(self.config.status_timeout_s):

@@ -1,7 +1,7 @@
 """The status document behind /status and /api/status: peers, coverage, planner, plan and its flows.
 
 Built from the swarm directory's latest snapshot (what every peer announced) and, where a peer answered
-`rpc_info` just now, its live free KV cache and active sessions, which records only refresh every ~10 s.
+`rpc_info` just now, its live free KV cache, blocks and active sessions, which records only refresh every ~10 s.
 Pure: the server reads the snapshot and the live answers; this module only shapes them.
 """
 
@@ -17,6 +17,7 @@ from swarm.dht import PeerRecord, SwarmSnapshot, coverage
 from swarm.errors import SwarmError
 from swarm.transport import call_info
 from swarm.types import SINK, SOURCE
+from swarm.wire import CacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,22 @@ class LiveInfo:
     active_sessions: int
     state: str
     background_bytes: tuple[tuple[str, int, int], ...] = ()  # (cause, sent, received) so far
+    cache: CacheStats | None = None  # its KV blocks and prefix sharing
+
+
+def cache_json(stats: CacheStats | None) -> dict[str, Any] | None:
+    """A peer's KV blocks (used, of them shared, free) and prefix hit rate, from InfoReply.cache."""
+    if stats is None:
+        return None
+    return {
+        "block_tokens": stats.block_tokens,
+        "used_blocks": stats.used_blocks,
+        "shared_blocks": stats.shared_blocks,
+        "free_blocks": stats.free_blocks,
+        "prefix_tokens_looked_up": stats.prefix_tokens_looked_up,
+        "prefix_tokens_shared": stats.prefix_tokens_shared,
+        "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
+    }
 
 
 def background_json(triples: Iterable[tuple[str, int, int]]) -> dict[str, dict[str, int]]:
@@ -52,6 +69,7 @@ def _peer_json(record: PeerRecord, live: LiveInfo | None) -> dict[str, Any]:
         "active_sessions": live.active_sessions if live else record.active_sessions,
         "live": live is not None,
         "background_bytes": background_json(live.background_bytes) if live else {},
+        "kv_cache": cache_json(live.cache) if live else None,
         "updated_at": record.updated_at,
     }
 
@@ -122,7 +140,9 @@ async def read_live(p2p: Any, records: Iterable[PeerRecord], timeout_s: float) -
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.debug("peer %s did not answer info: %s", record.peer_id[-8:], error)
             return record.peer_id, None
-        live = LiveInfo(info.free_cache_tokens, info.active_sessions, info.state, info.background_bytes)
+        live = LiveInfo(
+            info.free_cache_tokens, info.active_sessions, info.state, info.background_bytes, info.cache
+        )
         return record.peer_id, live
 
     serving = [r for r in records if r.state == "serving"]

@@ -180,6 +180,7 @@ class PlanBody(_Record):
     upper_bound_tokens_s: Annotated[float, Field(ge=0.0)] = 0.0
     flows: Annotated[list[FlowBody], Field(max_length=MAX_PLAN_FLOWS)] = Field(default_factory=list)
     solve_s: Annotated[float, Field(ge=0.0, le=MAX_TIME_S)] = 0.0
+    decode_flows: Annotated[list[FlowBody], Field(max_length=MAX_PLAN_FLOWS)] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check_ranges(self) -> PlanBody:
@@ -197,6 +198,7 @@ class PlanBody(_Record):
             upper_bound_tokens_s=self.upper_bound_tokens_s,
             flows=tuple(EdgeFlow(NodeID(f.src), NodeID(f.dst), f.tokens_s) for f in self.flows),
             solve_s=self.solve_s,
+            decode_flows=tuple(EdgeFlow(NodeID(f.src), NodeID(f.dst), f.tokens_s) for f in self.decode_flows),
         )
 
 

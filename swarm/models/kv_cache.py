@@ -14,6 +14,10 @@ session of the step's own batch). A session decoding holds many tokens and steps
 session of a few tokens kept alive by a step now and then goes long before it. Such a session keeps its place,
 empty, and its next step gets ``SessionEvicted`` (its client replays it, which may open it here again at
 position 0). Announcements count as free the blocks of sessions idle for ``min_idle_s`` or more.
+
+With prefix sharing on, full blocks are offered to later sessions whose inputs match from position 0 (chained
+hashes), copy-on-write; a block nobody holds any more stays offered, as free memory taken last, until the pool
+needs it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
@@ -59,32 +64,59 @@ class BlockPool:
         self.index: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # indexed blocks nobody holds, least recently let go first: free, but taken only after the plain free
+        # ones, so a prompt seen a while ago (a chat's system prompt, a closed chat's turns) is still shared
+        self.cached: OrderedDict[int, None] = OrderedDict()
         self.keys: list[torch.Tensor | None] = [None] * len(layers)  # per layer [kv, blocks, B, hd]
         self.values: list[torch.Tensor | None] = [None] * len(layers)
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self.cached)
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks more than one session holds (a common prefix)."""
+        return sum(r > 1 for r in self.refs)
 
     def take(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise CapacityError(f"KV cache full: {count} blocks wanted, {len(self._free)} free")
+        if count > self.free_blocks:
+            raise CapacityError(f"KV cache full: {count} blocks wanted, {self.free_blocks} free")
+        while len(self._free) < count:  # the plain free blocks first, then the oldest cached prefixes
+            oldest = next(iter(self.cached))
+            self.unindex(oldest)
         taken = self._free[len(self._free) - count :]
         del self._free[len(self._free) - count :]
         for block in taken:
             self.refs[block] = 1
         return taken[::-1]
 
+    def hold(self, block: int) -> None:
+        """One more holder of an indexed block (sharing it)."""
+        if self.refs[block] == 0:
+            del self.cached[block]
+        self.refs[block] += 1
+
     def give(self, ids: Collection[int]) -> None:
-        """Drop one holder of each block; a block nobody holds is free again (and no longer shared)."""
+        """Drop one holder of each block; a block nobody holds is free again (kept for sharing if indexed)."""
         for block in ids:
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self._free.append(block)
-                key = self.hash_of.pop(block, None)
-                if key is not None:
-                    del self.index[key]
-                    del self.outputs[block]
+                if block in self.hash_of:
+                    self.cached[block] = None
+                else:
+                    self._free.append(block)
+
+    def unindex(self, block: int) -> None:
+        """Stop offering ``block`` for sharing (it is about to be written, or taken for another use)."""
+        key = self.hash_of.pop(block, None)
+        if key is None:
+            return
+        del self.index[key]
+        del self.outputs[block]
+        if block in self.cached:
+            del self.cached[block]
+            self._free.append(block)
 
     def copy(self, source: int, target: int) -> None:
         """Block ``source``'s keys and values into block ``target``, in every layer stored."""
@@ -151,8 +183,12 @@ class SessionCache:
         self._own(first)
 
     def _own(self, first: int) -> None:
-        """Copy-on-write: blocks from index ``first`` on that other sessions share become copies of our own."""
+        """Copy-on-write: blocks from index ``first`` on that other sessions share become copies of our own;
+        those only we hold stop being offered for sharing (what others would find there is about to change)."""
         pool = self.home.pool
+        for block in self.blocks[first:]:
+            if pool.refs[block] == 1:
+                pool.unindex(block)
         shared = [i for i in range(first, len(self.blocks)) if pool.refs[self.blocks[i]] > 1]
         if not shared:
             return
@@ -439,7 +475,7 @@ class KVCache:
             block = self.pool.index.get(key)
             if block is None:
                 break
-            self.pool.refs[block] += 1
+            self.pool.hold(block)
             shared.append(block)
             session.chain.append(key)
         if not shared:

@@ -366,6 +366,7 @@ class PeerHandlers:
             active_sessions=peer.session_count,
             state=str(peer.status),
             background_bytes=self.traffic.triples() if self.traffic is not None else (),
+            cache=peer.cache_stats,
         )
 
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply:

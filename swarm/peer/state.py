@@ -33,7 +33,7 @@ from swarm.peer.live import LiveView
 from swarm.peer.measure import ComputeMeasure
 from swarm.peer.session import Session
 from swarm.types import LayerRange
-from swarm.wire import Hop
+from swarm.wire import CacheStats, Hop
 
 logger = logging.getLogger(__name__)
 
@@ -471,6 +471,23 @@ class Peer:
     def free_cache_tokens(self) -> int:
         current = self.current
         return int(current.blocks.free_cache_tokens) if current is not None else 0
+
+    @property
+    def cache_stats(self) -> CacheStats | None:
+        """Blocks used, shared and free in the range it serves, and prefix sharing so far (rpc_info)."""
+        current = self.current
+        if current is None:
+            return None
+        cache = current.blocks.cache
+        pool, free = cache.pool, cache.pool.free_blocks
+        return CacheStats(
+            pool.block_tokens,
+            pool.blocks - free,
+            pool.shared_blocks,
+            free,
+            cache.prefix_tokens_looked_up,
+            cache.prefix_tokens_shared,
+        )
 
     def set_links(self, links: Mapping[str, LinkMeasure]) -> None:
         """Fresh link measurements; a new or lost link is worth announcing at once."""

@@ -731,7 +731,10 @@ def test_bench_kv_quick(tmp_path: Path) -> None:
             "sybil": lambda v: isinstance(v, dict) and v["cache_full_before"] is True,
             "sessions_fit": lambda v: v == {"paged": 32, "reserved": 8},
             "prefix_ttft_ratio": _positive,
-            "prefix_hit_rate": lambda v: 0 < v < 1,
+            "prefix_ttft_s": lambda v: len(v) == 3 and all(map(_positive, sum(v, []))),
+            "prefix_hit_rate": lambda v: len(v) == 2 and all(0 < r < 1 for r in v),  # the two peers
+            "prefix_ttft_ratio_in_process": _positive,
+            "prefix_hit_rate_in_process": lambda v: 0 < v < 1,
             "decode_ratio_vs_contiguous": lambda v: set(v) == {"1", "2"} and all(map(_positive, v.values())),
             "decode_tok_s": lambda v: set(v) == {"paged", "contiguous"},
             "decode_form": lambda v: isinstance(v, str),

@@ -10,6 +10,7 @@ session) and sees every peer and the plan's flow graph on /status; finally the p
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import urllib.error
@@ -216,6 +217,14 @@ def test_metrics_parse_and_move(web: tuple[str, SwarmClient]) -> None:
         and ("direction", "sent") in labels
     ]
     assert len(announced) == 3 and min(announced) > 0
+    # and its KV cache blocks (each has some free) and prefix hit rate
+    free = [
+        v
+        for (name, labels), v in after.items()
+        if name == "flowswarm_peer_kv_blocks" and ("kind", "free") in labels
+    ]
+    rates = [v for (name, _), v in after.items() if name == "flowswarm_peer_prefix_hit_rate"]
+    assert len(free) == 3 and min(free) > 0 and len(rates) == 3 and all(0 <= r <= 1 for r in rates)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +321,10 @@ def test_browser_status_page_shows_every_peer_and_the_flow_graph(
     page.wait_for_selector("#flow-graph path.flow", state="attached", timeout=30_000)
     names = page.locator("#peers tr.peer td:first-child").all_inner_texts()
     assert sorted(names) == ["peer-a", "peer-b", "peer-c"]
+    blocks = page.locator(
+        "#peers tr.peer td:nth-child(8)"
+    ).all_inner_texts()  # KV blocks used / shared / free
+    assert len(blocks) == 3 and all(re.fullmatch(r"\d+ / \d+ / \d+", b) for b in blocks), blocks
     assert page.locator("#flow-graph path.flow").count() == len(plan["flows"]) > 0
     nodes = page.locator("#flow-graph g.node").evaluate_all("gs => gs.map(g => g.dataset.node)")
     assert {"source", "sink"} <= set(nodes) and set(plan["placement"]) <= set(nodes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -22,6 +23,7 @@ from swarm.wire import (
     MAX_LAYER,
     MAX_LENGTH_TOKENS,
     MAX_TENSOR_BYTES,
+    CacheStats,
     CloseReply,
     CloseRequest,
     ErrorReply,
@@ -124,10 +126,12 @@ def test_replies_round_trip() -> None:
     counted = InfoReply(
         "QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving", 2, traffic
     )
+    cached = replace(counted, cache=CacheStats(16, 10, 2, 6, 400, 384))
     for reply in (
         CloseReply(True),
         info,
         counted,
+        cached,
         ProbeReply("QmA", 10, b"yy", True, ""),
         ProbeReply("QmA", 0),
         ErrorReply("capacity", "full", "QmB"),
@@ -293,3 +297,12 @@ def test_info_reply_background_bytes_are_checked() -> None:
         raw[2]["background_bytes"] = bad
         with pytest.raises(ProtocolError):
             decode_reply(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_an_info_reply_with_a_malformed_cache_is_refused() -> None:
+    info = InfoReply("QmA", "alice", "tiny", "h", 4, 16, "float32", 0, 2, 100, 90, 1, "serving")
+    version, kind, body = msgpack.unpackb(encode_reply(replace(info, cache=CacheStats(16, 1, 0, 5, 9, 0))))
+    for bad in ([16, 1, 0, 5, 9], [16, 1, 0, 5, 9, -1], "16", [16, 1, 0, 5, 9, True]):
+        frame = msgpack.packb([version, kind, {**body, "cache": bad}])
+        with pytest.raises(ProtocolError, match="cache|prefix_tokens_shared"):
+            decode_reply(frame)

@@ -22,7 +22,11 @@ function drawPeers(peers) {
     row.dataset.peerId = p.peer_id;
     cell(row, p.name); cell(row, "…" + p.peer_id.slice(-10)); cell(row, p.state);
     cell(row, `${p.range[0]}:${p.range[1]}`); cell(row, fmt(p.decode_tokens_s)); cell(row, fmt(p.prefill_tokens_s));
-    cell(row, `${p.free_cache_tokens} / ${p.cache_tokens_total}`); cell(row, p.active_sessions + (p.live ? "" : " (record)"));
+    cell(row, `${p.free_cache_tokens} / ${p.cache_tokens_total}`);
+    const kv = p.kv_cache;
+    cell(row, kv ? `${kv.used_blocks} / ${kv.shared_blocks} / ${kv.free_blocks}` : "–");
+    cell(row, kv && kv.prefix_tokens_looked_up ? `${(100 * kv.prefix_hit_rate).toFixed(0)}%` : "–");
+    cell(row, p.active_sessions + (p.live ? "" : " (record)"));
     body.appendChild(row);
   }
 }

@@ -133,4 +133,46 @@ def test_prompts_with_a_common_prefix_share_its_full_blocks_copy_on_write(tiny_s
     both("b", [12], 23)
     shared.close_session("a")
     shared.close_session("b")
-    assert cache.free_tokens == 256 and cache.pool.index == {} and cache.pool.outputs == {}
+    assert cache.free_tokens == 256
+    # the rewinds took every block but the first back from sharing; that one stays offered, free but taken last
+    assert len(cache.pool.cached) == 1
+    assert set(cache.pool.cached) == set(cache.pool.index.values()) == set(cache.pool.outputs)
+
+
+def test_a_closed_sessions_prefix_is_shared_until_its_blocks_are_needed(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """A chat's system prompt outlives the chat: its blocks count as free but are taken last, and a later prompt
+    with the same start shares them; once the pool needs them they are plain blocks again."""
+    blocks = tiny_source.load_blocks(0, 2, cache_tokens=8 * 16)
+    blocks.cache.share_prefixes = True
+    pool = blocks.cache.pool
+    system = head.embed(torch.tensor([(i * 13) % 300 for i in range(48)]))
+    blocks.open_session("first", 64)
+    first = blocks.forward([Step("first", system, 0, 2, 0)])[0]
+    blocks.close_session("first")
+    assert blocks.cache.free_tokens == 8 * 16 and len(pool.cached) == 3
+    blocks.open_session("later", 64)
+    later = blocks.forward([Step("later", torch.cat([system, head.embed(torch.tensor([7]))]), 0, 2, 0)])[0]
+    assert blocks.cache.prefix_tokens_shared == 48
+    torch.testing.assert_close(later[:48], first)
+    blocks.close_session("later")
+    offered = set(pool.index)
+    blocks.open_session("big", 8 * 16)
+    blocks.forward([Step("big", head.embed(torch.tensor([3] * (8 * 16))), 0, 2, 0)])  # needs every block
+    assert not offered & pool.index.keys() and not pool.cached and blocks.cache.free_tokens == 0
+
+
+def test_a_rewound_block_is_not_offered_with_what_it_held_before(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """A session that rewinds into a full block it alone holds writes new tokens there: a later session whose
+    inputs match the block's old tokens must not get them (its outputs equal a cache without sharing)."""
+    shared, alone = (tiny_source.load_blocks(0, 2, cache_tokens=16 * 16) for _ in range(2))
+    shared.cache.share_prefixes = True
+    ids = [(i * 29) % 300 for i in range(64)]
+    shared.open_session("a", 128)
+    shared.forward([Step("a", head.embed(torch.tensor(ids[:48])), 0, 2, 0)])  # blocks 0-2 offered
+    shared.forward([Step("a", head.embed(torch.tensor([1] * 8)), 0, 2, 40)])  # rewound into block 2
+    hidden = head.embed(torch.tensor(ids))
+    for blocks in (shared, alone):
+        blocks.open_session("b", 128)
+    got, expected = (b.forward([Step("b", hidden, 0, 2, 0)])[0] for b in (shared, alone))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert shared.cache.prefix_tokens_shared == 32  # blocks 0 and 1 only

@@ -23,6 +23,7 @@ from swarm.wire import (
     CloseRequest,
     ErrorReply,
     Hop,
+    InfoReply,
     InfoRequest,
     ProbeRequest,
     StepAck,
@@ -30,6 +31,8 @@ from swarm.wire import (
     StepRequest,
     StepWait,
     StepWaits,
+    decode_reply,
+    encode_reply,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -429,5 +432,17 @@ def test_with_prefix_sharing_a_peer_answers_as_without_it() -> None:
         torch.testing.assert_close(sharing.outputs, plain.outputs, atol=1e-5, rtol=1e-5)  # type: ignore[attr-defined]
         cache = sharing.peer.current.blocks.cache  # type: ignore[union-attr]
         assert cache.prefix_tokens_shared == 32 + 16  # y's two blocks, and one in z's first chunk
+        # rpc_info reports the blocks and the hit rate, as a remote reads them off the wire
+        info = decode_reply(encode_reply(await sharing.rpc_info(InfoRequest(), "QmC")))
+        assert isinstance(info, InfoReply) and info.cache is not None
+        stats = info.cache
+        assert (stats.prefix_tokens_shared, stats.prefix_tokens_looked_up) == (
+            48,
+            40 + 40 + 24,
+        )  # z: 1st chunk
+        assert stats.shared_blocks == 2 and stats.used_blocks == 3 + 1 + 2  # x's 3, y's 3rd, z's 2nd and 3rd
+        assert stats.used_blocks + stats.free_blocks == 256 // stats.block_tokens
+        plain_info = await plain.rpc_info(InfoRequest(), "QmC")
+        assert plain_info.cache is not None and plain_info.cache.prefix_hit_rate == 0.0
 
     run_peers([h.peer for h in peers], body)

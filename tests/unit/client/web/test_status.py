@@ -5,6 +5,7 @@ from __future__ import annotations
 from client.web.status import LiveInfo, status_json
 from swarm.dht import PlanRecord, SwarmSnapshot
 from swarm.types import SINK, SOURCE, EdgeFlow, LayerRange, NodeID, Plan
+from swarm.wire import CacheStats
 from tests.unit.dht.records import peer_record
 
 
@@ -23,12 +24,17 @@ def test_status_names_flows_and_prefers_live_counters() -> None:
     )
     record = PlanRecord(epoch=3, planner_peer_id="QmA", plan=plan.to_json(), created_at=1.0)
     snapshot = SwarmSnapshot(peers={"QmB": b, "QmA": a}, plan=record, planner_peer_id="QmA", fetched_at=2.0)
-    live = {"QmB": LiveInfo(free_cache_tokens=100, active_sessions=0, state="serving")}
+    cache = CacheStats(16, 12, 3, 20, 400, 300)
+    live = {"QmB": LiveInfo(free_cache_tokens=100, active_sessions=0, state="serving", cache=cache)}
     status = status_json(snapshot, 10, "tiny", live, [{"kind": "chat"}])
     assert [p["name"] for p in status["peers"]] == ["alpha", "beta"]
     beta = status["peers"][1]
     assert (beta["active_sessions"], beta["free_cache_tokens"], beta["live"]) == (0, 100, True)
-    assert status["peers"][0]["live"] is False
+    assert beta["kv_cache"] == {
+        **{"block_tokens": 16, "used_blocks": 12, "shared_blocks": 3, "free_blocks": 20},
+        **{"prefix_tokens_looked_up": 400, "prefix_tokens_shared": 300, "prefix_hit_rate": 0.75},
+    }
+    assert status["peers"][0]["live"] is False and status["peers"][0]["kv_cache"] is None
     assert status["coverage"] == [1] * 8 + [0, 0] and status["missing_layers"] == [8, 9]
     assert status["planner"] == {"peer_id": "QmA", "name": "alpha"}
     flows = status["plan"]["flows"]
