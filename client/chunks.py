@@ -14,6 +14,8 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from swarm.models.kv_cache import BLOCK_TOKENS
+
 T = TypeVar("T")
 
 # Where a token's attention (over the tokens before it) costs as much as the rest of its layer, in positions:
@@ -25,11 +27,16 @@ ATTENTION_COST_TOKENS = 3000
 
 
 def prefill_chunks(
-    tokens: int, position: int, chunk_tokens: int, attention_tokens: int = ATTENTION_COST_TOKENS
+    tokens: int,
+    position: int,
+    chunk_tokens: int,
+    attention_tokens: int = ATTENTION_COST_TOKENS,
+    align: int = 1,
 ) -> list[int]:
     """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
     ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
-    1 + x / attention_tokens."""
+    1 + x / attention_tokens; with ``align``, the chunks between them end on multiples of it (the peers' KV
+    block size: a chunk that starts on a block can share a common prefix's blocks, swarm.models.kv_cache)."""
     count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
     if count <= 1:
         return [tokens]
@@ -44,6 +51,9 @@ def prefill_chunks(
         # solve x + x^2 / 2A = base + k * step for x
         x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
         ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
+    if align > 1:
+        aligned = {round(end / align) * align for end in ends}
+        ends = sorted(end for end in aligned if position < end < position + tokens)
     bounds = [position, *ends, position + tokens]
     return [b - a for a, b in itertools.pairwise(bounds)]
 
@@ -57,7 +67,7 @@ async def chunked(
     A failed chunk fails them all: we wait for every chunk's answer first (the chunks queued behind a
     failed one fail at once), so no chunk of this attempt is still at work when the failover replays the
     prefix, and raise the first chunk's error, the cause of the others'."""
-    sizes = prefill_chunks(tokens, position, chunk_tokens)
+    sizes = prefill_chunks(tokens, position, chunk_tokens, align=BLOCK_TOKENS)
     if len(sizes) == 1:
         return [await send(0, tokens)]
     starts = [0, *itertools.accumulate(sizes)]

@@ -41,3 +41,13 @@ def test_short_prompts_and_no_chunking_go_whole() -> None:
     assert prefill_chunks(37, 0, 256) == [37]
     assert prefill_chunks(1, 500, 256) == [1]
     assert prefill_chunks(4096, 0, 0) == [4096]
+
+
+@pytest.mark.parametrize(("tokens", "position"), [(437, 0), (2048, 0), (300, 16), (40, 0), (1000, 7)])
+def test_aligned_chunks_start_on_a_kv_block(tokens: int, position: int) -> None:
+    """With align (the KV block size), every chunk but the first starts on a multiple of it, so a peer can share
+    a common prefix's blocks chunk after chunk; the chunks still cover the prompt once, about as many."""
+    sizes = prefill_chunks(tokens, position, 128, align=16)
+    starts = list(itertools.accumulate(sizes, initial=position))[1:-1]
+    assert sum(sizes) == tokens and min(sizes) >= 1 and all(start % 16 == 0 for start in starts)
+    assert abs(len(sizes) - len(prefill_chunks(tokens, position, 128))) <= 1
