@@ -35,7 +35,7 @@ def prefill_chunks(
 ) -> list[int]:
     """Sizes of the chunks that ``tokens`` new tokens after ``position`` are pipelined in: one chunk per
     ``chunk_tokens`` on average (0: one chunk), each of the same estimated cost, a token at position x costing
-    1 + x / attention_tokens; with ``align``, the chunks between them end on multiples of it (the peers' KV
+    1 + x / attention_tokens; with ``align``, chunks of a block or more end on multiples of it (the peers' KV
     block size: a chunk that starts on a block can share a common prefix's blocks, swarm.models.kv_cache)."""
     count = -(-tokens // chunk_tokens) if chunk_tokens > 0 else 1
     if count <= 1:
@@ -51,7 +51,7 @@ def prefill_chunks(
         # solve x + x^2 / 2A = base + k * step for x
         x = attention_tokens * (math.sqrt(1 + 2 * (base + k * step) / attention_tokens) - 1)
         ends.append(min(position + tokens - (count - k), max(round(x), (ends[-1] if ends else position) + 1)))
-    if align > 1:
+    if align > 1 and tokens >= count * align:  # chunks smaller than a block are left as they are
         aligned = {round(end / align) * align for end in ends}
         ends = sorted(end for end in aligned if position < end < position + tokens)
     bounds = [position, *ends, position + tokens]
