@@ -129,8 +129,13 @@ class SwarmWatch:
             snapshot = await self.directory.snapshot()
             self._read_at = self.clock()
             self.full_reads += 1
-            if summary is None or summary.planner_peer_id != snapshot.planner_peer_id:
-                # Our first read, or one without a trusted summary: the next summary we trust is news.
+            if (
+                summary is None
+                or summary.planner_peer_id != snapshot.planner_peer_id
+                or (snapshot.plan.epoch if snapshot.plan is not None else 0) < summary.plan_epoch
+            ):
+                # Our first read, one without a trusted summary, or one that missed the plan the summary told
+                # of (a store that reached only some of its nodes): the next summary we trust is news.
                 summary = None
             self._summary = summary
             self.snapshot = snapshot

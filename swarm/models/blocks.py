@@ -15,6 +15,7 @@ BlockRange is not thread-safe: one executor thread owns it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.backends import Batch, Shape, for_device, held_bytes
-from swarm.models.kv_cache import KVCache
+from swarm.models.kv_cache import KVCache, SessionCache
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
@@ -226,19 +227,34 @@ class BlockRange:
                 if step.session_id in seen:
                     raise ProtocolError(f"session {step.session_id} appears twice in one forward")
                 seen.add(step.session_id)
+        sessions = {sid: self.cache.get(sid) for sid in seen}
+        homes: dict[KVCache, list[str]] = {}  # a session carried to a wider range keeps its blocks there
+        for sid, session in sessions.items():
+            homes.setdefault(session.home, []).append(sid)
+        with contextlib.ExitStack() as stack:
+            for home, ids in homes.items():  # none of them is evicted by the other lane's thread meanwhile
+                stack.enter_context(home.stepping(ids))
+            return self._forward(steps, sessions, homes, between_layers)
+
+    def _forward(
+        self,
+        steps: Sequence[Step],
+        sessions: dict[str, SessionCache],
+        homes: dict[KVCache, list[str]],
+        between_layers: Callable[[], None] | None,
+    ) -> list[torch.Tensor]:
         for step in steps:  # only now change state: cut caches back to each step's position
             if step.session_id is not None:
-                session = self.cache.get(step.session_id)
+                session = sessions[step.session_id]
                 session.evicted = False  # at position 0 (validate): it starts afresh
-                for layer in range(step.start, step.end):
-                    session.truncate(layer, step.position)
+                session.cut({layer: step.position for layer in range(step.start, step.end)})
         shared: dict[int, torch.Tensor] = {}  # step index -> outputs of the prefix rows it shared
         if self.cache.share_prefixes:
             steps, shared = self._share_prefixes(steps)
         # blocks for every step's tokens, taken back from idle sessions if need be (CapacityError if not)
-        self.cache.prepare(
-            {s.session_id: s.position + s.hidden.shape[0] for s in steps if s.session_id is not None}
-        )
+        tokens = {s.session_id: s.position + s.hidden.shape[0] for s in steps if s.session_id is not None}
+        for home, ids in homes.items():
+            home.prepare({sid: tokens[sid] for sid in ids})
 
         outputs: list[torch.Tensor | None] = [None] * len(steps)
         groups: dict[tuple[int, int], list[int]] = {}
@@ -257,7 +273,7 @@ class BlockRange:
                     self.range.start,
                     self.range.end,
                 ):
-                    session = self.cache.get(step.session_id)
+                    session = sessions[step.session_id]
                     self.cache.register_prefix(session, step.position, step.hidden, done[i])
             done = [torch.cat([shared[i], out]) if i in shared else out for i, out in enumerate(done)]
         return done

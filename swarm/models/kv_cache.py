@@ -22,12 +22,14 @@ needs it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
+import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -168,23 +170,31 @@ class SessionCache:
         return self.lengths[layer - self.layers.start]
 
     def truncate(self, layer: int, length: int) -> None:
-        """Forget tokens at positions >= length in `layer` (replay after a retry or failover); blocks no layer
-        uses any more go back to the pool."""
-        i = layer - self.layers.start
-        if length >= self.lengths[i]:  # every step cuts back to its position: mostly nothing to forget
-            return
-        self.lengths[i] = length
-        keep = math.ceil(max(self.lengths) / self.block_tokens)
-        if keep < len(self.blocks):
-            self.home.pool.give(self.blocks[keep:])
-            self._set_blocks(self.blocks[:keep])
-        first = min(self.lengths) // self.block_tokens  # blocks from here on may be written again
-        del self.chain[first:]
-        self._own(first)
+        """Forget tokens at positions >= length in ``layer``; see ``cut``."""
+        self.cut({layer: length})
+
+    def cut(self, lengths: Mapping[int, int]) -> None:
+        """Forget tokens at positions >= ``lengths[layer]`` in each of these layers at once (a step's replay
+        after a retry or failover, or a failed call's rows). Blocks no layer uses any more go back to the pool;
+        the blocks from the shortest layer's end on, which steps write again, become our own (``_own``)."""
+        with self.home.lock:
+            for layer, length in lengths.items():
+                i = layer - self.layers.start
+                self.lengths[i] = min(self.lengths[i], length)
+            keep = math.ceil(max(self.lengths, default=0) / self.block_tokens)
+            if keep < len(self.blocks):  # also blocks a failed call took and never wrote
+                self.home.pool.give(self.blocks[keep:])
+                self._set_blocks(self.blocks[:keep])
+            first = (
+                min(self.lengths, default=0) // self.block_tokens
+            )  # blocks from here on may be written again
+            del self.chain[first:]
+            self._own(first)
 
     def _own(self, first: int) -> None:
         """Copy-on-write: blocks from index ``first`` on that other sessions share become copies of our own;
-        those only we hold stop being offered for sharing (what others would find there is about to change)."""
+        those only we hold stop being offered for sharing (what others would find there is about to change).
+        All copies are had first (evicting idle sessions if need be): a CapacityError changes nothing."""
         pool = self.home.pool
         for block in self.blocks[first:]:
             if pool.refs[block] == 1:
@@ -192,11 +202,13 @@ class SessionCache:
         shared = [i for i in range(first, len(self.blocks)) if pool.refs[self.blocks[i]] > 1]
         if not shared:
             return
+        self.home.make_room(len(shared), {self.session_id})
+        copies = pool.take(len(shared))
         blocks = list(self.blocks)
-        for i in shared:
-            (copy,) = pool.take(1)
+        for i, copy in zip(shared, copies, strict=True):
             pool.copy(blocks[i], copy)
-            pool.give([blocks[i]])
+        pool.give([blocks[i] for i in shared])
+        for i, copy in zip(shared, copies, strict=True):
             blocks[i] = copy
         self._set_blocks(blocks)
 
@@ -208,10 +220,11 @@ class SessionCache:
             )
         if tokens <= len(self.blocks) * self.home.pool.block_tokens:  # room already: the common case
             return
-        more = math.ceil(tokens / self.block_tokens) - len(self.blocks)
-        if more > 0:
-            self.home.make_room(more, {*protect, self.session_id})
-            self._set_blocks(self.blocks + self.home.pool.take(more))
+        with self.home.lock:
+            more = math.ceil(tokens / self.block_tokens) - len(self.blocks)
+            if more > 0:
+                self.home.make_room(more, {*protect, self.session_id})
+                self._set_blocks(self.blocks + self.home.pool.take(more))
 
     def _set_blocks(self, blocks: list[int]) -> None:
         self.blocks = blocks
@@ -228,10 +241,11 @@ class SessionCache:
 
     def release(self) -> None:
         """Give every block back (closed or evicted)."""
-        self.home.pool.give(self.blocks)
-        self._set_blocks([])
-        self.lengths = [0] * len(self.layers)
-        self.chain = []
+        with self.home.lock:
+            self.home.pool.give(self.blocks)
+            self._set_blocks([])
+            self.lengths = [0] * len(self.layers)
+            self.chain = []
 
     def slot(self, layer: int, like: torch.Tensor) -> Slot:
         """Count ``like.shape[1]`` more tokens in ``layer``, whose keys and values the caller writes at once
@@ -273,6 +287,10 @@ class SessionCache:
             raise ValueError(
                 f"session {self.session_id}: {home.layers} does not cover its layers {self.layers}"
             )
+        with self.home.lock, home.lock:
+            self._rehome(home)
+
+    def _rehome(self, home: KVCache) -> None:
         old_pool, old_blocks = self.home.pool, self.blocks
         new_blocks = home.pool.take(len(old_blocks))
         for layer in range(self.layers.start, self.layers.end):
@@ -321,6 +339,23 @@ class KVCache:
         self.share_prefixes = False  # full blocks of identical prompts shared (attach_prefix); off by default
         self.prefix_tokens_looked_up = 0  # prompt tokens whose blocks were looked for, since the start
         self.prefix_tokens_shared = 0  # of them, found and shared
+        # The decode and prefill lanes' threads both step sessions of this cache (swarm.peer.executor): every
+        # change to the pool, the tables and the index is made under this lock, and a session with a forward
+        # call in flight (``stepping``) is never evicted, whichever thread wants its blocks.
+        self.lock = threading.RLock()
+        self.busy: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def stepping(self, session_ids: Collection[str]) -> Iterator[None]:
+        """Around a forward call of these sessions: none of them is evicted until it ends."""
+        with self.lock:
+            self.busy.update(session_ids)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.busy.subtract(session_ids)
+                self.busy += Counter()  # drop the zeros
 
     def use_clock(self, clock: Callable[[], float], min_idle_s: float) -> None:
         """Time sessions' steps by ``clock`` (the peer's); sessions idle ``min_idle_s`` count as free."""
@@ -363,24 +398,27 @@ class KVCache:
                 f"this cache holds {self.cache_tokens}"
             )
         session = SessionCache(session_id, max_length_tokens, self)
-        self._sessions[session_id] = session
+        with self.lock:
+            self._sessions[session_id] = session
         logger.debug("opened session %s (up to %d tokens)", session_id, max_length_tokens)
         return session
 
     def adopt(self, session: SessionCache) -> None:
         """Take ``session`` (open in the cache of a range this one contains): same id and object, its blocks
         copied into our pool, widened to our layers."""
-        if session.session_id in self._sessions:
-            raise SessionError(f"session {session.session_id} is already open")
-        session.rehome(self)
-        self._sessions[session.session_id] = session
+        with self.lock:
+            if session.session_id in self._sessions:
+                raise SessionError(f"session {session.session_id} is already open")
+            session.rehome(self)
+            self._sessions[session.session_id] = session
 
     def close(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            raise SessionError(f"unknown session {session_id}")
-        if session.home is self:  # a session carried to another range gives its blocks back there
-            session.release()
+        with self.lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                raise SessionError(f"unknown session {session_id}")
+            if session.home is self:  # a session carried to another range gives its blocks back there
+                session.release()
 
     def get(self, session_id: str) -> SessionCache:
         session = self._sessions.get(session_id)
@@ -397,45 +435,55 @@ class KVCache:
         """Before a forward call (on the torch thread): each of these sessions holds blocks for its number of
         tokens, idle sessions evicted for them if need be (all or none: CapacityError if they cannot be had),
         and has stepped now."""
-        sessions = {sid: self.get(sid) for sid in tokens}
-        more = sum(
-            max(0, math.ceil(t / self.pool.block_tokens) - len(sessions[sid].blocks))
-            for sid, t in tokens.items()
-        )
-        self.make_room(more, set(tokens))
-        now = self.clock()
-        for sid, t in tokens.items():
-            sessions[sid].grow(t, tokens.keys())
-            sessions[sid].last_step_s = now
+        with self.lock:
+            sessions = {sid: self.get(sid) for sid in tokens}
+            more = sum(
+                max(0, math.ceil(t / self.pool.block_tokens) - len(sessions[sid].blocks))
+                for sid, t in tokens.items()
+            )
+            self.make_room(more, set(tokens))
+            now = self.clock()
+            for sid, t in tokens.items():
+                sessions[sid].grow(t, tokens.keys())
+                sessions[sid].last_step_s = now
 
     def make_room(self, blocks: int, protect: Collection[str]) -> None:
         """Free at least ``blocks`` blocks, evicting idle sessions not in ``protect``; CapacityError if even
         that is not enough (nothing is evicted then)."""
-        short = blocks - self.pool.free_blocks
-        if short <= 0:
-            return
-        victims, freed = [], 0
-        for session in self.eviction_order(protect):
-            if freed >= short:
-                break
-            victims.append(session)
-            freed += sum(self.pool.refs[b] == 1 for b in session.blocks)  # a shared block may stay held
-        if freed < short:
-            raise CapacityError(
-                f"KV cache full: {blocks} blocks of {self.pool.block_tokens} tokens wanted, "
-                f"{self.pool.free_blocks} free and {freed} held by idle sessions"
-            )
-        for session in victims:
-            self.evict(session.session_id)
+        with self.lock:
+            short = blocks - self.pool.free_blocks
+            if short <= 0:
+                return
+            victims, freed = [], 0
+            for session in self.eviction_order(protect):
+                if freed >= short:
+                    break
+                frees = sum(self.pool.refs[b] == 1 for b in session.blocks)  # a shared block stays held
+                if frees:  # one that would free nothing keeps its cache
+                    victims.append(session)
+                    freed += frees
+            if freed < short:
+                raise CapacityError(
+                    f"KV cache full: {blocks} blocks of {self.pool.block_tokens} tokens wanted, "
+                    f"{self.pool.free_blocks} free and {freed} held by idle sessions"
+                )
+            for session in victims:
+                self.evict(session.session_id)
 
     def eviction_order(self, protect: Collection[str] = ()) -> list[SessionCache]:
         """Sessions that may be evicted, first to go first: idle seconds per held token, highest first."""
         now = self.clock()
-        held = [s for s in self._sessions.values() if s.blocks and s.session_id not in protect]
+        held = [
+            s
+            for s in list(self._sessions.values())
+            if s.blocks and s.session_id not in protect and s.session_id not in self.busy and s.home is self
+        ]
         return sorted(held, key=lambda s: ((now - s.last_step_s) / s.held_tokens, s.session_id), reverse=True)
 
     def evict(self, session_id: str) -> None:
         session = self.get(session_id)
+        if session_id in self.busy:
+            raise CapacityError(f"session {session_id[:8]} has a step running: it cannot be evicted now")
         logger.info(
             "evicting session %s (%d tokens, idle %.1f s)",
             session_id[:8],
@@ -464,44 +512,53 @@ class KVCache:
         positions (keys chained from position 0), at most all but the step's last token. Returns the range's
         outputs for the shared rows [k * block_tokens, H] (the caller computes only the rows after them), or
         None if nothing was shared."""
-        size = self.pool.block_tokens
-        if position != len(session.chain) * size or any(n != position for n in session.lengths):
-            return None
-        self.prefix_tokens_looked_up += hidden.shape[0]
-        shared: list[int] = []
-        while (len(shared) + 1) * size < hidden.shape[0]:
-            rows = hidden[len(shared) * size : (len(shared) + 1) * size]
-            key = _prefix_key(session.chain[-1] if session.chain else b"", rows)
-            block = self.pool.index.get(key)
-            if block is None:
-                break
-            self.pool.hold(block)
-            shared.append(block)
-            session.chain.append(key)
-        if not shared:
-            return None
-        session._set_blocks(session.blocks + shared)
-        session.lengths = [position + len(shared) * size] * len(session.lengths)
-        self.prefix_tokens_shared += len(shared) * size
-        return torch.cat([self.pool.outputs[b] for b in shared])
+        with self.lock:
+            size = self.pool.block_tokens
+            if (
+                session.home is not self  # carried to a wider range: its blocks are in another pool
+                or position != len(session.chain) * size
+                or len(session.blocks) != len(session.chain)
+                or any(n != position for n in session.lengths)
+            ):
+                return None
+            self.prefix_tokens_looked_up += hidden.shape[0]
+            shared: list[int] = []
+            while (len(shared) + 1) * size < hidden.shape[0]:
+                rows = hidden[len(shared) * size : (len(shared) + 1) * size]
+                key = _prefix_key(session.chain[-1] if session.chain else b"", rows)
+                block = self.pool.index.get(key)
+                if block is None:
+                    break
+                self.pool.hold(block)
+                shared.append(block)
+                session.chain.append(key)
+            if not shared:
+                return None
+            session._set_blocks(session.blocks + shared)
+            session.lengths = [position + len(shared) * size] * len(session.lengths)
+            self.prefix_tokens_shared += len(shared) * size
+            return torch.cat([self.pool.outputs[b] for b in shared])
 
     def register_prefix(
         self, session: SessionCache, position: int, hidden: torch.Tensor, outputs: torch.Tensor
     ) -> None:
         """After a step through all our layers at ``position`` with inputs ``hidden`` and ``outputs`` [T, H]:
         offer the full blocks it completed for sharing (continuing the session's chain of prefix keys)."""
-        size = self.pool.block_tokens
-        while len(session.chain) * size >= position and (len(session.chain) + 1) * size <= position + len(
-            hidden
-        ):
-            j = len(session.chain)
-            rows = slice(j * size - position, (j + 1) * size - position)
-            key = _prefix_key(session.chain[-1] if session.chain else b"", hidden[rows])
-            block = session.blocks[j]
-            if key not in self.pool.index and block not in self.pool.hash_of:
-                self.pool.index[key], self.pool.hash_of[block] = block, key
-                self.pool.outputs[block] = outputs[rows].clone()
-            session.chain.append(key)
+        with self.lock:
+            if session.home is not self:
+                return
+            size = self.pool.block_tokens
+            while len(session.chain) * size >= position and (len(session.chain) + 1) * size <= position + len(
+                hidden
+            ):
+                j = len(session.chain)
+                rows = slice(j * size - position, (j + 1) * size - position)
+                key = _prefix_key(session.chain[-1] if session.chain else b"", hidden[rows])
+                block = session.blocks[j]
+                if key not in self.pool.index and block not in self.pool.hash_of:
+                    self.pool.index[key], self.pool.hash_of[block] = block, key
+                    self.pool.outputs[block] = outputs[rows].clone()
+                session.chain.append(key)
 
 
 def _prefix_key(previous: bytes, rows: torch.Tensor) -> bytes:

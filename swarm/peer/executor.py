@@ -18,9 +18,10 @@ queue is a CapacityError at once, not a backlog.
 Where other peers share the device, ``SharedDevice`` (swarm/peer/turns.py) adds their turns, the prefill thread's
 lower priority and waits for their decode calls; for a lone peer it is off and costs nothing per call.
 
-Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs, so a KV cache
-is only ever touched by one torch thread at a time: a session's own steps take turns too, whatever lane they run
-on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued after it go on
+Opening and closing sessions also go through the decode lane (``call``), never while a chunk runs. A decode call
+does run beside a chunk on the same KV cache: the cache's lock guards its pool and block tables, and a session
+with a step running is never evicted for the other lane (swarm.models.kv_cache). A session's own steps take turns,
+whatever lane they run on. A call waits for a running chunk on its own, beside the lane, and the decode steps queued after it go on
 meanwhile. A step whose cache blocks cannot be had (kv_cache.KVCache.prepare) is a CapacityError.
 
 Steps of one session run in position order, whatever order they arrive in: a client pipelines a long prompt as

@@ -255,9 +255,10 @@ class PlannerService:
         """One look at the swarm: re-solve if needed, publish if better, else refresh; then tell the swarm's
         summary readers (swarm.dht.watch) what we saw. Returns the plan stored, if any."""
         snapshot = await self.directory.snapshot()
-        stored = await self._plan(snapshot)
-        await self._summarize(snapshot)
-        return stored
+        try:
+            return await self._plan(snapshot)
+        finally:  # a failed solve must not leave the summary to expire (everyone would read every record)
+            await self._summarize(snapshot)
 
     async def _summarize(self, snapshot: SwarmSnapshot) -> None:
         """Store the summary of ``snapshot`` and our plan's epoch when either changed, else every

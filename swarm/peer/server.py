@@ -279,7 +279,10 @@ async def _write_traffic(path: Path, directory: Directory, watch: SwarmWatch) ->
             "summary_reads": watch.summary_reads,
             "full_reads": watch.full_reads,
         }
-        _write_atomic(path, json.dumps(report) + "\n")
+        try:
+            _write_atomic(path, json.dumps(report) + "\n")
+        except OSError as e:  # a full disk or a removed directory must not stop the peer
+            logger.warning("could not write %s: %r", path, e)
         await asyncio.sleep(TRAFFIC_WRITE_S)
 
 

@@ -37,6 +37,8 @@ from swarm.wire import CacheStats, Hop
 
 logger = logging.getLogger(__name__)
 
+MAX_CLOSED_KEPT = 10_000  # session closes remembered (closed_since) at most
+
 
 class Status(enum.StrEnum):
     JOINING = "joining"  # loading layers and measuring: not serving yet
@@ -391,7 +393,10 @@ class Peer:
         """Close session ``key`` at its client's word, and remember that it did (``closed_since``): a step of
         it still on its way must neither open it again nor go on to the next hop."""
         now = self.clock()
-        while self._closed and next(iter(self._closed.values()))[0] < now - self.config.closed_memory_s:
+        while self._closed and (
+            next(iter(self._closed.values()))[0] < now - self.config.closed_memory_s
+            or len(self._closed) >= MAX_CLOSED_KEPT  # anyone may close any id: the oldest go first
+        ):
             del self._closed[next(iter(self._closed))]
         self._closed.pop(key, None)
         self._closed[key] = (now, self.find(key) is not None)  # before the close: a running step sees it

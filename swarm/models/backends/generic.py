@@ -133,8 +133,7 @@ class TorchRange(RangeKernels):
 def _cut_back(batch: Batch, before: list[list[int]]) -> None:
     """Forget what a failed call cached: each step's cache back to its length before the batch."""
     for cache, lengths in zip(batch.caches, before, strict=True):
-        for layer, length in zip(range(batch.start, batch.end), lengths, strict=True):
-            cache.truncate(layer, length)
+        cache.cut(dict(zip(range(batch.start, batch.end), lengths, strict=True)))
 
 
 class TorchHead(HeadKernels):

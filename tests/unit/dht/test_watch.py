@@ -129,3 +129,29 @@ def test_a_newer_summary_from_another_writer_is_not_relied_on() -> None:
         assert board.full_reads == 3
 
     asyncio.run(body())
+
+
+def test_a_read_that_missed_the_summarys_plan_is_made_again() -> None:
+    """The summary tells of plan 2, but the full read it caused still found plan 1 (the plan's store reached
+    only some of its nodes): the next poll reads again, until the plan is there."""
+
+    async def body() -> None:
+        board, clock = Board(), Clock()
+        board.summarize()
+        watch = watch_of(board, clock)
+        await watch.tick()
+        board.epoch = 2
+        board.summarize(created_at=2.0)
+        board.epoch = 1  # the plan record itself is not readable yet
+        clock.now += 1.0
+        await watch.tick()
+        assert board.full_reads == 2 and watch.snapshot.plan.epoch == 1  # type: ignore[union-attr]
+        board.epoch = 2
+        clock.now += 1.0
+        await watch.tick()
+        assert board.full_reads == 3 and watch.snapshot.plan.epoch == 2  # type: ignore[union-attr]
+        clock.now += 1.0
+        await watch.tick()
+        assert board.full_reads == 3
+
+    asyncio.run(body())

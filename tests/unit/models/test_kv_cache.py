@@ -134,8 +134,9 @@ def test_prompts_with_a_common_prefix_share_its_full_blocks_copy_on_write(tiny_s
     shared.close_session("a")
     shared.close_session("b")
     assert cache.free_tokens == 256
-    # the rewinds took every block but the first back from sharing; that one stays offered, free but taken last
-    assert len(cache.pool.cached) == 1
+    # what a and b rewrote is no longer offered; the two blocks of the common prefix, which nobody rewrote, are
+    # (a let go of the second when it rewound before it), free but taken last
+    assert len(cache.pool.cached) == 2
     assert set(cache.pool.cached) == set(cache.pool.index.values()) == set(cache.pool.outputs)
 
 
@@ -176,3 +177,40 @@ def test_a_rewound_block_is_not_offered_with_what_it_held_before(tiny_source, he
     got, expected = (b.forward([Step("b", hidden, 0, 2, 0)])[0] for b in (shared, alone))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert shared.cache.prefix_tokens_shared == 32  # blocks 0 and 1 only
+
+
+def test_a_session_with_a_step_running_is_never_evicted() -> None:
+    """The prefill lane's chunk of a session may run while the decode lane's thread needs blocks: however idle
+    that session looks by its last step's time, it keeps its blocks until its call ends."""
+    clock = Clock()
+    cache = _cache(4, clock)
+    _fill(cache, "chunk", 48, clock, 100.0)  # 3 blocks, its call began at 100 s
+    _fill(cache, "decoder", 1, clock, 130.0)
+    clock.now = 131.0
+    with cache.stepping(["chunk"]):
+        with pytest.raises(CapacityError):
+            cache.prepare({"decoder": 40})  # needs 2 more blocks: only the running chunk's could give them
+        assert cache.get("chunk").held_tokens == 48 and cache.evictions == 0
+    cache.prepare({"decoder": 40})  # once its call has ended, it is the one to go
+    assert cache.get("chunk").held_tokens == 0 and cache.evictions == 1
+
+
+def test_copy_on_write_without_room_changes_nothing(tiny_source, head) -> None:  # type: ignore[no-untyped-def]
+    """A rewind into shared blocks needs a copy of each; with room for only some of them the step fails and
+    every block keeps its holders: closing the one session then frees none of the other's blocks."""
+    blocks = tiny_source.load_blocks(0, 2, cache_tokens=5 * 16)
+    blocks.cache.share_prefixes = True
+    pool = blocks.cache.pool
+    prompt = head.embed(torch.tensor([(i * 31) % 300 for i in range(40)]))
+    for sid in ("a", "b"):
+        blocks.open_session(sid, 64)
+        blocks.forward([Step(sid, prompt, 0, 2, 0)])  # b shares a's first 2 blocks: 4 blocks used, 1 free
+    assert blocks.cache.get("a").blocks[:2] == blocks.cache.get("b").blocks[:2] and pool.free_blocks == 1
+    # b rewinds layer 0 only (a route may cut the range) into block 0: both shared blocks need copies, while
+    # a has a step running (it cannot be evicted for them)
+    with blocks.cache.stepping(["a"]), pytest.raises(CapacityError):
+        blocks.forward([Step("b", head.embed(torch.tensor([1])), 0, 1, 5)])
+    held_by_a = blocks.cache.get("a").blocks
+    blocks.close_session("b")
+    assert all(pool.refs[block] == 1 for block in held_by_a)
+    assert pool.free_blocks == 5 - len(held_by_a)
