@@ -226,9 +226,7 @@ class InferenceSession:
         self._check_forward(new_ids)
         if not self.stages:
             await self.open()
-        if self._move_pending:
-            self._move_pending = False
-            await self._move_to_decode()
+        await self._move_if_pending()
         prompt = not self.token_ids
         for attempt in itertools.count():
             try:
@@ -247,13 +245,24 @@ class InferenceSession:
         self._move_pending = prompt
         return out
 
-    async def _move_to_decode(self) -> None:
-        """After the prompt: move to ``decode_route``, or to the plan's decode route if it has one."""
-        route = self.decode_route
-        if route is None:
-            route = await self.routes.decode_route(self.max_length_tokens, self._avoid())
-        if route:
-            await self.move(route)
+    async def _move_if_pending(self) -> None:
+        """Once, after the prompt: move to ``decode_route``, or to the plan's decode route if it has one."""
+        if not self._move_pending:
+            return
+        self._move_pending = False
+        try:
+            route = self.decode_route
+            if route is None:
+                route = await self.routes.decode_route(self.max_length_tokens, self._avoid())
+            if route:
+                await self.move(route)
+        except (
+            SwarmError,
+            TimeoutError,
+            ConnectionError,
+            OSError,
+        ) as error:  # a move is never worth a failure
+            logger.info("session %s decodes where it prefilled: %r", self.session_id[:8], error)
 
     async def move(self, decode: Route) -> list[Move]:
         """Move the stages of the session's route that can to peers of ``decode`` (client.split): each stage's

@@ -120,3 +120,30 @@ def test_pairing_skips_peers_on_the_route_and_peers_taken_by_an_earlier_stage() 
     assert pair_stages(prefill, decode, held) == [(0, "d"), (1, "e")]
     # a decode peer already on the prefill route is no target (the route would name it twice)
     assert pair_stages(prefill, _route(("b", 0, 6)), lambda i, p: True) == []
+
+
+def test_without_a_route_given_the_session_moves_to_the_route_of_the_plans_decode_flows(
+    tiny_source: ModelSource, reference: Any
+) -> None:
+    client, chain = make_client(tiny_source, PEERS)
+    decode = _route(("a2", 0, 2), ("b2", 2, 4), ("c2", 4, 6))
+    asked: list[int] = []
+
+    async def decode_route(session_tokens: int, avoid: frozenset[NodeID] = frozenset()) -> Route | None:
+        asked.append(session_tokens)
+        return decode
+
+    client.routes.decode_route = decode_route  # type: ignore[method-assign]  # as SwarmRoutes from decode flows
+
+    async def run() -> list[int]:
+        session = client.new_session(len(PROMPT_IDS) + STEPS)
+        session.stages = PREFILL
+        request = GenerationRequest(tuple(PROMPT_IDS), STEPS, frozenset())
+        try:
+            return [t async for t in generate_ids(session, request, Sampler(SamplingParams()).sample)]
+        finally:
+            await session.close()
+
+    assert asyncio.run(run()) == greedy_reference(reference, PROMPT_IDS, STEPS)
+    assert asked == [len(PROMPT_IDS) + STEPS]  # asked once, after the prompt
+    assert chain.moves == [("a", "a2", 8), ("b", "b2", 8), ("c", "c2", 8)]
