@@ -345,7 +345,8 @@ class PeerHandlers:
         return CloseReply(closed)
 
     async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply:
-        """A chunk of a session a leaving peer hands us (see swarm.peer.handover)."""
+        """A chunk of a session a leaving peer, or one asked by its client (rpc_move), hands us (see
+        swarm.peer.handover)."""
         with self._admit(remote_id):
             return await self.handover.install(request, remote_id)
 

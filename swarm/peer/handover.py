@@ -139,7 +139,8 @@ class Handovers:
         moved. Raises what went wrong (the target refused: its layers, its cache); the session then stays."""
         if target == self.peer.peer_id:
             raise ProtocolError("a session cannot move to the peer it is on")
-        moved = await self._send(served, key, lambda _snapshot: (target, maddrs))
+        # the client names the target, which may refuse (or be no peer at all): one token first, then the bulk
+        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1)
         if moved is None:
             raise SessionError(f"session {key[:16]} holds no tokens here yet: nothing to move")
         return moved
@@ -149,6 +150,7 @@ class Handovers:
         served: Served,
         key: str,
         choose: Callable[[Snapshot], tuple[str, tuple[str, ...]] | None],
+        first_tokens: int = 0,
     ) -> tuple[int, int] | None:
         """Freeze session ``key``, send its cache to the peer ``choose`` names for its snapshot, close it here:
         (tokens, KV bytes) sent, or None if it had nothing to move or ``choose`` named nobody."""
@@ -169,7 +171,8 @@ class Handovers:
             successor, maddrs = chosen
             session_id, origin = key.rsplit("@", 1)
             began, sent_bytes = time.perf_counter(), 0
-            for request in chunks(snapshot, session_id, origin, self.peer.spec.weights_hash):
+            requests = chunks(snapshot, session_id, origin, self.peer.spec.weights_hash, first_tokens)
+            for request in requests:
                 sent_bytes += 2 * request.keys.numel() * request.keys.element_size()
                 installed = await call_handover(
                     self.p2p, successor, request, maddrs=maddrs, timeout_s=CHUNK_TIMEOUT_S
@@ -297,13 +300,20 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
     return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
 
 
-def chunks(snapshot: Snapshot, session_id: str, origin: str, model_hash: str) -> list[HandoverRequest]:
-    """The snapshot as HandoverRequests of at most CHUNK_BYTES each, in the order the receiver expects."""
+def chunks(
+    snapshot: Snapshot, session_id: str, origin: str, model_hash: str, first_tokens: int = 0
+) -> list[HandoverRequest]:
+    """The snapshot as HandoverRequests of at most CHUNK_BYTES each, in the order the receiver expects; with
+    ``first_tokens``, the very first chunk holds only that many tokens (the target opens the session, or
+    refuses, before the bulk is sent)."""
     out = []
     for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
         per_token = 2 * k.shape[0] * k.shape[2] * k.element_size()
         span = max(1, CHUNK_BYTES // per_token)
-        for t in range(0, snapshot.position, span):
+        starts = list(range(0, snapshot.position, span))
+        if i == 0 and 0 < first_tokens < snapshot.position:
+            starts = [0, *range(first_tokens, snapshot.position, span)]
+        for t, end in zip(starts, [*starts[1:], snapshot.position], strict=True):
             out.append(
                 HandoverRequest(
                     session_id=session_id,
@@ -315,8 +325,8 @@ def chunks(snapshot: Snapshot, session_id: str, origin: str, model_hash: str) ->
                     model_hash=model_hash,
                     layer=snapshot.layers.start + i,
                     token_start=t,
-                    keys=k[:, t : t + span].contiguous(),
-                    values=v[:, t : t + span].contiguous(),
+                    keys=k[:, t:end].contiguous(),
+                    values=v[:, t:end].contiguous(),
                 )
             )
     return out
