@@ -299,14 +299,16 @@ class RemoteChain:
         )
         await self._step_and_wait(request, first, rest[-1])
 
-    async def move(self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float) -> int:
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]:
         """Have ``stage``'s peer hand the session's cache over to ``target`` (rpc_move): the session's position,
-        now held there. Any failure leaves the session on ``stage``."""
+        now held there, and the KV bytes sent. Any failure leaves the session on ``stage``."""
         request = MoveRequest(session_id, str(target), self.maddrs(target))
         reply = await call_move(
             self.p2p, str(stage.peer_id), request, maddrs=self.maddrs(stage.peer_id), timeout_s=timeout_s
         )
-        return reply.tokens
+        return reply.tokens, reply.kv_bytes
 
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """`stage` alone on `hidden` as a fresh session at position 0, closed after; the output in the dtype the

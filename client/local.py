@@ -126,7 +126,9 @@ class LocalChain:
         faults = self.faulty.get(stage.peer_id)
         return faults.corrupt(hidden) if faults is not None else hidden
 
-    async def move(self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float) -> int:
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]:
         """Copy the session's cache for ``stage``'s layers to ``target``'s blocks and close it on the stage's
         peer, as rpc_move does between peers."""
         for peer_id in (stage.peer_id, target):
@@ -142,13 +144,14 @@ class LocalChain:
         cache = source.cache.get(session_id)
         position = cache.lengths[stage.layers.start - cache.layers.start]
         dest.open_session(session_id, cache.max_length_tokens)
-        moved = dest.cache.get(session_id)
+        moved, kv_bytes = dest.cache.get(session_id), 0
         for layer in range(stage.layers.start, stage.layers.end):
             k, v = cache.gather(layer, position)
             moved.append(layer, k.to(dest.device, dest.dtype), v.to(dest.device, dest.dtype))
+            kv_bytes += 2 * k.numel() * k.element_size()
         source.close_session(session_id)
         self.moves.append((stage.peer_id, target, position))
-        return position
+        return position, kv_bytes
 
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         if stage.peer_id in self.dead:

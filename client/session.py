@@ -80,8 +80,10 @@ class Chain(CheckChain, Protocol):
     ) -> None: ...
 
     # stage's peer hands the session's cache for its layers to ``target`` (the decode route, client.split): the
-    # session's position, now held there; on any error the session stays on the stage
-    async def move(self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float) -> int: ...
+    # session's position, now held there, and the KV bytes sent; on any error the session stays on the stage
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]: ...
 
 
 class RouteSource(Protocol):
@@ -289,7 +291,7 @@ class InferenceSession:
     async def _move_stage(self, stage: Stage, target: NodeID) -> Move:
         began = time.monotonic()
         try:
-            tokens = await self.chain.move(self.session_id, stage, target, self.step_timeout_s)
+            tokens, kv_bytes = await self.chain.move(self.session_id, stage, target, self.step_timeout_s)
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.info(
                 "session %s stays on %s: moving to %s failed (%s: %s)",
@@ -304,7 +306,7 @@ class InferenceSession:
             self._filled.discard(stage)
             wrong = f"peer {stage.peer_id} moved {tokens} tokens of a session of {self.position}"
             return Move(stage, target, tokens, time.monotonic() - began, wrong)
-        return Move(stage, target, tokens, time.monotonic() - began)
+        return Move(stage, target, tokens, time.monotonic() - began, kv_bytes=kv_bytes)
 
     def _check_forward(self, new_ids: Sequence[int]) -> None:
         """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""

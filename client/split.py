@@ -28,6 +28,7 @@ class Move:
     tokens: int  # the session's position moved (0 if it failed)
     seconds: float  # from the ask to the target's confirmation (or the failure)
     error: str = ""  # why it stays on the prefill route; empty when it moved
+    kv_bytes: int = 0  # the keys and values the stage's peer sent
 
 
 def pair_stages(

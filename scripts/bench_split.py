@@ -12,7 +12,8 @@ rest of the layers are on `rest` (--decode-threads). For each --prompt-tokens le
   that one stage, a session of its own): the compute the hand-over saves the decode peer;
 - `route_prefill_s`: the prompt through the whole prefill route (prefill -> rest), the session's real prefill;
 - `handover_s`: the session's move after its prompt (rpc_move): the prefill peer hands the KV of every prompt
-  token for its layers to the decode peer, as the client sees it, from the ask to the decode peer's confirmation;
+  token for its layers (`handover_kv_bytes`) to the decode peer, as the client sees it, from the ask to the
+  decode peer's confirmation;
 - then --new-tokens greedy tokens decoded on the decode route (decode -> rest), compared with local transformers
   (`tokens_equal`: every moved session's tokens equal them).
 
@@ -98,6 +99,7 @@ async def moved_session(
     return {
         "route_prefill_s": route_prefill_s,
         "handover_s": max((m.seconds for m in moved), default=None),
+        "kv_bytes": sum(m.kv_bytes for m in moved),
         "errors": [m.error for m in moves if m.error],
         "moved_stages": len(moved),
         "stages": [str(s.peer_id) for s in session.stages],
@@ -137,9 +139,8 @@ def measure(
     prefill: Route = (Stage(ids["prefill"], LayerRange(0, cut)), Stage(ids["rest"], LayerRange(cut, n)))
     decode: Route = (Stage(ids["decode"], LayerRange(0, cut)), Stage(ids["rest"], LayerRange(cut, n)))
     vocab = reference.config.vocab_size
-    report: dict[str, Any] = {
-        key: {} for key in ("handover_s", "prefill_s", "route_prefill_s", "decode_tok_s")
-    }
+    keys = ("handover_s", "handover_kv_bytes", "prefill_s", "route_prefill_s", "decode_tok_s")
+    report: dict[str, Any] = {key: {} for key in keys}
     report["handover_vs_prefill"], equal, errors = {}, True, []
     for length in args.prompt_tokens:
         ids_tensor = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(length))
@@ -155,11 +156,13 @@ def measure(
                 equal = False
                 continue
             runs["handover_s"].append(one["handover_s"])
+            runs["handover_kv_bytes"].append(one["kv_bytes"])
             runs["route_prefill_s"].append(one["route_prefill_s"])
             runs["decode_tok_s"].append(one["decode_tok_s"])
         key = str(length)
         for name, values in runs.items():
             report[name][key] = median(values) if values else None
+        report["handover_kv_bytes"][key] = int(report["handover_kv_bytes"][key] or 0)
         if runs["handover_s"]:
             report["handover_vs_prefill"][key] = round(
                 median(runs["handover_s"]) / median(runs["prefill_s"]), 4

@@ -760,6 +760,9 @@ def test_bench_split_quick(tmp_path: Path) -> None:
             "cpu_cores": _positive,
             "prefill_s_is": lambda v: isinstance(v, str),
             "handover_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "handover_kv_bytes": lambda v: (
+                set(v) == lengths and v["64"] == 2 * v["32"] > 0
+            ),  # KV grows by token
             "prefill_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
             "route_prefill_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
             "decode_tok_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
