@@ -331,8 +331,10 @@ class SwarmRoutes:
 
     async def decode_route(self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()) -> Route | None:
         """The route to decode on after the prompt, by IWRR over the plan's decode flows (Plan.decode_flows); None
-        when the plan has none (one flow serves both phases) or they reach no usable route."""
-        snapshot = await self.snapshot()
+        when the plan has none (one flow serves both phases) or they reach no usable route. From the cached
+        snapshot however old (the session's route read it just before its prompt): no DHT read between the
+        first token and the second."""
+        snapshot = self._snapshot or await self.snapshot()
         plan = snapshot.plan.to_plan() if snapshot.plan is not None else None
         if plan is None or not plan.decode_flows:
             return None
