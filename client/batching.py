@@ -364,6 +364,7 @@ class BatchedSession(InferenceSession):
         if decode:  # the batcher's next round may wait for it
             self.batcher.sent(self, self.lane)
         try:
+            await self._move_if_pending()  # to the decode route before joining a round on the route
             if round_ is not None and decode:
                 self.batch = await round_.join(self, self.batcher.settle_s, self.stages)
             elif round_ is not None:

@@ -30,6 +30,7 @@ from swarm.routing.route import Stage
 from swarm.transport import (
     call_close,
     call_info,
+    call_move,
     call_step,
     call_step_acked,
     call_step_batch,
@@ -37,7 +38,7 @@ from swarm.transport import (
     call_wait_batch,
 )
 from swarm.types import NodeID, SessionID
-from swarm.wire import CloseRequest, Hop, StepAck, StepReply, StepRequest, StepWait
+from swarm.wire import CloseRequest, Hop, MoveRequest, StepAck, StepReply, StepRequest, StepWait
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,17 @@ class RemoteChain:
             resend_tokens=tokens,
         )
         await self._step_and_wait(request, first, rest[-1])
+
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]:
+        """Have ``stage``'s peer hand the session's cache over to ``target`` (rpc_move): the session's position,
+        now held there, and the KV bytes sent. Any failure leaves the session on ``stage``."""
+        request = MoveRequest(session_id, str(target), self.maddrs(target))
+        reply = await call_move(
+            self.p2p, str(stage.peer_id), request, maddrs=self.maddrs(stage.peer_id), timeout_s=timeout_s
+        )
+        return reply.tokens, reply.kv_bytes
 
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """`stage` alone on `hidden` as a fresh session at position 0, closed after; the output in the dtype the

@@ -20,7 +20,7 @@ from client.client import AsyncSwarmClient
 from client.config import ClientConfig
 from client.routes import route_deprioritising_bans
 from client.spot import ReportSink
-from swarm.errors import SessionError, SwarmError, TransportError
+from swarm.errors import CapacityError, SessionError, SwarmError, TransportError
 from swarm.models.blocks import BlockRange, Step
 from swarm.models.faults import OutputFaults
 from swarm.models.head import ClientHead
@@ -43,6 +43,7 @@ class LocalChain:
         # what each stage sent on, per (peer, session), as a peer logs it (swarm/peer/outputs.py): resends read it
         self.sent: dict[tuple[NodeID, SessionID], torch.Tensor] = {}
         self.resends: list[tuple[NodeID, int, int]] = []  # (peer, position, tokens) of every resend
+        self.moves: list[tuple[NodeID, NodeID, int]] = []  # (from, to, tokens) of every session moved
         self._steps = 0
 
     async def step(
@@ -125,6 +126,33 @@ class LocalChain:
         faults = self.faulty.get(stage.peer_id)
         return faults.corrupt(hidden) if faults is not None else hidden
 
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]:
+        """Copy the session's cache for ``stage``'s layers to ``target``'s blocks and close it on the stage's
+        peer, as rpc_move does between peers."""
+        for peer_id in (stage.peer_id, target):
+            if peer_id in self.dead:
+                error = TransportError(f"peer {peer_id} is unreachable")
+                error.failed_peer_id = peer_id
+                raise error
+        if target in self.refusing:
+            raise self.refusing[target]
+        source, dest = self.blocks[stage.peer_id], self.blocks[target]
+        if not dest.range.covers(stage.layers):
+            raise CapacityError(f"layers {stage.layers} requested, {target} holds {dest.range}")
+        cache = source.cache.get(session_id)
+        position = cache.lengths[stage.layers.start - cache.layers.start]
+        dest.open_session(session_id, cache.max_length_tokens)
+        moved, kv_bytes = dest.cache.get(session_id), 0
+        for layer in range(stage.layers.start, stage.layers.end):
+            k, v = cache.gather(layer, position)
+            moved.append(layer, k.to(dest.device, dest.dtype), v.to(dest.device, dest.dtype))
+            kv_bytes += 2 * k.numel() * k.element_size()
+        source.close_session(session_id)
+        self.moves.append((stage.peer_id, target, position))
+        return position, kv_bytes
+
     async def run_alone(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         if stage.peer_id in self.dead:
             raise TransportError(f"peer {stage.peer_id} is unreachable")
@@ -190,6 +218,10 @@ class LocalRoutes:
 
     def release(self, session_id: str) -> None:
         """Nothing to forget: routes here do not depend on the sessions open."""
+
+    async def decode_route(self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()) -> Route | None:
+        """None: no plan here, so no decode flows (a session decodes where it prefilled unless told)."""
+        return None
 
     async def holders(self, layers: LayerRange) -> list[NodeID]:
         return [

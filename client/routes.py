@@ -28,7 +28,7 @@ from swarm.errors import NoRouteError
 from swarm.routing import BanConfig, BanList, PeerState, Route, Router, RoutingConfig, RoutingView
 from swarm.routing.observed import announced_layer_tokens_s, discount_plan, flow_factor, speed_ratio
 from swarm.routing.route import route_text
-from swarm.types import LayerRange, NodeID, coverage
+from swarm.types import SOURCE, LayerRange, NodeID, coverage
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,7 @@ class SwarmRoutes:
         self._reuse_snapshot = False
         self._router: Router | None = None
         self._router_key: tuple[object, ...] | None = None  # (epoch, flow factors) the router was built for
+        self._decode_router: Router | None = None  # over the plan's decode flows (decode_route)
         self._lock = asyncio.Lock()  # one DHT read at a time; concurrent sessions share its result
         self.open_sessions: set[str] = set()  # sessions of this client that hold a route (see `route`)
         self.client_rtt_s: dict[NodeID, float] = {}  # round trips this client measured to peers
@@ -327,6 +328,31 @@ class SwarmRoutes:
     def release(self, session_id: str) -> None:
         """`session_id` closed: it no longer counts as open when routing the others."""
         self.open_sessions.discard(session_id)
+
+    async def decode_route(self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()) -> Route | None:
+        """The route to decode on after the prompt, by IWRR over the plan's decode flows (Plan.decode_flows); None
+        when the plan has none (one flow serves both phases) or they reach no usable route. From the cached
+        snapshot however old (the session's route read it just before its prompt): no DHT read between the
+        first token and the second."""
+        snapshot = self._snapshot or await self.snapshot()
+        plan = snapshot.plan.to_plan() if snapshot.plan is not None else None
+        if plan is None or not plan.decode_flows:
+            return None
+        if (
+            self._decode_router is None
+            or self._decode_router.plan is None
+            or (self._decode_router.plan.epoch != plan.epoch)
+        ):
+            decode = replace(plan, flows=plan.decode_flows, decode_flows=())
+            # no latency fallback: a decode route off the decode flows is no reason to move
+            config = RoutingConfig(fallback_to_latency=False)
+            self._decode_router = Router(decode, bans=self.bans, config=config, rng=self.rng)
+        view = self._view(snapshot, self.cache_high_water, avoid)
+        try:
+            return self._decode_router.route_from(view, 0, SOURCE, session_tokens)
+        except NoRouteError as error:
+            logger.info("no decode route (%s): decoding where the prompt went", error)
+            return None
 
     def _route(
         self,

@@ -39,6 +39,7 @@ from client.chunks import chunked
 from client.drafting import Speculation
 from client.liveness import StepWatch
 from client.retry import Action, Decision, RetryPolicy
+from client.split import Move, moved_route, pair_stages
 from client.spot import CheckChain, SpotChecker, WrongOutput
 from swarm.errors import NoRouteError, SessionError, SwarmError
 from swarm.routing.route import Route, Stage, route_text
@@ -78,6 +79,12 @@ class Chain(CheckChain, Protocol):
         max_length_tokens: int,
     ) -> None: ...
 
+    # stage's peer hands the session's cache for its layers to ``target`` (the decode route, client.split): the
+    # session's position, now held there, and the KV bytes sent; on any error the session stays on the stage
+    async def move(
+        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+    ) -> tuple[int, int]: ...
+
 
 class RouteSource(Protocol):
     """Builds routes (or their tails, for failover), and remembers which peers failed and which served."""
@@ -92,6 +99,11 @@ class RouteSource(Protocol):
     ) -> Route: ...  # never through a peer in `avoid`; NoRouteError names the layers nobody else serves
 
     def release(self, session_id: str) -> None: ...  # the session closed: routes of others stop counting it
+
+    # the route to decode on after the prompt (the plan's decode flows), or None: decode where it prefilled
+    async def decode_route(
+        self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
+    ) -> Route | None: ...
 
     async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
 
@@ -173,6 +185,11 @@ class InferenceSession:
         # (id, size) of the decode steps of other sessions our next one is sent with (see client.batching)
         self.batch = NO_BATCH
         self.speculation: Speculation | None = None  # drafts to verify in greedy generation (client.drafting)
+        # Where to decode after the prompt (client.split): this route if set, else the plan's decode flows' route
+        # if it has them (RouteSource.decode_route); the moves made, for logs, tests and benchmarks
+        self.decode_route: Route | None = None
+        self.moves: list[Move] = []
+        self._move_pending = False  # the prompt is in: move before the first decode step
 
     def _avoid(self) -> frozenset[NodeID]:
         excluded = self.checker.excluded if self.checker is not None else set()
@@ -211,6 +228,8 @@ class InferenceSession:
         self._check_forward(new_ids)
         if not self.stages:
             await self.open()
+        await self._move_if_pending()
+        prompt = not self.token_ids
         for attempt in itertools.count():
             try:
                 # after a failover, first refill the caches of the stages that lack the prefix (only those)
@@ -225,7 +244,69 @@ class InferenceSession:
         self._filled = set(self.stages)
         self.routes.succeeded(s.peer_id for s in self.stages)
         self.token_ids.extend(int(t) for t in new_ids)
+        self._move_pending = prompt
         return out
+
+    async def _move_if_pending(self) -> None:
+        """Once, after the prompt: move to ``decode_route``, or to the plan's decode route if it has one."""
+        if not self._move_pending:
+            return
+        self._move_pending = False
+        try:
+            route = self.decode_route
+            if route is None:
+                route = await self.routes.decode_route(self.max_length_tokens, self._avoid())
+            if route:
+                await self.move(route)
+        except (
+            SwarmError,
+            TimeoutError,
+            ConnectionError,
+            OSError,
+        ) as error:  # a move is never worth a failure
+            logger.info("session %s decodes where it prefilled: %r", self.session_id[:8], error)
+
+    async def move(self, decode: Route) -> list[Move]:
+        """Move the stages of the session's route that can to peers of ``decode`` (client.split): each stage's
+        peer hands its cache to the target, all at once, and the session steps there from the same position,
+        with nothing replayed. A stage whose move fails stays where it is. Returns this call's moves."""
+        if not self.stages or not self.token_ids:
+            return []
+        holders = [set(await self.routes.holders(stage.layers)) for stage in self.stages]
+        pairs = pair_stages(self.stages, decode, lambda i, peer: peer in holders[i])
+        moves = list(await asyncio.gather(*(self._move_stage(self.stages[i], t) for i, t in pairs)))
+        before = self.stages
+        self.stages = moved_route(before, moves)
+        self._filled = {new for old, new in zip(before, self.stages, strict=True) if old in self._filled}
+        self.moves.extend(moves)
+        logger.info(
+            "session %s moved %d of %d stages after its prompt: %s",
+            self.session_id[:8],
+            sum(not m.error for m in moves),
+            len(moves),
+            route_text(self.stages),
+        )
+        return moves
+
+    async def _move_stage(self, stage: Stage, target: NodeID) -> Move:
+        began = time.monotonic()
+        try:
+            tokens, kv_bytes = await self.chain.move(self.session_id, stage, target, self.step_timeout_s)
+        except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
+            logger.info(
+                "session %s stays on %s: moving to %s failed (%s: %s)",
+                self.session_id[:8],
+                stage.peer_id[-8:],
+                target[-8:],
+                type(error).__name__,
+                error,
+            )
+            return Move(stage, target, 0, time.monotonic() - began, f"{type(error).__name__}: {error}")
+        if tokens != self.position:  # not the cache we sent: it stays unfilled, and the next step refills it
+            self._filled.discard(stage)
+            wrong = f"peer {stage.peer_id} moved {tokens} tokens of a session of {self.position}"
+            return Move(stage, target, tokens, time.monotonic() - began, wrong)
+        return Move(stage, target, tokens, time.monotonic() - began, kv_bytes=kv_bytes)
 
     def _check_forward(self, new_ids: Sequence[int]) -> None:
         """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""

@@ -16,12 +16,15 @@ Requests and their replies:
     CloseRequest   -> CloseReply    close a session on this peer and every hop in ``route_rest``
     InfoRequest    -> InfoReply     what the peer serves right now
     ProbeRequest   -> ProbeReply    link measurement (payload for bandwidth, empty for RTT) and dial-back
+    HandoverRequest -> HandoverReply  one chunk of a session's KV cache, from the peer that held it to its successor
+    MoveRequest    -> MoveReply     a client asks a peer of its route to hand its session to another peer
     any request    -> ErrorReply    a SwarmError with its code, so it keeps its type across the wire
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -265,6 +268,26 @@ class HandoverReply:
 
 
 @dataclass(frozen=True)
+class MoveRequest:
+    """The client asks this peer to hand its session ``session_id`` over to ``target_peer_id`` (at
+    ``target_maddrs``), as a leaving peer would (HandoverRequest chunks), e.g. from the prefill route to a decode
+    peer after the prompt. Only the session's own client may ask: the session is the caller's, and ``origin``,
+    if set, must be the caller. The target must hold the session's layers; it refuses otherwise, or when its
+    cache is full, and the session then stays here."""
+
+    session_id: str
+    target_peer_id: str
+    target_maddrs: tuple[str, ...] = ()
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class MoveReply:
+    tokens: int  # the session's position, now held by the target: the client steps there from it
+    kv_bytes: int  # the keys and values sent
+
+
+@dataclass(frozen=True)
 class InfoRequest:
     pass
 
@@ -366,9 +389,18 @@ Request = (
     | InfoRequest
     | ProbeRequest
     | HandoverRequest
+    | MoveRequest
 )
 Reply = (
-    StepReply | StepAck | StepBatchReply | CloseReply | InfoReply | ProbeReply | ErrorReply | HandoverReply
+    StepReply
+    | StepAck
+    | StepBatchReply
+    | CloseReply
+    | InfoReply
+    | ProbeReply
+    | ErrorReply
+    | HandoverReply
+    | MoveReply
 )
 
 _REQUEST_KINDS: dict[type, str] = {
@@ -380,6 +412,7 @@ _REQUEST_KINDS: dict[type, str] = {
     InfoRequest: "info",
     ProbeRequest: "probe",
     HandoverRequest: "handover",
+    MoveRequest: "move",
 }
 _REPLY_KINDS: dict[type, str] = {
     StepReply: "step_reply",
@@ -390,6 +423,7 @@ _REPLY_KINDS: dict[type, str] = {
     ProbeReply: "probe_reply",
     ErrorReply: "error",
     HandoverReply: "handover_reply",
+    MoveReply: "move_reply",
 }
 _REQUEST_KIND_NAMES = frozenset(_REQUEST_KINDS.values())
 _REPLY_KIND_NAMES = frozenset(_REPLY_KINDS.values())
@@ -403,12 +437,13 @@ REPLY_FOR: dict[type, type] = {
     InfoRequest: InfoReply,
     ProbeRequest: ProbeReply,
     HandoverRequest: HandoverReply,
+    MoveRequest: MoveReply,
 }
 
 
 def request_verb(request: Request) -> str:
-    """ "step", "steps", "wait", "waits", "close", "info", "probe" or "handover": the rpc_<verb> that handles
-    it."""
+    """ "step", "steps", "wait", "waits", "close", "info", "probe", "handover" or "move": the rpc_<verb> that
+    handles it."""
     return _REQUEST_KINDS[type(request)]
 
 
@@ -704,6 +739,9 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
     if isinstance(msg, HandoverRequest):
         fields = {k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("keys", "values")}
         return fields | {"keys": encode_tensor(msg.keys), "values": encode_tensor(msg.values)}
+    if isinstance(msg, MoveRequest):
+        body = {"session_id": msg.session_id, "target_peer_id": msg.target_peer_id}
+        return body | {"target_maddrs": list(msg.target_maddrs)} | _absent_when_unset(origin=msg.origin)
     if isinstance(msg, InfoReply):
         fields = {
             k: getattr(msg, k) for k in msg.__dataclass_fields__ if k not in ("background_bytes", "cache")
@@ -854,6 +892,34 @@ def _decode_handover(body: dict[str, Any]) -> HandoverRequest:
     )
 
 
+def _decode_move(body: dict[str, Any]) -> MoveRequest:
+    w = "move"
+    target = _str(body, "target_peer_id", w, 128)
+    if not target:
+        raise ProtocolError("move.target_peer_id must name a peer")
+    maddrs = _maddrs(body.get("target_maddrs", []), w)
+    return MoveRequest(_str(body, "session_id", w, 128), target, maddrs, _origin(body, w))
+
+
+def _decode_move_reply(body: dict[str, Any]) -> MoveReply:
+    return MoveReply(
+        _int(body, "tokens", "move_reply", 0, MAX_POSITION), _int(body, "kv_bytes", "move_reply")
+    )
+
+
+def _decode_handover_reply(body: dict[str, Any]) -> HandoverReply:
+    return HandoverReply(_flag(body, "installed", "handover_reply"))
+
+
+# the messages that move a session's cache between peers (swarm.peer.handover)
+_TRANSFER_DECODERS: dict[str, Callable[[dict[str, Any]], Request | Reply]] = {
+    "handover": _decode_handover,
+    "handover_reply": _decode_handover_reply,
+    "move": _decode_move,
+    "move_reply": _decode_move_reply,
+}
+
+
 def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
     w = kind
     if kind == "step":
@@ -923,10 +989,9 @@ def _decode_body(kind: str, body: dict[str, Any]) -> Request | Reply:
         successor = _str(body, "successor_id", w, 128) if "successor_id" in body else None
         code, message = _str(body, "code", w, 64), _str(body, "message", w)
         return ErrorReply(code, message, failed, tuple(missing), successor)
-    if kind == "handover":
-        return _decode_handover(body)
-    if kind == "handover_reply":
-        return HandoverReply(_flag(body, "installed", w))
+    transfer = _TRANSFER_DECODERS.get(kind)
+    if transfer is not None:
+        return transfer(body)
     raise ProtocolError(f"unknown message kind {kind!r}")
 
 
@@ -1043,6 +1108,8 @@ __all__ = [
     "HandoverRequest",
     "InfoReply",
     "InfoRequest",
+    "MoveReply",
+    "MoveRequest",
     "ProbeReply",
     "ProbeRequest",
     "REPLY_FOR",

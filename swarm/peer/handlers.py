@@ -56,6 +56,8 @@ from swarm.wire import (
     HopTiming,
     InfoReply,
     InfoRequest,
+    MoveReply,
+    MoveRequest,
     ProbeReply,
     ProbeRequest,
     StepAck,
@@ -343,9 +345,27 @@ class PeerHandlers:
         return CloseReply(closed)
 
     async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply:
-        """A chunk of a session a leaving peer hands us (see swarm.peer.handover)."""
+        """A chunk of a session a leaving peer, or one asked by its client (rpc_move), hands us (see
+        swarm.peer.handover)."""
         with self._admit(remote_id):
             return await self.handover.install(request, remote_id)
+
+    async def rpc_move(self, request: MoveRequest, remote_id: str) -> MoveReply:
+        """Hand the caller's session to the peer it names (see swarm.peer.handover): a client moving its session
+        from the prefill route to its decode route. The session is looked up under the caller's own id, so
+        nobody else can move it; the target checks that it holds the session's layers and has room."""
+        if request.origin and request.origin != remote_id:
+            raise ProtocolError("only a session's own client may move it: origin is not the caller")
+        key = session_key(remote_id, request.session_id)
+        self.handover.check_moved(key)
+        served = self.peer.find(key)
+        if served is None:
+            raise SessionError(f"no session {key[:16]} of yours here to move")
+        with self._admit(remote_id):
+            tokens, kv_bytes = await self.handover.move(
+                served, key, request.target_peer_id, request.target_maddrs
+            )
+        return MoveReply(tokens, kv_bytes)
 
     async def rpc_info(self, request: InfoRequest, remote_id: str) -> InfoReply:
         peer, spec = self.peer, self.peer.spec

@@ -7,6 +7,10 @@ From then on a step of it here gets ``SessionMoved`` naming the successor, and t
 same position. If anything fails the session is unfrozen and stays here (closed at the end of the drain, so
 its client replays, as without hand-over).
 
+A client may also name the successor itself (``Handovers.move``, from rpc_move): a session prefilled on one
+route moves to the peers of its decode route after its prompt. The same freeze, chunks and checks apply; the
+target refuses what it cannot take, and the session then stays here.
+
 Successor choice (``pick_successor``): a serving peer of the latest DHT read, not us, whose range covers the
 session's layers and with free cache for its reservation; the most free cache wins (the plan gives every
 range its replicas, and the emptiest one is the least likely to refuse or to be the plan's next move).
@@ -23,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -118,9 +122,41 @@ class Handovers:
 
     async def hand_over(self, served: Served, key: str, records: dict[str, PeerRecord]) -> bool:
         """Move session ``key`` of ``served``; False if it has nothing to move or no successor fits."""
+
+        def choose(snapshot: Snapshot) -> tuple[str, tuple[str, ...]] | None:
+            successor = pick_successor(
+                records, self.peer.peer_id, snapshot.layers, snapshot.max_length_tokens
+            )
+            if successor is None:
+                logger.info("no successor for session %s on layers %s", key[:8], snapshot.layers)
+                return None
+            return successor.peer_id, tuple(successor.maddrs)
+
+        return await self._send(served, key, choose) is not None
+
+    async def move(self, served: Served, key: str, target: str, maddrs: tuple[str, ...]) -> tuple[int, int]:
+        """Hand session ``key`` of ``served`` to ``target``, named by its client (rpc_move): (tokens, KV bytes)
+        moved. Raises what went wrong (the target refused: its layers, its cache); the session then stays."""
+        if target == self.peer.peer_id:
+            raise ProtocolError("a session cannot move to the peer it is on")
+        # the client names the target, which may refuse (or be no peer at all): one token first, then the bulk
+        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1)
+        if moved is None:
+            raise SessionError(f"session {key[:16]} holds no tokens here yet: nothing to move")
+        return moved
+
+    async def _send(
+        self,
+        served: Served,
+        key: str,
+        choose: Callable[[Snapshot], tuple[str, tuple[str, ...]] | None],
+        first_tokens: int = 0,
+    ) -> tuple[int, int] | None:
+        """Freeze session ``key``, send its cache to the peer ``choose`` names for its snapshot, close it here:
+        (tokens, KV bytes) sent, or None if it had nothing to move or ``choose`` named nobody."""
         session = served.sessions.get(key)
         if session is None:
-            return False
+            return None
         state = session.handover
         frozen = state.frozen = asyncio.get_running_loop().create_future()
         try:
@@ -128,36 +164,35 @@ class Handovers:
                 await self._idle.wait_for(lambda: not state.in_flight)
             snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key))
             if snapshot is None:
-                return False
-            successor = pick_successor(
-                records, self.peer.peer_id, snapshot.layers, snapshot.max_length_tokens
-            )
-            if successor is None:
-                logger.info("no successor for session %s on layers %s", key[:8], snapshot.layers)
-                return False
+                return None
+            chosen = choose(snapshot)
+            if chosen is None:
+                return None
+            successor, maddrs = chosen
             session_id, origin = key.rsplit("@", 1)
             began, sent_bytes = time.perf_counter(), 0
-            for request in chunks(snapshot, session_id, origin, self.peer.spec.weights_hash):
+            requests = chunks(snapshot, session_id, origin, self.peer.spec.weights_hash, first_tokens)
+            for request in requests:
                 sent_bytes += 2 * request.keys.numel() * request.keys.element_size()
                 installed = await call_handover(
-                    self.p2p, successor.peer_id, request, maddrs=successor.maddrs, timeout_s=CHUNK_TIMEOUT_S
+                    self.p2p, successor, request, maddrs=maddrs, timeout_s=CHUNK_TIMEOUT_S
                 )
             if not installed:
-                raise ProtocolError(f"{successor.peer_id[-8:]} did not confirm the hand-over")
-            self._remember_moved(key, successor.peer_id)
+                raise ProtocolError(f"{successor[-8:]} did not confirm the hand-over")
+            self._remember_moved(key, successor)
             logger.info(
                 "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
                 key[:8],
                 snapshot.position,
                 sent_bytes,
-                successor.peer_id[-8:],
+                successor[-8:],
                 time.perf_counter() - began,
             )
         finally:
             state.frozen = None
             frozen.set_result(None)
         await self.peer.close(key)
-        return True
+        return snapshot.position, sent_bytes
 
     def _remember_moved(self, key: str, successor: str) -> None:
         now = self.peer.clock()
@@ -265,13 +300,20 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
     return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
 
 
-def chunks(snapshot: Snapshot, session_id: str, origin: str, model_hash: str) -> list[HandoverRequest]:
-    """The snapshot as HandoverRequests of at most CHUNK_BYTES each, in the order the receiver expects."""
+def chunks(
+    snapshot: Snapshot, session_id: str, origin: str, model_hash: str, first_tokens: int = 0
+) -> list[HandoverRequest]:
+    """The snapshot as HandoverRequests of at most CHUNK_BYTES each, in the order the receiver expects; with
+    ``first_tokens``, the very first chunk holds only that many tokens (the target opens the session, or
+    refuses, before the bulk is sent)."""
     out = []
     for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
         per_token = 2 * k.shape[0] * k.shape[2] * k.element_size()
         span = max(1, CHUNK_BYTES // per_token)
-        for t in range(0, snapshot.position, span):
+        starts = list(range(0, snapshot.position, span))
+        if i == 0 and 0 < first_tokens < snapshot.position:
+            starts = [0, *range(first_tokens, snapshot.position, span)]
+        for t, end in zip(starts, [*starts[1:], snapshot.position], strict=True):
             out.append(
                 HandoverRequest(
                     session_id=session_id,
@@ -283,8 +325,8 @@ def chunks(snapshot: Snapshot, session_id: str, origin: str, model_hash: str) ->
                     model_hash=model_hash,
                     layer=snapshot.layers.start + i,
                     token_start=t,
-                    keys=k[:, t : t + span].contiguous(),
-                    values=v[:, t : t + span].contiguous(),
+                    keys=k[:, t:end].contiguous(),
+                    values=v[:, t:end].contiguous(),
                 )
             )
     return out

@@ -29,6 +29,8 @@ from swarm.wire import (
     HandoverRequest,
     InfoReply,
     InfoRequest,
+    MoveReply,
+    MoveRequest,
     ProbeReply,
     ProbeRequest,
     Request,
@@ -249,6 +251,19 @@ async def call_handover(
     """Send one chunk of a session's KV cache to ``peer_id``; True once the last chunk installed the session."""
     reply = await _call(p2p, peer_id, request, HandoverReply, maddrs=maddrs, timeout_s=timeout_s)
     return reply.installed
+
+
+async def call_move(
+    p2p: P2P,
+    peer_id: str,
+    request: MoveRequest,
+    *,
+    maddrs: tuple[str, ...] | list[str] = (),
+    timeout_s: float = 60.0,
+) -> MoveReply:
+    """Ask ``peer_id`` to hand our session over to ``request.target_peer_id`` (swarm.peer.handover); the reply
+    comes once the target installed it. A failure leaves the session where it was."""
+    return await _call(p2p, peer_id, request, MoveReply, maddrs=maddrs, timeout_s=timeout_s)
 
 
 async def call_info(

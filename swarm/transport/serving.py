@@ -22,6 +22,8 @@ from swarm.wire import (
     HandoverRequest,
     InfoReply,
     InfoRequest,
+    MoveReply,
+    MoveRequest,
     ProbeReply,
     ProbeRequest,
     Reply,
@@ -61,6 +63,8 @@ class RpcHandler(Protocol):
     async def rpc_probe(self, request: ProbeRequest, remote_id: str) -> ProbeReply: ...
 
     async def rpc_handover(self, request: HandoverRequest, remote_id: str) -> HandoverReply: ...
+
+    async def rpc_move(self, request: MoveRequest, remote_id: str) -> MoveReply: ...
 
 
 def error_reply(error: Exception, peer_id: str, remote_id: str) -> ErrorReply:

@@ -742,3 +742,34 @@ def test_bench_kv_quick(tmp_path: Path) -> None:
         },
     )
     assert result["sybil"]["honest_tokens"] == 49
+
+
+@pytest.mark.timeout(300)
+def test_bench_split_quick(tmp_path: Path) -> None:
+    out_file = tmp_path / "split.json"
+    out = _run_json(["scripts/bench_split.py", "--quick", "--json", str(out_file)], 280)
+    assert json.loads(out_file.read_text()) == out
+    lengths = {"32", "64"}
+    _check(
+        out,
+        {
+            "model": lambda v: isinstance(v, str) and v.startswith("tiny"),
+            "date": lambda v: isinstance(v, str),
+            "classes": lambda v: set(v) == {"prefill", "decode", "rest"},
+            "moved_layers": lambda v: v == 2,
+            "cpu_cores": _positive,
+            "prefill_s_is": lambda v: isinstance(v, str),
+            "handover_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "handover_kv_bytes": lambda v: (
+                set(v) == lengths and v["64"] == 2 * v["32"] > 0
+            ),  # KV grows by token
+            "prefill_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "route_prefill_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "decode_tok_s": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "handover_vs_prefill": lambda v: set(v) == lengths and all(map(_positive, v.values())),
+            "tokens_equal": lambda v: v is True,  # every session moved, and its tokens equal transformers'
+            "move_errors": lambda v: v == [],
+            "target_met": lambda v: isinstance(v, bool),  # the tiny model's prefill is too short to compare
+            "load_avg_1m": _non_negative,
+        },
+    )

@@ -314,3 +314,31 @@ def _reader(snap: SwarmSnapshot):  # type: ignore[no-untyped-def]
         return snap
 
     return read
+
+
+def test_a_plan_with_decode_flows_gives_a_decode_route_by_them_and_one_without_gives_none() -> None:
+    peers = [peer_record("a", 0, 4), peer_record("d", 0, 4), peer_record("e", 0, 4), peer_record("b", 4, 8)]
+    placement = {NodeID(p.peer_id): LayerRange(p.range_start, p.range_end) for p in peers}
+    prompt = (EdgeFlow(SOURCE, NodeID("a"), 30.0), EdgeFlow(NodeID("a"), NodeID("b"), 30.0))
+    decode = (
+        EdgeFlow(SOURCE, NodeID("d"), 20.0),
+        EdgeFlow(SOURCE, NodeID("e"), 10.0),
+        EdgeFlow(NodeID("d"), NodeID("b"), 20.0),
+        EdgeFlow(NodeID("e"), NodeID("b"), 10.0),
+    )
+    split = Plan("milp", placement, 30.0, prompt, epoch=1, decode_flows=decode)
+    routes, _ = make_routes([snapshot(*peers, plan=split)], FakeClock())
+    assert [str(s.peer_id) for s in asyncio.run(routes.route(0, SOURCE, 16))] == ["a", "b"]
+    firsts = [str(asyncio.run(routes.decode_route(16))[0].peer_id) for _ in range(6)]  # type: ignore[index]
+    assert firsts.count("d") == 4 and firsts.count("e") == 2  # IWRR over the decode flows, 20 : 10
+    # a decode peer routing must avoid leaves the other; with both avoided there is no decode route (no
+    # fallback to any live peer: that would move sessions off the plan's decode flows)
+    assert [str(s.peer_id) for s in asyncio.run(routes.decode_route(16, frozenset({NodeID("d")})))] == [
+        "e",
+        "b",
+    ]
+    assert asyncio.run(routes.decode_route(16, frozenset({NodeID("d"), NodeID("e")}))) is None
+    single, _ = make_routes(
+        [snapshot(*peers, plan=Plan("milp", placement, 30.0, prompt, epoch=1))], FakeClock()
+    )
+    assert asyncio.run(single.decode_route(16)) is None

@@ -23,6 +23,7 @@ from swarm.types import LayerRange
 from swarm.wire import (
     ErrorReply,
     HandoverRequest,
+    MoveRequest,
     StepRequest,
     decode_reply,
     decode_request,
@@ -221,3 +222,48 @@ def test_a_step_during_the_hand_over_waits_for_it_then_gets_session_moved(
         assert b.peer.current.blocks.session_length(session_key(CLIENT, "s1"), 0) == 3  # type: ignore[union-attr]
 
     _run([a, b], body)
+
+
+def test_a_client_moves_its_session_to_a_peer_it_names_one_token_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rpc_move: the named target gets a one-token chunk first (it opens the session, or refuses, before the
+    bulk), then the rest; the output there is the one the sender would have given. A refusing target and a
+    caller that is not the session's client leave the session where it is, serving."""
+    a, b, small = _handlers("QmA"), _handlers("QmB"), _handlers("QmSmall", cache_tokens=16)
+    sent: list[HandoverRequest] = []
+    receivers = {h.peer_id: h for h in (b, small)}
+
+    async def call(p2p: object, peer_id: str, request: HandoverRequest, **_: object) -> bool:
+        decoded = decode_request(encode_request(request))
+        assert isinstance(decoded, HandoverRequest)
+        sent.append(decoded)
+        return (await receivers[peer_id].rpc_handover(decoded, "QmA")).installed
+
+    monkeypatch.setattr(handover_module, "call_handover", call)
+    torch.manual_seed(0)
+    prompt, nxt = torch.randn(6, a.peer.spec.hidden_size), torch.randn(1, a.peer.spec.hidden_size)
+
+    async def body() -> None:
+        await a.rpc_step(_step(a, 0, prompt), CLIENT)
+        with pytest.raises(
+            CapacityError, match="cache tokens"
+        ):  # 32 asked, 16 held: refused at the first chunk
+            await a.rpc_move(MoveRequest("s1", "QmSmall"), CLIENT)
+        assert [r.keys.shape[1] for r in sent] == [1] and small.peer.session_count == 0
+        with pytest.raises(SessionError, match="no session"):  # another caller's key: not found
+            await a.rpc_move(MoveRequest("s1", "QmB"), "QmSomebody")
+        with pytest.raises(ProtocolError, match="origin"):
+            await a.rpc_move(MoveRequest("s1", "QmB", origin="QmSomebody"), CLIENT)
+        expected = (await a.rpc_step(_step(a, 6, nxt), CLIENT)).hidden  # type: ignore[union-attr]
+        sent.clear()
+        reply = await a.rpc_move(MoveRequest("s1", "QmB"), CLIENT)
+        assert reply.tokens == 7 and reply.kv_bytes > 0
+        assert [(r.layer, r.token_start, r.keys.shape[1]) for r in sent] == [(0, 0, 1), (0, 1, 6), (1, 0, 7)]
+        assert a.peer.session_count == 0 and b.peer.session_count == 1
+        got = (await b.rpc_step(_step(b, 6, nxt), CLIENT)).hidden  # type: ignore[union-attr]
+        torch.testing.assert_close(got, expected)
+        with pytest.raises(SessionMoved):
+            await a.rpc_move(MoveRequest("s1", "QmB"), CLIENT)
+
+    _run([a, b, small], body)
