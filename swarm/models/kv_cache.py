@@ -377,8 +377,13 @@ class KVCache:
         """Free tokens and those of sessions that could be evicted now: what a new session can get."""
         now = self.clock()
         sessions = list(self._sessions.values())  # one copy: read from the event loop too
-        idle = sum(s.held_tokens for s in sessions if now - s.last_step_s >= self.min_idle_s)
-        return self.free_tokens + idle
+        refs = self.pool.refs
+        idle = sum(  # a block another session shares stays held when an idle one is evicted
+            sum(refs[b] == 1 for b in s.blocks)
+            for s in sessions
+            if now - s.last_step_s >= self.min_idle_s and s.session_id not in self.busy
+        )
+        return self.free_tokens + idle * self.pool.block_tokens
 
     @property
     def session_ids(self) -> list[str]:
@@ -537,7 +542,7 @@ class KVCache:
             session._set_blocks(session.blocks + shared)
             session.lengths = [position + len(shared) * size] * len(session.lengths)
             self.prefix_tokens_shared += len(shared) * size
-            return torch.cat([self.pool.outputs[b] for b in shared])
+            return torch.cat([self.pool.outputs[b] for b in shared]).to(hidden.device)
 
     def register_prefix(
         self, session: SessionCache, position: int, hidden: torch.Tensor, outputs: torch.Tensor
@@ -557,7 +562,8 @@ class KVCache:
                 block = session.blocks[j]
                 if key not in self.pool.index and block not in self.pool.hash_of:
                     self.pool.index[key], self.pool.hash_of[block] = block, key
-                    self.pool.outputs[block] = outputs[rows].clone()
+                    # kept in host memory: on a GPU the device's memory is the KV pool's, sized to it
+                    self.pool.outputs[block] = outputs[rows].to("cpu", copy=True)
                 session.chain.append(key)
 
 
