@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 PREFILL_KEY = "prefill_tokens_s_by_layers"
 KV_KEY = "kv_tokens_by_layers"
 _EPS = 1e-6
+_GAIN_TOL = 1e-6  # a gain this small is the LP's rounding: no reason to split
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def split_plan(cluster: Cluster, today: Plan, config: SplitConfig | None = None)
         single.requests_s(config),
         100.0 * gain,
     )
-    if single.decode_tokens_s > 0 and gain < config.min_gain:
+    if single.decode_tokens_s > 0 and (gain < config.min_gain or gain <= _GAIN_TOL):
         return today
     extra = dict(today.extra)
     extra |= {
