@@ -43,6 +43,7 @@ from swarm.peer.solver_process import InThread, SolverProcess
 from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems
 from swarm.planner.graph import link_cost_s
 from swarm.planner.replan import ReplanConfig, publish_reason, replan
+from swarm.planner.split import KV_KEY, PREFILL_KEY, SplitConfig, split_plan
 from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,25 @@ def cluster_from_snapshot(
         cap = min(record.max_layers, model.num_layers)
         speed = min(record.decode_layer_tokens_s_b8, config.max_layer_tokens_s)
         speeds = tuple(speed / k for k in range(1, cap + 1))
-        nodes.append(ClusterNode(id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds))
+        extra = phase_figures(record, cap, config) if config.split_phases else {}
+        nodes.append(
+            ClusterNode(
+                id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds, extra=extra
+            )
+        )
     return Cluster(model, tuple(nodes), tuple(_links(nodes, peers, config)))
+
+
+def phase_figures(record: PeerRecord, cap: int, config: PlannerConfig) -> dict[str, list[float]]:
+    """What swarm.planner.split reads of a peer: its prefill tokens/s by layers held (the announced per-layer
+    speed / k, clamped like decode's), and its KV tokens per layer by layers held (the cache it announces for
+    the layers it holds now, spread over k layers; absent while it holds none)."""
+    prefill = min(record.prefill_layer_tokens_s, config.max_layer_tokens_s)
+    figures = {PREFILL_KEY: [prefill / k for k in range(1, cap + 1)]}
+    held = record.range_end - record.range_start
+    if held > 0:
+        figures[KV_KEY] = [float(record.cache_tokens_total * held // k) for k in range(1, cap + 1)]
+    return figures
 
 
 def _links(
@@ -195,6 +213,14 @@ def should_publish(
 ) -> str | None:
     """Why `candidate` should replace the published plan (None: keep the current one, no thrashing)."""
     return publish_reason(cluster, current.placement if current else None, candidate, improve_fraction)
+
+
+def split_config(config: PlannerConfig) -> SplitConfig:
+    return SplitConfig(
+        prompt_tokens_per_output=config.split_prompt_tokens_per_output,
+        session_tokens_s=config.split_session_tokens_s,
+        min_gain=config.split_min_gain,
+    )
 
 
 def replan_config(config: PlannerConfig) -> ReplanConfig:
@@ -314,7 +340,7 @@ class PlannerService:
                     max_flow, cluster, candidate.placement, candidate.method, give=give
                 )
                 given = replace(candidate, flows=flowed.flows, max_flow_tokens_s=flowed.max_flow_tokens_s)
-                return await self._publish(given, epoch + 1, why)
+                return await self._publish(await self._phases(cluster, given), epoch + 1, why)
         relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
         if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
             self._flowed_cluster = cluster
@@ -322,6 +348,7 @@ class PlannerService:
                 reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give
             )
             if candidate is not None:
+                candidate = await self._phases(cluster, candidate)
                 return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:
             return await self._refresh(live)
@@ -356,6 +383,13 @@ class PlannerService:
             if NodeID(pid) in cluster.node_by_id and r.range_end > r.range_start
         }
 
+    async def _phases(self, cluster: Cluster, plan: Plan) -> Plan:
+        """With split_phases: the plan's placement with prefill and decode as two flows where that pays
+        (swarm.planner.split), else the plan as it is."""
+        if not self.config.split_phases:
+            return plan
+        return await asyncio.to_thread(split_plan, cluster, plan, split_config(self.config), False)
+
     async def _publish(self, plan: Plan, epoch: int, why: str) -> PlanRecord:
         plan = Plan(
             method=plan.method,
@@ -365,6 +399,7 @@ class PlannerService:
             upper_bound_tokens_s=plan.upper_bound_tokens_s,
             solve_s=plan.solve_s,
             epoch=epoch,
+            decode_flows=plan.decode_flows,
         )
         record = PlanRecord(
             epoch=epoch,

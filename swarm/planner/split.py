@@ -27,6 +27,9 @@ prompt tokens/s and its `decode_flows` decode tokens/s (swarm.types.Plan).
 The placement is chosen among candidates (today's plan's and the three heuristics'), each scored by the
 split LP: a handful of small LPs, so the time this adds is bounded and small next to today's solve.
 
+The plan's max_flow_tokens_s stays the placement's max flow of one kind (what every plan carries, so the live
+planner compares plans as before); Plan.extra holds the split's decode tokens/s, requests/s and gain.
+
 Per-node figures come from ClusterNode.extra: "prefill_tokens_s_by_layers" (required for a split: a node
 without one makes the plan today's) and "kv_tokens_by_layers" (tokens of KV the node fits per held layer
 when it holds k layers; absent: memory does not bind). d_i(k) is the node's tokens_s_by_layers.
@@ -42,7 +45,7 @@ import highspy
 import numpy as np
 
 from swarm.planner.cluster import Cluster, ClusterNode
-from swarm.planner.graph import valid_edges
+from swarm.planner.graph import max_flow, valid_edges
 from swarm.planner.heuristics import petals_greedy, separate_pipelines, swarm_stages
 from swarm.planner.milp import _Model
 from swarm.planner.placement import Placement, placement_problems
@@ -196,15 +199,22 @@ def _read_flows(
     return PhaseFlows(total, tuple(sorted(prefill, key=order)), tuple(sorted(decode, key=order)))
 
 
-def split_plan(cluster: Cluster, today: Plan, config: SplitConfig | None = None) -> Plan:
-    """`today`'s plan, or a plan of two flows over one placement where splitting pays (module docstring)."""
+def split_plan(
+    cluster: Cluster, today: Plan, config: SplitConfig | None = None, other_placements: bool = True
+) -> Plan:
+    """`today`'s plan, or a plan of two flows over one placement where splitting pays (module docstring).
+
+    other_placements: also try the heuristics' placements (False: today's placement only, as the live
+    planner does, whose placement moves are priced by swarm.planner.replan). The plan's max_flow_tokens_s
+    stays the placement's max flow of one kind, the figure every plan carries (so plans compare as before);
+    extra holds the split's figures."""
     config = config or SplitConfig()
     started = time.perf_counter()
     if not today.placement or not can_split(cluster):
         return today
     single = phase_flows(cluster, today.placement, config, split=False)
     best: tuple[float, Placement, PhaseFlows] | None = None
-    for candidate in _candidates(cluster, today.placement):
+    for candidate in _candidates(cluster, today.placement) if other_placements else [today.placement]:
         flows = phase_flows(cluster, candidate, config, split=True)
         if best is None or flows.decode_tokens_s > best[0] + _EPS:
             best = (flows.decode_tokens_s, candidate, flows)
@@ -221,14 +231,18 @@ def split_plan(cluster: Cluster, today: Plan, config: SplitConfig | None = None)
         return today
     extra = dict(today.extra)
     extra |= {
+        "split_decode_tokens_s": split.decode_tokens_s,
         "split_requests_s": split.requests_s(config),
         "single_requests_s": single.requests_s(config),
         "split_gain": gain,
     }
+    one_kind = today.max_flow_tokens_s
+    if placement != today.placement:
+        one_kind = max_flow(cluster, placement, least_delay=False).max_flow_tokens_s
     return replace(
         today,
         placement=dict(placement),
-        max_flow_tokens_s=split.decode_tokens_s,
+        max_flow_tokens_s=one_kind,
         flows=split.prefill,
         decode_flows=split.decode,
         solve_s=today.solve_s + time.perf_counter() - started,
