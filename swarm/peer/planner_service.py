@@ -184,19 +184,30 @@ def links_changed(before: Cluster | None, now: Cluster, change_fraction: float) 
     return None
 
 
-def reflow(cluster: Cluster, current: Plan, fraction: float, give: float = 0.0) -> tuple[Plan | None, str]:
+def reflow(
+    cluster: Cluster, current: Plan, fraction: float, give: float = 0.0, split: SplitConfig | None = None
+) -> tuple[Plan | None, str]:
     """The current placement with its flows on `cluster`'s links (slow links kept to what the fast ones lack
-    for 1 - `give` of the max flow), when those moved by more than `fraction` of the flow (None otherwise),
-    and why."""
+    for 1 - `give` of the max flow; with `split`, prefill and decode as two flows where that pays), when those
+    moved by more than `fraction` of the flow (None otherwise), and why."""
     fresh = max_flow(cluster, current.placement, current.method, give=give)
-    old = {(f.src, f.dst): f.tokens_s for f in current.flows}
-    new = {(f.src, f.dst): f.tokens_s for f in fresh.flows}
+    if split is not None:
+        fresh = split_plan(cluster, fresh, split, other_placements=False)
+    old = _flows_by_edge(current)
+    new = _flows_by_edge(fresh)
     # A token that changes paths leaves one edge for another: half the summed change, against the flow.
     moved = sum(abs(new.get(e, 0.0) - old.get(e, 0.0)) for e in old.keys() | new.keys()) / 2
     total = max(current.max_flow_tokens_s, fresh.max_flow_tokens_s)
+    if current.decode_flows or fresh.decode_flows:  # two kinds: against the tokens/s of both entering
+        total = max(sum(v for e, v in flows.items() if e[1] == SOURCE) for flows in (old, new))
     if total <= 0 or moved / total <= fraction:
         return None, "flows unchanged"
     return fresh, f"flows re-routed on re-measured links ({moved / total:.0%} of the flow moved)"
+
+
+def _flows_by_edge(plan: Plan) -> dict[tuple[str, NodeID, NodeID], float]:
+    flows = {("one", f.src, f.dst): f.tokens_s for f in plan.flows}
+    return flows | {("decode", f.src, f.dst): f.tokens_s for f in plan.decode_flows}
 
 
 def current_plan_problem(cluster: Cluster, current: Plan) -> str | None:
@@ -344,11 +355,11 @@ class PlannerService:
         relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
         if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
             self._flowed_cluster = cluster
+            split = split_config(self.config) if self.config.split_phases else None
             candidate, why = await asyncio.to_thread(
-                reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give
+                reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give, split
             )
             if candidate is not None:
-                candidate = await self._phases(cluster, candidate)
                 return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
         if live is not None and time.monotonic() - self._refreshed_at >= self.config.period_s:
             return await self._refresh(live)

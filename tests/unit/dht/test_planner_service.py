@@ -19,6 +19,7 @@ from swarm.peer.planner_service import (
     planned_peers,
     reflow,
     should_publish,
+    split_config,
 )
 from swarm.peer.solver_process import InThread
 from swarm.planner import ModelInfo, link_flow_share, max_flow, solve
@@ -314,3 +315,15 @@ def test_split_phases_reads_each_peers_prefill_speed_and_kv_room() -> None:
     assert "kv_tokens_by_layers" not in b.extra  # holds nothing yet: no cache figure to go by
     plain = cluster_from_snapshot(snapshot(peer_record("QmA", 0, 4)), CONFIG)
     assert plain is not None and plain.node_by_id[NodeID("QmA")].extra == {}
+
+
+def test_a_split_plan_is_re_flowed_only_when_its_flows_move() -> None:
+    config = PlannerConfig(client_bandwidth_bytes_s=1e9, split_phases=True)
+    cluster = cluster_from_snapshot(_two_classes(), config)
+    assert cluster is not None
+    one_kind = solve(cluster, "greedy")
+    split = split_config(config)
+    fresh, why = reflow(cluster, one_kind, 0.05, split=split)
+    assert fresh is not None and fresh.decode_flows, why  # the split is new: most of the flow moved
+    again, why = reflow(cluster, fresh, 0.05, split=split)
+    assert again is None and why == "flows unchanged"  # same links, same two flows: no new epoch
