@@ -15,7 +15,7 @@ Published figures (fp16 dense tensor throughput, memory, bandwidth):
 * AMD Instinct MI50 (32 GB): 26.5 TFLOPS fp16 peak, 32 GB HBM2, 1024 GB/s (AMD Instinct MI50 datasheet).
 
 Each node's ClusterNode carries what the planner needs (tokens_s_by_layers: decode at the simulator's full
-batch; extra "prefill_tokens_s_by_layers", "kv_tokens_by_layers": swarm.planner.split) and what the simulator
+batch; extra "prefill_tokens_s_by_layers", "kv_tokens_by_layers": swarm.planner.phases) and what the simulator
 needs (extra "prefill_s_per_layer", "decode_s_per_layer": swarm/sim/timing.py tables).
 """
 
