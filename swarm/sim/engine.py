@@ -15,6 +15,8 @@ What is modelled, and where:
   then slow down by processor sharing while more processes than cores are busy. The client on a host is one
   process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
   without a host, client_step_s is a plain delay (many independent clients). See swarm/sim/client_side.py.
+* A plan that splits the phases (Plan.decode_flows) gives each session a prefill route and a decode route; after
+  the prompt its KV moves from one to the other over the links, then it decodes (swarm/sim/sessions.py).
 * Churn (swarm/sim/churn.py) removes, adds and moves nodes; sessions on a lost node fail over. With
   SimConfig.partial_replay (swarm/sim/moves.py) only the lost stage is re-routed and replayed, and a session
   with no route waits; without it the rest of the route is rebuilt with Router.route_from and the prefix

@@ -6,6 +6,11 @@ on every stage, and wait in FIFO order while no route exists. A session that los
 SimConfig.partial_replay only the lost stage is replaced (swarm/sim/moves.py); without it the rest of the
 route is rebuilt with Router.route_from and the prefix (prompt + generated tokens) replayed into all new
 stages, as the client did before issue 13, or the session restarts from the prompt when no route is left.
+
+With a plan that splits the phases (decode_flows), a session gets two routes at admission: it prefills on one
+over the plan's flows (holding its prompt's KV there) and moves to one over the decode flows (holding the whole
+session's KV there from the start) once the prompt is done: move_to_decode. The simulator does not combine such
+plans with churn (re-plans are of one kind).
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ class Sessions:
         if not nodes:
             return False
         requests.decode_routes[r] = ()
-        num_layers, tokens, now = self.moves.num_layers, requests.length(r), self.events.now
+        # The prompt's KV: the first generated token's is made by the first decode step, on the decode route.
+        num_layers, tokens, now = self.moves.num_layers, requests.trace[r].prompt_tokens, self.events.now
         arrived_s, moved = now, 0
         for i, (a, b) in zip(requests.routes[r], _spans(requests.stage_starts[r], num_layers), strict=True):
             for j, (c, d) in zip(nodes, _spans(starts, num_layers), strict=True):

@@ -47,8 +47,8 @@ def test_one_session_moves_its_prompt_kv_over_the_link() -> None:
     config = SimConfig()
     sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, config).run()  # type: ignore[arg-type]
     assert sim.requests.done_s[0] > 0 and sim.requests.generated[0] == 5
-    # KV of the prompt and the first token, both layers: 2 (K, V) * activation bytes * KV-head share a token.
-    expected = int(2 * 2 * 1024 * config.kv_heads_fraction * 101)
+    # KV of the prompt, both layers: 2 (K, V) * activation bytes * KV-head share, a token and layer.
+    expected = int(2 * 2 * 1024 * config.kv_heads_fraction * 100)
     assert sim.counters.phase_moves == 1 and sim.counters.phase_move_bytes == expected
     assert abs(sim.counters.phase_move_s - (expected / LINK_BYTES_S + LATENCY_S)) < 1e-9
     assert sim.requests.routes[0] == (sim.index[NodeID("o")],)  # it decoded on o
