@@ -101,3 +101,24 @@ def test_cli_split_phases_without_prefill_speeds_compares_like_with_like(tmp_pat
     result = json.loads(out.read_text())
     assert result["split_planned"] is False
     assert result["sim_throughput_ratio"] == 1.0 and result["sim_ttft_p90_ratio"] == 1.0
+
+
+def test_a_session_decoding_where_it_prefilled_moves_nothing() -> None:
+    cluster, plan = two_node_split()  # decode flows: about 54 tokens/s through g, 100 through o
+    trace = [Request(r, 5.0 * r, 100 + r, 5) for r in range(6)]
+    config = SimConfig()
+    sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, config).run()  # type: ignore[arg-type]
+    on_o = [r for r in range(len(trace)) if sim.requests.routes[r] == (sim.index[NodeID("o")],)]
+    on_g = [r for r in range(len(trace)) if sim.requests.routes[r] == (sim.index[NodeID("g")],)]
+    assert on_o and on_g and len(on_o) + len(on_g) == len(trace)
+    per_token = 2 * 2 * 1024 * config.kv_heads_fraction  # K and V of both layers
+    assert sim.counters.phase_move_bytes == sum(int(per_token * trace[r].prompt_tokens) for r in on_o)
+    assert sim.counters.phase_moves == len(trace)
+
+
+def test_a_one_token_session_ends_before_moving_and_frees_both_routes() -> None:
+    cluster, plan = two_node_split()
+    trace = [Request(0, 0.0, 100, 1), Request(1, 0.0, 50, 1)]
+    sim = Simulation(cluster, plan, router_factory(cluster, "iwrr", 0), trace, SimConfig()).run()  # type: ignore[arg-type]
+    assert all(t >= 0 for t in sim.requests.done_s) and sim.counters.phase_moves == 0
+    assert all(node.cache_used == 0 and not node.sessions for node in sim.nodes)
