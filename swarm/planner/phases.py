@@ -46,7 +46,7 @@ from swarm.planner.cluster import Cluster, ClusterNode
 from swarm.planner.graph import valid_edges
 from swarm.planner.milp import _Model
 from swarm.planner.placement import Placement
-from swarm.types import SOURCE, EdgeFlow, NodeID
+from swarm.types import SINK, SOURCE, EdgeFlow, NodeID
 
 PREFILL_KEY = "prefill_tokens_s_by_layers"
 KV_KEY = "kv_tokens_by_layers"
@@ -135,7 +135,15 @@ def phase_flows(cluster: Cluster, placement: Placement, config: SplitConfig, spl
             terms[d] = terms.get(d, 0.0) - m_ratio
         model.row(0.0, 0.0, terms)
     values = _solve_lp(model)
-    return _read_flows(edges, cols, values, split, m_ratio)
+    flows = _read_flows(edges, cols, values, split, m_ratio)
+    if not split:
+        return flows
+    # The LP's optimum is often a corner where one of two interchangeable peers takes every prompt and the
+    # other none; the average over swapping them serves as much and shares the load.
+    groups = _interchangeable(cluster, placement)
+    return PhaseFlows(
+        flows.decode_tokens_s, _averaged(flows.prefill, groups), _averaged(flows.decode, groups)
+    )
 
 
 def _node_rows(
@@ -171,6 +179,53 @@ def _solve_lp(model: _Model) -> list[float]:
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return [0.0] * len(model.cost)  # cannot happen (zero flow is feasible), but never crash the planner
     return [float(v) for v in np.asarray(h.getSolution().col_value, dtype=float)]
+
+
+def _interchangeable(cluster: Cluster, placement: Placement) -> dict[NodeID, tuple[NodeID, ...]]:
+    """Each placed node's group of interchangeable nodes (the same range, tables and links to everyone)."""
+    bandwidth = cluster.bandwidth_bytes_s
+    ends = [SOURCE, SINK, *cluster.node_by_id]
+
+    def signature(i: NodeID) -> tuple[object, ...]:
+        n = cluster.node_by_id[i]
+        tables = (tuple(n.extra.get(PREFILL_KEY, ())), tuple(n.extra.get(KV_KEY, ())))
+        return (placement[i], n.max_layers, n.tokens_s_by_layers, *tables)
+
+    def same_links(a: NodeID, b: NodeID) -> bool:
+        if bandwidth(a, b) != bandwidth(b, a):
+            return False
+        return all(
+            bandwidth(a, o) == bandwidth(b, o) and bandwidth(o, a) == bandwidth(o, b)
+            for o in ends
+            if o not in (a, b)
+        )
+
+    groups: list[list[NodeID]] = []
+    by_signature: dict[tuple[object, ...], list[list[NodeID]]] = {}
+    for i in sorted(placement):
+        candidates = by_signature.setdefault(signature(i), [])
+        home = next((g for g in candidates if same_links(g[0], i)), None)
+        if home is None:
+            home = []
+            candidates.append(home)
+            groups.append(home)
+        home.append(i)
+    return {i: tuple(g) for g in groups for i in g}
+
+
+def _averaged(flows: tuple[EdgeFlow, ...], groups: dict[NodeID, tuple[NodeID, ...]]) -> tuple[EdgeFlow, ...]:
+    """The flows averaged over every permutation within each group of interchangeable nodes: each edge between
+    two groups (or a group and the client) carries the mean of all such edges. No edge joins two members of
+    one group (they hold the same range)."""
+    orbit: dict[tuple[tuple[NodeID, ...], tuple[NodeID, ...]], float] = {}
+    for f in flows:
+        key = (groups.get(f.src, (f.src,)), groups.get(f.dst, (f.dst,)))
+        orbit[key] = orbit.get(key, 0.0) + f.tokens_s
+    out: list[EdgeFlow] = []
+    for (srcs, dsts), total in orbit.items():
+        share = total / (len(srcs) * len(dsts))
+        out.extend(EdgeFlow(a, b, share) for a in srcs for b in dsts if share > _EPS)
+    return tuple(sorted(out, key=lambda f: (f.src != SOURCE, f.src, f.dst)))
 
 
 def _read_flows(
