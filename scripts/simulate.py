@@ -5,10 +5,14 @@
         [--placements milp,greedy,swarm,separate] [--scheduling iwrr,random,swarm] [--seed S]
         [--json OUT] [--png PLOT] [--churn SCHEDULE.json | --churn churn_helix24] [--replan local|scratch]
         [--churn-mode new|old|both] [--churn-features mbb,partial,handover,chunked] [--no-reference]
+    scripts/simulate.py twoclass --split-phases [--requests N] [--load F] [--prompt-chunk-tokens T]
 
 CLUSTER.json is the planner's format (swarm/planner/cluster.py), optionally with measured timing tables per
 node (swarm/sim/timing.py) and "cache_tokens"; "helix24", "helix42" or "randomN" name synthetic clusters.
 Prints {"rows": [...]} as JSON (one row per placement x scheduling). The simulator is swarm/sim.
+"twoclass" (or "twoclassPxD") names a cluster of P prefill-strong and D memory-strong cards
+(swarm/planner/two_class.py). --split-phases compares prefill and decode on separate routes against single
+routes instead (swarm/sim/split_phases.py), printing sim_throughput_ratio and sim_ttft_p90_ratio among others.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from swarm.sim.experiment import (
     PLACEMENTS,
     SCHEDULINGS,
     Experiment,
+    cluster_from_arg,
     run_experiment,
 )
 from swarm.sim.report import plot, plot_churn
+from swarm.sim.split_phases import PhaseComparison, compare_phases
 
 
 def split(text: str) -> tuple[str, ...]:
@@ -109,6 +115,17 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="churn: skip the churn-free runs on the nodes that remain (no window ratios)",
     )
+    p.add_argument(
+        "--split-phases",
+        action="store_true",
+        help="compare split prefill/decode routes against single routes (throughput, TTFT, time between tokens)",
+    )
+    p.add_argument(
+        "--prompt-chunk-tokens",
+        type=int,
+        default=PhaseComparison.prompt_chunk_tokens,
+        help="split phases: prompt tokens an iteration takes in next to decode (0: whole prompts)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -118,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
+    if args.split_phases:
+        return split_phases(args)
     try:
         experiment = Experiment(
             cluster=args.cluster,
@@ -148,6 +167,31 @@ def main(argv: list[str] | None = None) -> int:
             plot_churn(result, args.png)
         else:
             plot(result["rows"], args.png)
+    print(text)
+    return 0
+
+
+def split_phases(args: argparse.Namespace) -> int:
+    """--split-phases: split against single routes on the cluster, as JSON."""
+    if args.requests < 1:
+        raise SystemExit(f"--requests must be >= 1, got {args.requests}")
+    try:
+        cluster = cluster_from_arg(args.cluster)
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    comparison = PhaseComparison(
+        requests=args.requests,
+        seed=args.seed,
+        load=args.load,
+        plan_time_limit_s=args.plan_time_limit_s,
+        decode_quantum_tokens=args.decode_quantum,
+        prompt_chunk_tokens=args.prompt_chunk_tokens,
+    )
+    result = {"cluster": args.cluster, "requests": args.requests, "seed": args.seed}
+    result |= compare_phases(cluster, comparison)
+    text = json.dumps(result, indent=1)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
     print(text)
     return 0
 

@@ -14,6 +14,7 @@ from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.dht.watch import WatchConfig
 from swarm.planner import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig
+from swarm.planner.split import SplitConfig
 from swarm.routing.route import RoutingConfig
 from swarm.settings import component, positive, setting
 from swarm.types import DTYPE_BYTES, LayerRange
@@ -266,9 +267,24 @@ class PlannerConfig:
     min_reporters: int = setting(
         MIN_REPORTERS, "leave out peers reported for wrong outputs by this many reporters (0: never)"
     )
+    # Off by default: a split plan's flows carry prompt tokens, which clients read only once they route the
+    # two phases apart (swarm.types.Plan.decode_flows).
+    split_phases: bool = setting(
+        False, "plan prefill and decode as two flows over the placement where that serves more requests"
+    )
+    split_min_gain: float = setting(
+        SplitConfig.min_gain, "split the phases only when that serves this fraction more requests/s"
+    )
+    split_session_tokens_s: float = setting(
+        SplitConfig.session_tokens_s, "decode tokens/s one session gets, for the KV memory bound"
+    )
+    split_prompt_tokens_per_output: float = setting(
+        SplitConfig.prompt_tokens_per_output, "the workload's prompt tokens per generated token"
+    )
 
     def __post_init__(self) -> None:
         positive(self, "period_s", "check_interval_s", "solve_time_limit_s", "client_bandwidth_bytes_s")
+        positive(self, "split_session_tokens_s", "split_prompt_tokens_per_output")
         positive(self, "max_layer_tokens_s", "max_link_bandwidth_bytes_s")
         if self.min_reporters < 0:
             raise ValueError(f"min_reporters must be >= 0, got {self.min_reporters}")
@@ -277,10 +293,12 @@ class PlannerConfig:
             self.change_fraction,
             self.reflow_fraction,
             self.move_cost_fraction,
+            self.split_min_gain,
         )
         if min(fractions) < 0 or not 0 <= self.slow_flow_give < 1:
             raise ValueError(
-                "improve_fraction, change_fraction, reflow_fraction and move_cost_fraction must be >= 0, "
+                "improve_fraction, change_fraction, reflow_fraction, move_cost_fraction and split_min_gain "
+                "must be >= 0, "
                 "and slow_flow_give in [0, 1)"
             )
         if self.max_moves < 0 or self.spare_replicas < 0:

@@ -43,6 +43,7 @@ from swarm.peer.solver_process import InThread, SolverProcess
 from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow, placement_problems
 from swarm.planner.graph import link_cost_s
 from swarm.planner.replan import ReplanConfig, publish_reason, replan
+from swarm.planner.split import KV_KEY, PREFILL_KEY, SplitConfig, split_plan
 from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,25 @@ def cluster_from_snapshot(
         cap = min(record.max_layers, model.num_layers)
         speed = min(record.decode_layer_tokens_s_b8, config.max_layer_tokens_s)
         speeds = tuple(speed / k for k in range(1, cap + 1))
-        nodes.append(ClusterNode(id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds))
+        extra = phase_figures(record, cap, config) if config.split_phases else {}
+        nodes.append(
+            ClusterNode(
+                id=NodeID(pid), region="default", max_layers=cap, tokens_s_by_layers=speeds, extra=extra
+            )
+        )
     return Cluster(model, tuple(nodes), tuple(_links(nodes, peers, config)))
+
+
+def phase_figures(record: PeerRecord, cap: int, config: PlannerConfig) -> dict[str, list[float]]:
+    """What swarm.planner.split reads of a peer: its prefill tokens/s by layers held (the announced per-layer
+    speed / k, clamped like decode's), and its KV tokens per layer by layers held (the cache it announces for
+    the layers it holds now, spread over k layers; absent while it holds none)."""
+    prefill = min(record.prefill_layer_tokens_s, config.max_layer_tokens_s)
+    figures = {PREFILL_KEY: [prefill / k for k in range(1, cap + 1)]}
+    held = record.range_end - record.range_start
+    if held > 0:
+        figures[KV_KEY] = [float(record.cache_tokens_total * held // k) for k in range(1, cap + 1)]
+    return figures
 
 
 def _links(
@@ -166,19 +184,30 @@ def links_changed(before: Cluster | None, now: Cluster, change_fraction: float) 
     return None
 
 
-def reflow(cluster: Cluster, current: Plan, fraction: float, give: float = 0.0) -> tuple[Plan | None, str]:
+def reflow(
+    cluster: Cluster, current: Plan, fraction: float, give: float = 0.0, split: SplitConfig | None = None
+) -> tuple[Plan | None, str]:
     """The current placement with its flows on `cluster`'s links (slow links kept to what the fast ones lack
-    for 1 - `give` of the max flow), when those moved by more than `fraction` of the flow (None otherwise),
-    and why."""
+    for 1 - `give` of the max flow; with `split`, prefill and decode as two flows where that pays), when those
+    moved by more than `fraction` of the flow (None otherwise), and why."""
     fresh = max_flow(cluster, current.placement, current.method, give=give)
-    old = {(f.src, f.dst): f.tokens_s for f in current.flows}
-    new = {(f.src, f.dst): f.tokens_s for f in fresh.flows}
+    if split is not None:
+        fresh = split_plan(cluster, fresh, split, other_placements=False)
+    old = _flows_by_edge(current)
+    new = _flows_by_edge(fresh)
     # A token that changes paths leaves one edge for another: half the summed change, against the flow.
     moved = sum(abs(new.get(e, 0.0) - old.get(e, 0.0)) for e in old.keys() | new.keys()) / 2
     total = max(current.max_flow_tokens_s, fresh.max_flow_tokens_s)
+    if current.decode_flows or fresh.decode_flows:  # two kinds: against the tokens/s of both entering
+        total = max(sum(v for e, v in flows.items() if e[1] == SOURCE) for flows in (old, new))
     if total <= 0 or moved / total <= fraction:
         return None, "flows unchanged"
     return fresh, f"flows re-routed on re-measured links ({moved / total:.0%} of the flow moved)"
+
+
+def _flows_by_edge(plan: Plan) -> dict[tuple[str, NodeID, NodeID], float]:
+    flows = {("one", f.src, f.dst): f.tokens_s for f in plan.flows}
+    return flows | {("decode", f.src, f.dst): f.tokens_s for f in plan.decode_flows}
 
 
 def current_plan_problem(cluster: Cluster, current: Plan) -> str | None:
@@ -195,6 +224,14 @@ def should_publish(
 ) -> str | None:
     """Why `candidate` should replace the published plan (None: keep the current one, no thrashing)."""
     return publish_reason(cluster, current.placement if current else None, candidate, improve_fraction)
+
+
+def split_config(config: PlannerConfig) -> SplitConfig:
+    return SplitConfig(
+        prompt_tokens_per_output=config.split_prompt_tokens_per_output,
+        session_tokens_s=config.split_session_tokens_s,
+        min_gain=config.split_min_gain,
+    )
 
 
 def replan_config(config: PlannerConfig) -> ReplanConfig:
@@ -315,12 +352,13 @@ class PlannerService:
                     max_flow, cluster, candidate.placement, candidate.method, give=give
                 )
                 given = replace(candidate, flows=flowed.flows, max_flow_tokens_s=flowed.max_flow_tokens_s)
-                return await self._publish(given, epoch + 1, why)
+                return await self._publish(await self._phases(cluster, given), epoch + 1, why)
         relinked = links_changed(self._flowed_cluster, cluster, self.config.change_fraction)
         if current is not None and (reason or relinked) and current_plan_problem(cluster, current) is None:
             self._flowed_cluster = cluster
+            split = split_config(self.config) if self.config.split_phases else None
             candidate, why = await asyncio.to_thread(
-                reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give
+                reflow, cluster, current, self.config.reflow_fraction, self.config.slow_flow_give, split
             )
             if candidate is not None:
                 return await self._publish(candidate, epoch + 1, f"{why}: {relinked or reason}")
@@ -357,6 +395,13 @@ class PlannerService:
             if NodeID(pid) in cluster.node_by_id and r.range_end > r.range_start
         }
 
+    async def _phases(self, cluster: Cluster, plan: Plan) -> Plan:
+        """With split_phases: the plan's placement with prefill and decode as two flows where that pays
+        (swarm.planner.split), else the plan as it is."""
+        if not self.config.split_phases:
+            return plan
+        return await asyncio.to_thread(split_plan, cluster, plan, split_config(self.config), False)
+
     async def _publish(self, plan: Plan, epoch: int, why: str) -> PlanRecord:
         plan = Plan(
             method=plan.method,
@@ -366,6 +411,7 @@ class PlannerService:
             upper_bound_tokens_s=plan.upper_bound_tokens_s,
             solve_s=plan.solve_s,
             epoch=epoch,
+            decode_flows=plan.decode_flows,
         )
         record = PlanRecord(
             epoch=epoch,

@@ -9,7 +9,8 @@ Requests, Counters records), events (EventQueue: the clock and the heap), links 
 partial replay, KV hand-over), sessions (Sessions: admission, failover), client_side (Client: the LM head),
 engine (Simulation: builds the parts and dispatches events), scheduling (iwrr / random / swarm routers), churn
 (peers joining and leaving), report (tables, JSON, plots), experiment (placements x schedulings on one trace:
-scripts/simulate.py), calibration (closed-loop predictions for scripts/calibrate.py). Each imports only modules
+scripts/simulate.py), split_phases (split prefill/decode routes against single routes: simulate.py --split-phases),
+calibration (closed-loop predictions for scripts/calibrate.py). Each imports only modules
 before it in this list (tests/unit/test_import_cycles.py keeps them free of cycles).
 data/churn_helix24.json is an example churn schedule for the helix24 cluster.
 """

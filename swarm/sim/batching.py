@@ -58,20 +58,24 @@ class Batcher:
                 self.start(node, i)
 
     def queue_prefill(self, node: Node, jobs: list[tuple[int, int]]) -> None:
-        """Prefill jobs arrive at a node: replays go to the chunked replay queue when chunking is on."""
-        if self.config.replay_chunk_tokens <= 0:
+        """Prefill jobs arrive at a node: replays (and prompts, with prompt_chunk_tokens) go to the chunked
+        queue when chunking is on for them."""
+        replays, prompts = self.config.replay_chunk_tokens > 0, self.config.prompt_chunk_tokens > 0
+        if not replays and not prompts:
             node.prefill_q.extend(jobs)
             return
         replaying = self.requests.replaying
         for key, tokens in jobs:
-            if replaying[key >> 8]:
+            if replays if replaying[key >> 8] else prompts:
                 node.replay_q.append([key, tokens, tokens])
             else:
                 node.prefill_q.append((key, tokens))
 
     def take_replays(self, node: Node) -> None:
-        """Up to replay_chunk_tokens of replays join this iteration (chunked prefill): decode keeps going."""
-        left, taken, finished = self.config.replay_chunk_tokens, 0, []
+        """Up to replay_chunk_tokens (or prompt_chunk_tokens) of the chunked queue join this iteration (chunked
+        prefill): decode keeps going."""
+        left = max(self.config.replay_chunk_tokens, self.config.prompt_chunk_tokens)
+        taken, finished = 0, []
         while node.replay_q and left > 0:
             job = node.replay_q[0]
             take = min(job[1], left)

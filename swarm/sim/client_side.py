@@ -120,6 +120,8 @@ class Client:
                 if requests.generated[r] >= requests.out_len[r]:
                     self.sessions.finish(r)
                     continue
+            if self.sessions.move_to_decode(r):  # split phases: decode goes on where the KV is moved to
+                continue
             # The pending decode step re-enters where the replay began (0 unless a partial replay).
             rs = requests.resume_stage[r]
             requests.stage[r], requests.resume_stage[r], requests.replaying[r] = rs, 0, False

@@ -32,6 +32,9 @@ class SimConfig:
     partial_replay: bool = True  # a failover replays only through the replaced stage(s), from their inputs
     kv_handover: bool = True  # a leaving or moving node streams its sessions' KV caches to a successor
     replay_chunk_tokens: int = 256  # replay tokens one iteration may take in (0: a replay is one prefill)
+    # Prompt tokens one iteration may take in next to the decode batch (chunked prefill, as vLLM and Sarathi
+    # schedule); 0: a prompt is one prefill job, up to prefill_budget_tokens an iteration.
+    prompt_chunk_tokens: int = 0
     # KV bytes per token per layer = 2 (K and V) * kv_heads * head_dim * dtype bytes = 2 * activation bytes
     # * kv_heads / heads: LLaMA-2-70B has 8 KV heads of 64 (the synthetic clusters' 70B class).
     kv_heads_fraction: float = 0.125

@@ -15,6 +15,8 @@ What is modelled, and where:
   then slow down by processor sharing while more processes than cores are busy. The client on a host is one
   process that handles arriving outputs one message at a time (LM head + sampling, client_step_s per token);
   without a host, client_step_s is a plain delay (many independent clients). See swarm/sim/client_side.py.
+* A plan that splits the phases (Plan.decode_flows) gives each session a prefill route and a decode route; after
+  the prompt its KV moves from one to the other over the links, then it decodes (swarm/sim/sessions.py).
 * Churn (swarm/sim/churn.py) removes, adds and moves nodes; sessions on a lost node fail over. With
   SimConfig.partial_replay (swarm/sim/moves.py) only the lost stage is re-routed and replayed, and a session
   with no route waits; without it the rest of the route is rebuilt with Router.route_from and the prefix
@@ -38,8 +40,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from swarm.planner.cluster import Cluster
+from swarm.routing import Router
 from swarm.sim.batching import Batcher
 from swarm.sim.client_side import Client
 from swarm.sim.config import SimConfig
@@ -93,7 +97,7 @@ class Simulation:
             raise ValueError(f"decode_quantum_tokens must be >= 1, got {config.decode_quantum_tokens}")
         self.make_router = make_router
         self.plan = plan
-        router = make_router(plan)
+        router, decode_router = self.routers(plan)
         self.trace = trace
         self.ids: list[NodeID] = [n.id for n in cluster.nodes]
         self.index = {n: i for i, n in enumerate(self.ids)}
@@ -109,6 +113,7 @@ class Simulation:
         self.requests = Requests(trace)
         self.counters = Counters()
         self.view = SwarmView(self.nodes, num_layers, config, router)
+        self.view.decode_router = decode_router
         self.network = Network(cluster, self.nodes, config, self.events)
         self.batcher = Batcher(
             self.nodes, self.requests, self.network, self.events, config, act_bytes, token_bytes
@@ -210,7 +215,11 @@ class Simulation:
             node.id, spec.tokens_s(len(layers)), len(layers), spec.extra, config.timing, cap
         )
         node.decode_iter_s = [timing.decode_s(b) * quantum for b in range(cap + 1)]
-        node.cache_total = int(spec.extra.get("cache_tokens", config.cache_layer_tokens // len(layers)))
+        kv_table = spec.extra.get("kv_tokens_by_layers")  # KV room by layers held (swarm.planner.split)
+        if kv_table is not None and len(kv_table) >= len(layers):
+            node.cache_total = int(kv_table[len(layers) - 1])
+        else:
+            node.cache_total = int(spec.extra.get("cache_tokens", config.cache_layer_tokens // len(layers)))
         self.view.announce(node)
         self.view.changed()
         self.moves.retry_stalled()
@@ -244,5 +253,16 @@ class Simulation:
 
     def set_plan(self, plan: Plan) -> None:
         self.plan = plan
-        self.view.changed(self.make_router(plan))
+        self.view.changed(*self.routers(plan))
         self.moves.retry_stalled()
+
+    def routers(self, plan: Plan) -> tuple[Router, Router | None]:
+        """The plan's router, and its decode router when the plan splits the phases (swarm.types.Plan): then
+        sessions prefill on a route over `flows` and move to one over `decode_flows` (swarm/sim/sessions.py)."""
+        if not plan.decode_flows:
+            return self.make_router(plan), None
+        prefill = self.make_router(replace(plan, decode_flows=()))
+        # A prompt waits for room on the plan's prefill route rather than fall back onto the decode peers: a
+        # prompt there would stall their decode batches, which is what splitting the phases avoids.
+        prefill.config = replace(prefill.config, fallback_to_latency=False)
+        return prefill, self.make_router(replace(plan, flows=plan.decode_flows, decode_flows=()))

@@ -24,6 +24,7 @@ from swarm.planner.graph import max_flow
 from swarm.planner.milp import TIME_LIMIT_S
 from swarm.planner.replan import ReplanConfig, replan
 from swarm.planner.solve import HEURISTICS, solve
+from swarm.planner.two_class import two_class_cluster
 from swarm.sim.churn import Churn, ChurnEvent, Planner, initially_absent, load_schedule, present_cluster
 from swarm.sim.engine import SimConfig, Simulation
 from swarm.sim.report import churn_targets, summarize
@@ -92,6 +93,12 @@ def cluster_from_arg(arg: str) -> Cluster:
         return synthetic.helix_42()
     if arg.startswith("random") and arg[6:].isdigit():
         return synthetic.random_cluster(int(arg[6:]), seed=1)
+    if arg.startswith("twoclass"):  # twoclass, or twoclassPxD: P prefill-strong and D memory-strong cards
+        counts = arg[8:].split("x")
+        if arg == "twoclass":
+            return two_class_cluster()
+        if len(counts) == 2 and all(c.isdigit() for c in counts):
+            return two_class_cluster(int(counts[0]), int(counts[1]))
     return load_cluster(arg)
 
 

@@ -82,6 +82,9 @@ class Requests:
         self.replay_end = [0] * n  # a replay's prefill returns to the client before this stage
         self.resume_stage = [0] * n  # after a replay, the pending decode step re-enters here
         self.replaying = [False] * n
+        # Split phases: the decode route a session moves to after its prompt (empty: it decodes where it prefilled)
+        self.decode_routes: list[tuple[int, ...]] = [()] * n
+        self.decode_starts: list[tuple[int, ...]] = [()] * n
 
     def key(self, r: int) -> int:
         return r << 8 | (self.epoch[r] & 255)
@@ -89,6 +92,10 @@ class Requests:
     def session_tokens(self, r: int) -> int:
         """KV cache a session reserves on each stage: its whole prompt and output."""
         return self.trace[r].prompt_tokens + self.trace[r].output_tokens
+
+    def prompt_kv_tokens(self, r: int) -> int:
+        """KV cache a split session reserves on a prefill-only stage: its prompt and first token."""
+        return self.trace[r].prompt_tokens + 1
 
     def length(self, r: int) -> int:
         """Tokens the session holds now: its prompt and what it generated so far."""
@@ -104,3 +111,6 @@ class Counters:
     handovers: int = 0
     replayed_tokens: int = 0  # token x stage: tokens re-prefilled by replacement stages
     handover_bytes: int = 0
+    phase_moves: int = 0  # split phases: sessions whose KV moved from the prefill to the decode route
+    phase_move_bytes: int = 0
+    phase_move_s: float = 0.0  # summed over those sessions: prompt done -> KV on every decode stage

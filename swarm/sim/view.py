@@ -23,6 +23,7 @@ class SwarmView:
         self.nodes = nodes
         self.config = config
         self.router = router
+        self.decode_router: Router | None = None  # split phases: routes decode over the plan's decode_flows
         self.peers: dict[NodeID, PeerState] = {}  # what the router reads
         self.view = RoutingView(num_layers, self.peers)
         self.admission_blocked = False
@@ -38,10 +39,11 @@ class SwarmView:
     def withdraw(self, node: Node) -> None:
         self.peers.pop(node.id, None)
 
-    def changed(self, router: Router | None = None) -> None:
-        """The swarm or the plan changed (a node came up or moved, a new plan's router): admission may succeed."""
+    def changed(self, router: Router | None = None, decode_router: Router | None = None) -> None:
+        """The swarm or the plan changed (a node came up or moved, a new plan's routers): admission may succeed.
+        A new plan's router comes with its decode router (None: the plan does not split the phases)."""
         if router is not None:
-            self.router = router
+            self.router, self.decode_router = router, decode_router
         self.admission_blocked = False
 
     def reserve(self, r: int, stages: list[int], tokens: int) -> None:

@@ -19,6 +19,7 @@ from swarm.peer.planner_service import (
     planned_peers,
     reflow,
     should_publish,
+    split_config,
 )
 from swarm.peer.solver_process import InThread
 from swarm.planner import ModelInfo, link_flow_share, max_flow, solve
@@ -271,3 +272,60 @@ def test_the_live_planner_publishes_the_re_flowed_plan():
     assert stored is not None and stored.epoch == 4
     plan = stored.to_plan()
     assert link_flow_share(plan, NodeID("p1"), NodeID("p3")) <= 0.1
+
+
+def _two_classes() -> SwarmSnapshot:
+    """Two peers that prefill 20x faster than they decode and two that prefill as fast as they decode, each
+    holding the whole model, with room for many sessions."""
+    roomy = dict(cache_tokens_total=1_000_000, free_cache_tokens=1_000_000)
+    fast = [peer_record(f"QmG{i}", 0, 8, prefill_layer_tokens_s=40000.0, **roomy) for i in range(2)]
+    slow = [peer_record(f"QmO{i}", 0, 8, prefill_layer_tokens_s=2000.0, **roomy) for i in range(2)]
+    return snapshot(*fast, *slow)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_live_planner_splits_the_phases_only_when_asked(split: bool) -> None:
+    directory = _Directory(_two_classes(), accepted_epoch=None)
+    config = PlannerConfig(method="greedy", client_bandwidth_bytes_s=1e9, split_phases=split)
+    service = PlannerService(directory, election=None, config=config, solver=InThread())  # type: ignore[arg-type]
+    stored = asyncio.run(service.check())
+    assert stored is not None
+    plan = stored.to_plan()
+    if not split:
+        assert plan.decode_flows == ()
+        return
+    # Prompts go to the fast prefillers only, shared evenly (they are interchangeable); the slow ones decode,
+    # and the plan says so once published.
+    assert plan.decode_flows
+    prompts = {f.dst: f.tokens_s for f in plan.flows if f.src == SOURCE}
+    assert set(prompts) == {"QmG0", "QmG1"} and prompts["QmG0"] == prompts["QmG1"]
+    assert {f.dst for f in plan.decode_flows if f.src == SOURCE} >= {"QmO0", "QmO1"}
+
+
+def test_split_phases_reads_each_peers_prefill_speed_and_kv_room() -> None:
+    config = PlannerConfig(client_bandwidth_bytes_s=1e9, split_phases=True)
+    cluster = cluster_from_snapshot(snapshot(peer_record("QmA", 0, 4), peer_record("QmB", 0, 0)), config)
+    assert cluster is not None
+    a, b = cluster.node_by_id[NodeID("QmA")], cluster.node_by_id[NodeID("QmB")]
+    assert a.extra["prefill_tokens_s_by_layers"][:4] == [8000.0, 4000.0, 8000.0 / 3, 2000.0]
+    assert a.extra["kv_tokens_by_layers"][:4] == [
+        16384.0,
+        8192.0,
+        5461.0,
+        4096.0,
+    ]  # 4096 tokens a layer for 4
+    assert "kv_tokens_by_layers" not in b.extra  # holds nothing yet: no cache figure to go by
+    plain = cluster_from_snapshot(snapshot(peer_record("QmA", 0, 4)), CONFIG)
+    assert plain is not None and plain.node_by_id[NodeID("QmA")].extra == {}
+
+
+def test_a_split_plan_is_re_flowed_only_when_its_flows_move() -> None:
+    config = PlannerConfig(client_bandwidth_bytes_s=1e9, split_phases=True)
+    cluster = cluster_from_snapshot(_two_classes(), config)
+    assert cluster is not None
+    one_kind = solve(cluster, "greedy")
+    split = split_config(config)
+    fresh, why = reflow(cluster, one_kind, 0.05, split=split)
+    assert fresh is not None and fresh.decode_flows, why  # the split is new: most of the flow moved
+    again, why = reflow(cluster, fresh, 0.05, split=split)
+    assert again is None and why == "flows unchanged"  # same links, same two flows: no new epoch
