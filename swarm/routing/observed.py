@@ -51,11 +51,14 @@ def discount_plan(plan: Plan, factors: Mapping[NodeID, float]) -> Plan:
     max_flow_tokens_s is left as planned (it describes the plan, not this client's view)."""
     if not any(f < 1.0 for f in factors.values()):
         return plan
-    flows = tuple(
-        EdgeFlow(f.src, f.dst, f.tokens_s * factors.get(f.dst, 1.0)) if f.dst in factors else f
-        for f in plan.flows
-    )
-    return replace(plan, flows=flows)
+
+    def scaled(flows: tuple[EdgeFlow, ...]) -> tuple[EdgeFlow, ...]:
+        return tuple(
+            EdgeFlow(f.src, f.dst, f.tokens_s * factors.get(f.dst, 1.0)) if f.dst in factors else f
+            for f in flows
+        )
+
+    return replace(plan, flows=scaled(plan.flows), decode_flows=scaled(plan.decode_flows))
 
 
 def announced_layer_tokens_s(decode_b1: float, prefill: float, tokens: int, cap: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -209,6 +210,8 @@ def test_observed_speed_helpers() -> None:
     scaled = discount_plan(plan, {NodeID("b"): 0.1})
     assert [f.tokens_s for f in scaled.flows] == [20.0, 1.0, 10.0]
     assert discount_plan(plan, {}) is plan
+    split = replace(plan, decode_flows=plan.flows)  # a plan with prefill and decode apart: both are scaled
+    assert [f.tokens_s for f in discount_plan(split, {NodeID("b"): 0.1}).decode_flows] == [20.0, 1.0, 10.0]
 
 
 def test_reported_peers_are_not_routed_and_announced_speed_is_capped() -> None:
