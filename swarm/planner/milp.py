@@ -455,13 +455,7 @@ def _warm_values(
         values[x] = min(amount, m.upper[x])
         ru = placement.get(u) if u != SOURCE else None
         rv = placement.get(v) if v != SINK else None
-        if u == SOURCE:
-            valid = rv is not None and rv.start == 0
-        elif v == SINK:
-            valid = ru is not None and ru.end == cluster.model.num_layers
-        else:
-            valid = ru is not None and rv is not None and rv.start <= ru.end < rv.end
-        values[y] = 1.0 if valid else 0.0
+        values[y] = 1.0 if edge_valid(u, v, ru, rv, cluster.model.num_layers) else 0.0
     for i, col in f.items():
         values[col] = sum(values[x] for (_, v, x, _) in edges if v == i)
     for i, keep in helix.keep_cols.items():
@@ -472,3 +466,13 @@ def _warm_values(
         values[ov] = float(len(both)) if both is not None else 0.0
         values[z] = 1.0 if both is not None else 0.0
     return values
+
+
+def edge_valid(u: NodeID, v: NodeID, ru: LayerRange | None, rv: LayerRange | None, num_layers: int) -> bool:
+    """Whether edge u -> v may carry flow when u holds ``ru`` and v ``rv``: the source feeds a holder of layer 0,
+    a holder of the last layer feeds the sink, and v goes on where u's layers end."""
+    if u == SOURCE:
+        return rv is not None and rv.start == 0
+    if v == SINK:
+        return ru is not None and ru.end == num_layers
+    return ru is not None and rv is not None and rv.start <= ru.end < rv.end

@@ -32,6 +32,7 @@ from swarm.planner.milp import (
     _highs,
     _node_columns,
     _read_placement,
+    edge_valid,
     prune_links,
 )
 from swarm.planner.phases import KV_KEY, PREFILL_KEY, SplitConfig, phase_flows
@@ -153,12 +154,6 @@ def _warm_values(
     for u, v, x, y in helix.edges:
         values[x] = min(decode.get((u, v), 0.0), m.upper[x])
         values[phases.xp[(u, v)]] = min(prefill.get((u, v), 0.0), m.upper[phases.xp[(u, v)]])
-        ru, rv = warm.get(u), warm.get(v)
-        if u == SOURCE:
-            valid = rv is not None and rv.start == 0
-        elif v == SINK:
-            valid = ru is not None and ru.end == pruned.model.num_layers
-        else:
-            valid = ru is not None and rv is not None and rv.start <= ru.end < rv.end
+        valid = edge_valid(u, v, warm.get(u), warm.get(v), pruned.model.num_layers)
         values[y] = 1.0 if valid else 0.0
     return values

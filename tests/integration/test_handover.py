@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from client import SwarmClient
 from client.generation import GenerationRequest, generate_ids
@@ -24,7 +23,7 @@ from client.retry import Action
 from client.session import InferenceSession
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
-from swarm.testing import LocalSwarm
+from swarm.testing import LocalSwarm, greedy_reference
 from swarm.testing.launcher import PeerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -37,11 +36,7 @@ HANDED = re.compile(r"handed session \S+ \((\d+) tokens, (\d+) KV bytes\) over t
 
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from swarm.errors import CapacityError, ProtocolError, SessionError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
 from swarm.routing.route import Route, Stage
-from swarm.testing import LocalSwarm
+from swarm.testing import LocalSwarm, greedy_reference
 from swarm.testing.launcher import PeerProcess
 from swarm.transport import call_move
 from swarm.types import LayerRange, NodeID
@@ -44,11 +44,7 @@ SETTINGS: dict[str, Any] = dict(step_timeout_s=60.0, route_wait_s=30.0, spot_che
 
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from client import SwarmClient
 from client.chain import RemoteChain
 from client.generation import GenerationRequest, generate_ids
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
-from swarm.testing import LocalSwarm
+from swarm.testing import LocalSwarm, greedy_reference
 from swarm.types import Plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -40,11 +39,7 @@ SETTINGS: dict[str, Any] = dict(step_timeout_s=60.0, route_wait_s=30.0, spot_che
 
 @pytest.fixture(scope="module")
 def expected(tiny_source: ModelSource) -> list[int]:
-    model, out = tiny_source.load_reference_model(), list(PROMPT_IDS)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(PROMPT_IDS) :]
+    return greedy_reference(tiny_source, PROMPT_IDS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
