@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarm.dht import PeerRecord, SwarmSnapshot, coverage
@@ -37,15 +37,7 @@ def cache_json(stats: CacheStats | None) -> dict[str, Any] | None:
     """A peer's KV blocks (used, of them shared, free) and prefix hit rate, from InfoReply.cache."""
     if stats is None:
         return None
-    return {
-        "block_tokens": stats.block_tokens,
-        "used_blocks": stats.used_blocks,
-        "shared_blocks": stats.shared_blocks,
-        "free_blocks": stats.free_blocks,
-        "prefix_tokens_looked_up": stats.prefix_tokens_looked_up,
-        "prefix_tokens_shared": stats.prefix_tokens_shared,
-        "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
-    }
+    return {**asdict(stats), "prefix_hit_rate": round(stats.prefix_hit_rate, 4)}
 
 
 def background_json(triples: Iterable[tuple[str, int, int]]) -> dict[str, dict[str, int]]:

@@ -169,10 +169,6 @@ class SessionCache:
     def length(self, layer: int) -> int:
         return self.lengths[layer - self.layers.start]
 
-    def truncate(self, layer: int, length: int) -> None:
-        """Forget tokens at positions >= length in ``layer``; see ``cut``."""
-        self.cut({layer: length})
-
     def cut(self, lengths: Mapping[int, int]) -> None:
         """Forget tokens at positions >= ``lengths[layer]`` in each of these layers at once (a step's replay
         after a retry or failover, or a failed call's rows). Blocks no layer uses any more go back to the pool;
@@ -487,8 +483,6 @@ class KVCache:
 
     def evict(self, session_id: str) -> None:
         session = self.get(session_id)
-        if session_id in self.busy:
-            raise CapacityError(f"session {session_id[:8]} has a step running: it cannot be evicted now")
         logger.info(
             "evicting session %s (%d tokens, idle %.1f s)",
             session_id[:8],
