@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from client.batching import BatchedSession, HeadBatcher
 from client.chain import RemoteChain
 from client.config import ClientConfig
-from client.drafting import make_speculation
+from client.draft_model import load_draft_model
+from client.drafting import ModelDrafters, make_speculation
 from client.generation import GenerationRequest, generate_ids, generate_text
 from client.liveness import LivenessConfig, StepWatch
 from client.retry import RetryPolicy
@@ -68,8 +69,13 @@ class AsyncSwarmClient:
         tokenizer: Any,
         dht: SwarmDHT | None = None,
         reports: ReportSink | None = None,
+        draft: ModelDrafters | None = None,
     ) -> None:
+        """``draft``: the model speculate="model" or "self" drafts with (client.draft_model)."""
+        if draft is None and config.speculate in ("model", "self"):
+            raise ValueError(f"speculate={config.speculate!r} needs a draft model: load_draft_model makes it")
         self.config = config
+        self.draft = draft
         self.chain = chain
         self.routes = routes
         self.head = head
@@ -115,6 +121,7 @@ class AsyncSwarmClient:
         spec = source.spec
         head = await asyncio.to_thread(source.load_head, config.device, config.dtype)
         tokenizer = await asyncio.to_thread(source.tokenizer)
+        draft = await asyncio.to_thread(load_draft_model, config, source, head, tokenizer)
         dht = await SwarmDHT.create(
             DHTConfig(initial_peers=config.initial_peers, client_mode=True), spec.weights_hash
         )
@@ -163,6 +170,7 @@ class AsyncSwarmClient:
             tokenizer=tokenizer,
             dht=dht,
             reports=reports,
+            draft=draft,
         )
 
     # --- prompts -------------------------------------------------------------------------------------------
@@ -212,7 +220,7 @@ class AsyncSwarmClient:
             self.watch,
             self.config.prefill_chunk_tokens,
         )
-        session.speculation = make_speculation(self.config.speculate, self.config.draft_tokens)
+        session.speculation = make_speculation(self.config.speculate, self.config.draft_tokens, self.draft)
         self.last_session = session
         return session
 

@@ -12,7 +12,7 @@ from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.settings import component, setting
 from swarm.types import DTYPE_BYTES
 
-SPECULATE_CHOICES = ("off", "lookup")
+SPECULATE_CHOICES = ("off", "lookup", "model", "self")
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,19 @@ class ClientConfig:
     # A step carries the drafter's guesses and keeps those the model agrees with (client.drafting): greedy
     # tokens are those of plain decoding, sampled ones drawn as plain sampling draws them, in fewer trips where
     # the guesses are right. Each session drafts only while it pays (client.drafting.DraftLength).
+    # "model" and "self" run a model on the client (client.draft_model): draft_model, or the served model's
+    # first draft_layers layers under the client's own head.
     speculate: str = setting(
         "lookup",
-        "draft tokens to verify in one step: off, or lookup (n-grams of the prompt and answer so far)",
+        "draft tokens to verify in one step: off, lookup (n-grams of the prompt and answer so far), model "
+        "(the model draft_model names) or self (the served model's first draft_layers layers)",
         choices=SPECULATE_CHOICES,
     )
     draft_tokens: int = setting(4, "most drafted tokens one speculative step carries")
+    draft_model: str = setting(
+        "", "the drafter of speculate=model: a model name or path as --model takes, sharing its tokenizer"
+    )
+    draft_layers: int = setting(0, "layers of the served model that speculate=self drafts with")
     # The chunks go all at once, so the route's peers compute different chunks at the same time.
     prefill_chunk_tokens: int = setting(
         256,
@@ -163,6 +170,12 @@ class ClientConfig:
             )
         if self.draft_tokens < 1:
             raise ValueError(f"ClientConfig.draft_tokens must be >= 1, got {self.draft_tokens}")
+        if self.speculate == "model" and not self.draft_model:
+            raise ValueError("ClientConfig.speculate='model' needs draft_model (a model name or path)")
+        if self.draft_layers < 0 or (self.speculate == "self" and self.draft_layers < 1):
+            raise ValueError(
+                f"ClientConfig.speculate='self' needs draft_layers >= 1, got {self.draft_layers}"
+            )
         if self.batch_lanes < 1:
             raise ValueError(f"ClientConfig.batch_lanes must be >= 1, got {self.batch_lanes}")
         if self.max_retries < 0:

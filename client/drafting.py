@@ -31,6 +31,15 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class StatefulDrafter(Protocol):
+    """A drafter that keeps state per session (a model drafter's KV cache, client.draft_model)."""
+
+    def prepare(self, history: Sequence[int]) -> None: ...  # catch up with the prompt, outside a timed step
+
+    def close(self) -> None: ...  # free the state; a later proposal starts it again
+
+
+@runtime_checkable
 class Verifier(Protocol):
     """A session that can score every position of a step and forget its last tokens (InferenceSession)."""
 
@@ -40,6 +49,12 @@ class Verifier(Protocol):
     async def forward_all(self, new_ids: Sequence[int], argmax_only: bool = False) -> torch.Tensor: ...
 
     def rewind(self, length: int) -> None: ...  # forget the tokens at positions >= length
+
+
+class ModelDrafters(Protocol):
+    """Makes a drafter per session from weights they share (client.draft_model.DraftModel)."""
+
+    def drafter(self) -> Drafter: ...
 
 
 class Target(Protocol):
@@ -75,12 +90,19 @@ class PromptLookup:
         return []
 
 
-def make_speculation(speculate: str, draft_tokens: int) -> Speculation | None:
-    """A session's speculation as ClientConfig.speculate and draft_tokens say (None for "off")."""
+def make_speculation(
+    speculate: str, draft_tokens: int, model: ModelDrafters | None = None
+) -> Speculation | None:
+    """A session's speculation as ClientConfig.speculate and draft_tokens say (None for "off"); "model" and
+    "self" draft with ``model`` (client.draft_model.load_draft_model)."""
     if speculate == "off":
         return None
     if speculate == "lookup":
         return Speculation(PromptLookup(), draft_tokens, DraftLength(draft_tokens))
+    if speculate in ("model", "self"):
+        if model is None:
+            raise ValueError(f"speculate={speculate!r} needs a draft model, and the client has none loaded")
+        return Speculation(model.drafter(), draft_tokens, DraftLength(draft_tokens))
     raise ValueError(f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, got {speculate!r}")
 
 
@@ -232,3 +254,11 @@ class Speculation:
     def observe(self, tokens: int, seconds: float, drafted: int, kept: int) -> None:
         if self.length is not None:
             self.length.observe(tokens, seconds, drafted, kept)
+
+    def prepare(self, history: Sequence[int]) -> None:
+        if isinstance(self.drafter, StatefulDrafter):
+            self.drafter.prepare(history)
+
+    def close(self) -> None:
+        if isinstance(self.drafter, StatefulDrafter):
+            self.drafter.close()

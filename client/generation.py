@@ -97,8 +97,25 @@ async def speculative_ids(
     (client.drafting.sampled_accept)."""
     if request.max_new_tokens == 0:
         return
+    try:
+        async with aclosing(_speculative_ids(session, request, pick, spec, argmax_only, target)) as tokens:
+            async for token in tokens:
+                yield token
+    finally:
+        spec.close()  # a model drafter's cache (client.draft_model)
+
+
+async def _speculative_ids(
+    session: Verifier,
+    request: GenerationRequest,
+    pick: Pick,
+    spec: Speculation,
+    argmax_only: bool,
+    target: Target | None,
+) -> AsyncGenerator[int, None]:
     history = list(request.prompt_ids)
     logits = await session.forward(request.prompt_ids, argmax_only)
+    spec.prepare(history)
     token = pick(logits, history)
     emitted = 0
     while True:
@@ -113,8 +130,8 @@ async def speculative_ids(
         if remaining == 0:
             return
         # a fully accepted step yields its drafts and one more token: never past max_new_tokens
+        started = spec.clock()  # a step's time counts its drafting: a model drafter's is not free
         drafts = spec.drafts_for(history, remaining - 1)
-        started = spec.clock()
         if not drafts:
             logits = await session.forward([token], argmax_only)
             spec.observe(1, spec.clock() - started, 0, 0)

@@ -18,6 +18,7 @@ import torch
 
 from client.client import AsyncSwarmClient
 from client.config import ClientConfig
+from client.drafting import ModelDrafters
 from client.routes import route_deprioritising_bans
 from client.spot import ReportSink
 from swarm.errors import CapacityError, SessionError, SwarmError, TransportError
@@ -248,11 +249,13 @@ def in_process_client(
     config: ClientConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
     reports: ReportSink | None = None,
+    draft: ModelDrafters | None = None,
 ) -> AsyncSwarmClient:
     """An AsyncSwarmClient whose "peers" are `blocks` (named by the mapping's keys) in this process.
 
     Routes go by lowest latency over whichever blocks hold each layer; NoRouteError names layers none holds.
-    `clock` times the bans (inject one to test them without waiting).
+    `clock` times the bans (inject one to test them without waiting); `draft` is the model speculate="model"
+    or "self" drafts with (client.draft_model.load_draft_model).
     """
     chain = LocalChain({NodeID(name): block for name, block in blocks.items()})
     num_layers = head.spec.num_layers
@@ -263,4 +266,5 @@ def in_process_client(
         head=head,
         tokenizer=tokenizer,
         reports=reports,
+        draft=draft,
     )
