@@ -5,7 +5,11 @@ ONE JSON object.
 The swarm of bench_wan's grid (3 peers x 10 layers of the default model, every peer and the client on a host of
 its own, links changed live; needs root). For each one-way delay and prompt, one greedy session without drafts,
 one per fixed draft length with the prompt-lookup drafter (client.drafting.PromptLookup), and one with the
-length the client adapts per step ("lookup-auto", client.drafting.DraftLength), EOS ignored:
+length the client adapts per step ("lookup-auto", client.drafting.DraftLength), EOS ignored. Then, with the
+adapted length too, the model drafters of client.draft_model: "model", a copy of the served model on the
+client (the default model is the smallest of its family, so no smaller sibling exists: its own weights, held
+as the peers hold them, stand in for one), and "self", the served model's first --self-layers layers under
+the client's head:
 
   tok_s          delay -> drafter -> prompt: tokens/s after the first token ("plain": no drafts)
   speedup        delay -> drafter -> prompt: tok_s over plain's
@@ -19,6 +23,7 @@ paragraph changing one word, where lookup should accept long runs).
 
     sudo .venv/bin/python scripts/bench_spec.py --json spec.json      # default model, delays 0 25 50 ms
     sudo .venv/bin/python scripts/bench_spec.py --quick               # tiny model, delays 0 10 ms (CI)
+    sudo .venv/bin/python scripts/bench_spec.py --delays-ms 25 --drafters model self   # a part of it
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from bench_e2e import local_decode  # noqa: E402
 from bench_wan import MBIT, STEP_TIMEOUT_S, Worker, decode_tok_s, greedy, grid_swarm, log, worker  # noqa: E402
 
 from client import SwarmClient  # noqa: E402
+from client.config import ClientConfig  # noqa: E402
+from client.draft_model import DraftModel, load_draft_model  # noqa: E402
 from client.drafting import make_speculation  # noqa: E402
 from client.generation import generate_ids, speculative_ids  # noqa: E402
 from swarm.codec import ActivationConfig  # noqa: E402
@@ -51,7 +58,7 @@ from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
 from swarm.testing.wan import LinkSpec  # noqa: E402
 from swarm.testing.wan.bench import bench_main  # noqa: E402
 
-PREFIX = "fsb"  # this benchmark's namespaces and devices
+DRAFTERS = ("lookup", "model", "self")
 ESSAY = "Write a short essay about the history of the bicycle."
 PARAGRAPH = (
     "The bicycle changed how ordinary people moved through their towns and cities. Before the bicycle, a worker "
@@ -74,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=96, help="decode tokens per session")
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8], help="lookup's fixed draft lengths")
     p.add_argument("--auto-k", type=int, default=8, help="most drafts a step of the adaptive length")
+    p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS, help="drafters to run")
+    p.add_argument("--self-layers", type=int, default=27, help="layers the self drafter drafts with")
+    p.add_argument("--prefix", default="fsb", help="name prefix of the benchmark's namespaces and devices")
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments")
     p.add_argument("--json", help="also write the JSON object here")
     p.add_argument(
@@ -84,12 +94,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.delays_ms, args.new_tokens, args.draft_tokens, args.auto_k = (
+        args.model, args.delays_ms, args.new_tokens, args.draft_tokens, args.auto_k, args.self_layers = (
             "tiny",
             [0, 10],
             16,
             [4],
             4,
+            3,
         )
     return args
 
@@ -97,10 +108,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --- the client process, on its own host ---------------------------------------------------------------------
 
 
-async def _session(client: SwarmClient, order: dict[str, Any]) -> dict[str, Any]:
+async def _session(client: SwarmClient, order: dict[str, Any], draft: DraftModel | None) -> dict[str, Any]:
     """One greedy session as the order says: tokens, their arrival times, the speculation's counters."""
     ids, new_tokens = order["ids"], order["new_tokens"]
-    spec = make_speculation(order["speculate"], order["draft_tokens"])
+    spec = make_speculation(order["speculate"], order["draft_tokens"], draft)
     if spec is not None and not order["adaptive"]:
         spec.length = None  # always draft_tokens where the drafter has them
     pick = Sampler(SamplingParams()).sample
@@ -125,17 +136,46 @@ async def _session(client: SwarmClient, order: dict[str, Any]) -> dict[str, Any]
 def worker_main(initial_peers: Sequence[str], model: str) -> None:
     """Connect, say ready, then answer one order line at a time until stdin ends."""
     codec = ActivationConfig(mode="exact")
+    drafts: dict[str, DraftModel | None] = {}  # by the order's settings: each draft model loaded once
     with SwarmClient(initial_peers, model=model, step_timeout_s=STEP_TIMEOUT_S, activations=codec) as client:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
-            print(json.dumps(client.run(_session(client, json.loads(line)))), flush=True)
+            order = json.loads(line)
+            key = json.dumps(order["draft"], sort_keys=True)
+            if key not in drafts:
+                config = ClientConfig(**order["draft"])
+                head, tokenizer = client.aclient.head, client.tokenizer
+                drafts[key] = load_draft_model(config, resolve_model(model), head, tokenizer)
+            print(json.dumps(client.run(_session(client, order, drafts[key]))), flush=True)
 
 
 def ask(
-    w: Worker, ids: Sequence[int], new_tokens: int, speculate: str, draft_tokens: int, adaptive: bool = False
+    w: Worker,
+    ids: Sequence[int],
+    new_tokens: int,
+    speculate: str,
+    draft_tokens: int,
+    adaptive: bool = False,
+    draft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``draft``: the ClientConfig settings of the model drafter "model" or "self" drafts with."""
     order = {"ids": list(ids), "new_tokens": new_tokens, "speculate": speculate, "draft_tokens": draft_tokens}
-    return dict(w.ask(order | {"adaptive": adaptive}))
+    return dict(w.ask(order | {"adaptive": adaptive, "draft": draft or {}}))
+
+
+def drafter_runs(args: argparse.Namespace) -> dict[str, tuple[str, int, bool, dict[str, Any]]]:
+    """name -> (speculate, most drafts a step, adaptive, the draft model's settings) of each session with
+    drafts: lookup's fixed lengths, then the client's adaptive length (client.drafting.DraftLength) with
+    each drafter."""
+    runs: dict[str, tuple[str, int, bool, dict[str, Any]]] = {}
+    if "lookup" in args.drafters:
+        runs |= {f"lookup-k{k}": ("lookup", k, False, {}) for k in args.draft_tokens}
+        runs["lookup-auto"] = ("lookup", args.auto_k, True, {})
+    if "model" in args.drafters:
+        runs["model"] = ("model", args.auto_k, True, {"speculate": "model", "draft_model": args.model})
+    if "self" in args.drafters:
+        runs["self"] = ("self", args.auto_k, True, {"speculate": "self", "draft_layers": args.self_layers})
+    return runs
 
 
 # --- the measurements ---------------------------------------------------------------------------------------
@@ -155,15 +195,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference = source.load_reference_model("cpu", "float32")
     local = {name: local_decode(reference, ids, args.new_tokens)[1] for name, ids in prompt_ids.items()}
     del reference
-    # name -> (most drafts a step, adaptive): fixed lengths, and the client's default (client.drafting.DraftLength)
-    drafters = {f"lookup-k{k}": (k, False) for k in args.draft_tokens} | {"lookup-auto": (args.auto_k, True)}
+    drafters = drafter_runs(args)
     tok_s: dict[str, dict[str, dict[str, float]]] = {}
     counters: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
     equal: dict[str, bool] = {}
     with tempfile.TemporaryDirectory(prefix="flowswarm-spec-") as tmp:
-        with grid_swarm(args, Path(tmp), PREFIX) as (net, swarm):
+        with grid_swarm(args, Path(tmp), args.prefix) as (net, swarm):
             with worker(swarm, "client", swarm.initial_peers, args, script=__file__) as w:
                 ask(w, prompt_ids["essay"], 2, "off", 1)  # warm: routes, connections, the peers' first calls
+                for (
+                    speculate,
+                    k,
+                    _,
+                    draft,
+                ) in drafters.values():  # and each draft model loaded, its cache made
+                    ask(w, prompt_ids["essay"], 4, speculate, k, False, draft)
                 for delay_ms in sorted(args.delays_ms):
                     net.set_all(LinkSpec(delay_ms / 1000, args.bandwidth_mbit * MBIT))
                     d = f"{delay_ms:g}"
@@ -171,8 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         plain = ask(w, ids, args.new_tokens, "off", 1)
                         tok_s.setdefault(d, {}).setdefault("plain", {})[name] = decode_tok_s(plain["times"])
                         equal[f"{d}/plain/{name}"] = plain["tokens"] == local[name]
-                        for drafter, (k, adaptive) in drafters.items():
-                            spec = ask(w, ids, args.new_tokens, "lookup", k, adaptive)
+                        for drafter, (speculate, k, adaptive, draft) in drafters.items():
+                            spec = ask(w, ids, args.new_tokens, speculate, k, adaptive, draft)
                             tok_s[d].setdefault(drafter, {})[name] = decode_tok_s(spec["times"])
                             counters.setdefault(d, {}).setdefault(drafter, {})[name] = spec["speculation"]
                             equal[f"{d}/{drafter}/{name}"] = spec["tokens"] == plain["tokens"]
@@ -187,6 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delays_ms": args.delays_ms,
         "bandwidth_mbit": args.bandwidth_mbit,
         "new_tokens": args.new_tokens,
+        "drafters": {
+            name: [speculate, k, adaptive, draft]
+            for name, (speculate, k, adaptive, draft) in drafters.items()
+        },
         "peer_args": args.peer_args,
         "prompt_tokens": {name: len(ids) for name, ids in prompt_ids.items()},
         "total_s": round(time.perf_counter() - began, 1),
