@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from client.config import ClientConfig
 from client.draft_model import DraftModel, ModelDrafter, check_same_vocab, load_draft_model
-from client.drafting import Speculation, make_speculation
+from client.drafting import DraftLength, Speculation, make_speculation
 from client.generation import GenerationRequest, generate_ids
 from client.local import in_process_client
 from swarm.models.checkpoints import write_tiny_checkpoint
@@ -226,3 +227,54 @@ def test_the_served_model_as_its_own_draft_shares_the_clients_head(tiny_source: 
     other = load_draft_model(ClientConfig(speculate="model", draft_model="tiny:1"), tiny_source, head)
     assert other is not None and other.head is not head
     assert not torch.equal(other.head.embed_weight, head.embed_weight)
+
+
+def test_concurrent_sessions_draft_from_one_model_each_with_its_own_cache(
+    tiny_source: ModelSource, reference: list[int]
+) -> None:
+    """Sessions whose steps go batched in rounds, their drafters' caches in the one draft range."""
+    client = _client(tiny_source, speculate="model", draft_model="tiny:1", draft_tokens=3)
+    rows = [PROMPT_IDS, PROMPT_IDS[:6], PROMPT_IDS]
+    got = asyncio.run(client.generate_ids_batch(rows, NEW_TOKENS, SamplingParams()))
+    plain = _client(tiny_source, speculate="off")
+    assert got[0] == got[2] == reference
+    assert got[1] == asyncio.run(plain.generate_ids(PROMPT_IDS[:6], NEW_TOKENS, SamplingParams()))
+    assert not client.draft.blocks.active_sessions
+
+
+class SlowDrafter:
+    """Proposes nothing useful, and each proposal takes a second of ``clock``."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        self.clock[0] += 1.0
+        return [0] * k
+
+
+def test_a_steps_time_counts_its_drafting(tiny_source: ModelSource) -> None:
+    """The draft length weighs what drafting costs: a drafter's time is part of its step's."""
+    now = [0.0]
+    length = DraftLength(2)
+    spec = Speculation(SlowDrafter(now), 2, length, clock=lambda: now[0])
+    client = _client(tiny_source, speculate="off")
+
+    def trip(step: int) -> None:  # each trip through the route takes 10 ms of ``clock``
+        now[0] += 0.01
+
+    client.chain.on_step = trip
+    request = GenerationRequest(tuple(PROMPT_IDS), 6, frozenset())
+
+    async def run() -> list[int]:
+        session = client.new_session(len(PROMPT_IDS) + 6)
+        try:
+            return [
+                t async for t in generate_ids(session, request, Sampler(SamplingParams()).sample, True, spec)
+            ]
+        finally:
+            await session.close()
+
+    asyncio.run(run())
+    assert spec.drafted > 0 and length.times[3] >= 1.01  # steps of 2 drafts and the token before them
+    assert length.times[1] == pytest.approx(0.01)  # plain steps: the trip alone
