@@ -111,11 +111,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def _session(client: SwarmClient, order: dict[str, Any], draft: DraftModel | None) -> dict[str, Any]:
-    """One greedy session as the order says: tokens, their arrival times, the speculation's counters."""
+    """One greedy session as the order says: tokens, their arrival times, the speculation's counters and
+    its steps after the prompt's as [tokens, ms, drafted, kept]."""
     ids, new_tokens = order["ids"], order["new_tokens"]
     spec = make_speculation(order["speculate"], order["draft_tokens"], draft)
-    if spec is not None and not order["adaptive"]:
-        spec.length = None  # always draft_tokens where the drafter has them
+    steps: list[list[float]] = []
+    if spec is not None:
+        if not order["adaptive"]:
+            spec.length = None  # always draft_tokens where the drafter has them
+        observe = spec.observe
+
+        def logged(tokens: int, seconds: float, drafted: int, kept: int) -> None:
+            steps.append([tokens, round(seconds * 1e3, 1), drafted, kept])
+            observe(tokens, seconds, drafted, kept)
+
+        spec.observe = logged  # type: ignore[method-assign]
     pick = Sampler(SamplingParams()).sample
     session = client.aclient.new_session(len(ids) + new_tokens)
     tokens, times = [], [time.perf_counter()]
@@ -132,7 +142,7 @@ async def _session(client: SwarmClient, order: dict[str, Any], draft: DraftModel
     finally:
         await session.close()
     counters = {"steps": spec.steps, "drafted": spec.drafted, "accepted": spec.accepted} if spec else None
-    return {"tokens": tokens, "times": times, "speculation": counters}
+    return {"tokens": tokens, "times": times, "speculation": counters, "steps": steps}
 
 
 def worker_main(initial_peers: Sequence[str], model: str) -> None:
@@ -198,12 +208,13 @@ def measure(
     prompt_ids: dict[str, list[int]],
     local: dict[str, list[int]],
     drafters: dict[str, tuple[str, int, bool, dict[str, Any]]],
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, bool]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, bool], dict[str, Any]]:
     """tok_s and the speculation's counters by delay, drafter and prompt (the fastest of --repeats sessions
-    each), and whether each one's tokens equal transformers'."""
+    each), whether each one's tokens equal transformers', and the steps of each fastest session."""
     tok_s: dict[str, dict[str, dict[str, float]]] = {}
     counters: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
     equal: dict[str, bool] = {}
+    step_log: dict[str, list[list[float]]] = {}
     for delay_ms in sorted(args.delays_ms):
         net.set_all(LinkSpec(delay_ms / 1000, args.bandwidth_mbit * MBIT))
         d = f"{delay_ms:g}"
@@ -217,9 +228,10 @@ def measure(
                 tok_s.setdefault(d, {}).setdefault(drafter, {})[name] = decode_tok_s(best["times"])
                 if drafter != "plain":
                     counters.setdefault(d, {}).setdefault(drafter, {})[name] = best["speculation"]
+                    step_log[f"{d}/{drafter}/{name}"] = best["steps"]
                 equal[f"{d}/{drafter}/{name}"] = all(one["tokens"] == local[name] for one in sessions)
             log(f"{d} ms, {name}: " + ", ".join(f"{k} {v[name]:.2f}" for k, v in tok_s[d].items()))
-    return tok_s, counters, equal
+    return tok_s, counters, equal, step_log
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,11 +250,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # and each draft model: loaded, its cache made
                 for speculate, k, _, draft in drafters.values():
                     ask(w, first, 4, speculate, k, False, draft)
-                tok_s, counters, equal = measure(w, net, args, prompt_ids, local, drafters)
+                tok_s, counters, equal, step_log = measure(w, net, args, prompt_ids, local, drafters)
     report = _report(tok_s, counters)
     return report | {
         "tokens_equal": all(equal.values()),
         "tokens_equal_by": equal,
+        "steps": step_log,
         "model": args.model,
         "delays_ms": args.delays_ms,
         "bandwidth_mbit": args.bandwidth_mbit,
