@@ -107,6 +107,9 @@ class ClientConfig:
         "", "the drafter of speculate=model: a model name or path as --model takes, sharing its tokenizer"
     )
     draft_layers: int = setting(0, "layers of the served model that speculate=self drafts with")
+    draft_cache_tokens: int = setting(
+        8192, "KV cache of a model drafter's layers, shared by the sessions (past it, no drafts)"
+    )
     # The chunks go all at once, so the route's peers compute different chunks at the same time.
     prefill_chunk_tokens: int = setting(
         256,
@@ -176,6 +179,8 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.speculate='self' needs draft_layers >= 1, got {self.draft_layers}"
             )
+        if self.draft_cache_tokens < 1:
+            raise ValueError(f"ClientConfig.draft_cache_tokens must be >= 1, got {self.draft_cache_tokens}")
         if self.batch_lanes < 1:
             raise ValueError(f"ClientConfig.batch_lanes must be >= 1, got {self.batch_lanes}")
         if self.max_retries < 0:

@@ -28,8 +28,6 @@ from swarm.models.loading import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
 
-DRAFT_CACHE_TOKENS = 8192  # KV cache of the drafter's layers, shared by the client's sessions
-
 
 class DraftModel:
     """Layers [0, n) of a model and a head on the client: the weights every session's drafter shares. Like a
@@ -152,14 +150,16 @@ def load_draft_model(
             raise ValueError(
                 f"draft_layers must be in [1, {served.spec.num_layers}) for {served.spec.name}, got {layers}"
             )
-        blocks = served.load_blocks(0, layers, config.device, config.dtype, DRAFT_CACHE_TOKENS)
+        blocks = served.load_blocks(0, layers, config.device, config.dtype, config.draft_cache_tokens)
         return DraftModel(blocks, head)
     if config.speculate != "model":
         return None
     source = resolve_model(config.draft_model)
     check_same_vocab(source, served, tokenizer)
     draft_head = head if source.path == served.path else source.load_head(config.device, config.dtype)
-    blocks = source.load_blocks(0, source.spec.num_layers, config.device, config.dtype, DRAFT_CACHE_TOKENS)
+    blocks = source.load_blocks(
+        0, source.spec.num_layers, config.device, config.dtype, config.draft_cache_tokens
+    )
     logger.info("drafting with %s (%d layers)", source.spec.name, source.spec.num_layers)
     return DraftModel(blocks, draft_head)
 

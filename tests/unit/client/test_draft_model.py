@@ -175,6 +175,8 @@ def test_bad_drafter_settings_fail_clearly(tiny_source: ModelSource) -> None:
         ClientConfig(speculate="self")
     with pytest.raises(ValueError, match="draft_layers"):
         ClientConfig(draft_layers=-1)
+    with pytest.raises(ValueError, match="draft_cache_tokens"):
+        ClientConfig(draft_cache_tokens=0)
     head = tiny_source.load_head()
     with pytest.raises(ValueError, match="draft_layers"):
         load_draft_model(ClientConfig(speculate="self", draft_layers=6), tiny_source, head)
