@@ -82,10 +82,11 @@ class ModelDrafter:
             return []
 
     def prepare(self, history: Sequence[int]) -> None:
-        """Bring the cache up to ``history`` (the prompt, once the swarm has run it), so that the first
-        proposal runs only the tokens after it."""
+        """Bring the cache up to ``history`` (the prompt once the swarm has run it, or the answer after steps
+        without drafts), so that the next proposal runs only the tokens after it. Nothing to do where at most
+        the last token is new: the proposal runs it with the next one."""
         tokens = list(history)
-        if tokens and self._fits(len(tokens)):
+        if len(tokens) - _common_prefix(self.cached, tokens) > 1 and self._fits(len(tokens)):
             try:
                 self._feed(tokens, len(tokens))
             except SwarmError as error:

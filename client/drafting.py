@@ -34,7 +34,9 @@ class Drafter(Protocol):
 class StatefulDrafter(Protocol):
     """A drafter that keeps state per session (a model drafter's KV cache, client.draft_model)."""
 
-    def prepare(self, history: Sequence[int]) -> None: ...  # catch up with the prompt, outside a timed step
+    # catch up with ``history`` where more than its last token is new (after the prompt, or steps without
+    # drafts), outside a timed step: a step's time is that of its own drafts
+    def prepare(self, history: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...  # free the state; a later proposal starts it again
 
@@ -244,18 +246,27 @@ class Speculation:
     drafted: int = 0
     accepted: int = 0
 
-    def drafts_for(self, history: Sequence[int], most: int) -> list[int]:
-        """The drafts the next step carries: at most ``most`` (room left in the answer)."""
+    def length_for(self, most: int) -> int:
+        """How many drafts the next step carries: at most ``most`` (room left in the answer)."""
         k = min(self.draft_tokens, most)
-        if self.length is not None:
+        if self.length is not None and k > 0:
             k = self.length.choose(k)
+        return max(k, 0)
+
+    def drafts(self, history: Sequence[int], k: int) -> list[int]:
+        """At most ``k`` drafts to follow ``history``."""
         return self.drafter.propose(history, k)[:k] if k > 0 else []
+
+    def drafts_for(self, history: Sequence[int], most: int) -> list[int]:
+        """The drafts the next step carries: at most ``most``."""
+        return self.drafts(history, self.length_for(most))
 
     def observe(self, tokens: int, seconds: float, drafted: int, kept: int) -> None:
         if self.length is not None:
             self.length.observe(tokens, seconds, drafted, kept)
 
     def prepare(self, history: Sequence[int]) -> None:
+        """A stateful drafter catches up with ``history`` (where it is more than a token behind)."""
         if isinstance(self.drafter, StatefulDrafter):
             self.drafter.prepare(history)
 

@@ -130,8 +130,11 @@ async def _speculative_ids(
         if remaining == 0:
             return
         # a fully accepted step yields its drafts and one more token: never past max_new_tokens
+        k = spec.length_for(remaining - 1)
+        if k > 0:  # a model drafter that sat out steps catches up first: a one-off, not this step's cost
+            spec.prepare(history[:-1])
         started = spec.clock()  # a step's time counts its drafting: a model drafter's is not free
-        drafts = spec.drafts_for(history, remaining - 1)
+        drafts = spec.drafts(history, k)
         if not drafts:
             logits = await session.forward([token], argmax_only)
             spec.observe(1, spec.clock() - started, 0, 0)

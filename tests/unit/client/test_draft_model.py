@@ -280,3 +280,16 @@ def test_a_steps_time_counts_its_drafting(tiny_source: ModelSource) -> None:
     asyncio.run(run())
     assert spec.drafted > 0 and length.times[3] >= 1.01  # steps of 2 drafts and the token before them
     assert length.times[1] == pytest.approx(0.01)  # plain steps: the trip alone
+
+
+def test_prepare_catches_up_only_a_drafter_more_than_a_token_behind(draft: DraftModel) -> None:
+    """After steps without drafts the drafter catches up before the timed step; one token behind, the
+    proposal runs that token with the next (no call of its own)."""
+    drafter = draft.drafter()
+    drafter.prepare(PROMPT_IDS[:4])
+    runs = drafter.runs
+    drafter.prepare(PROMPT_IDS[:5])  # one behind: left to the proposal
+    assert (drafter.runs, drafter.cached) == (runs, PROMPT_IDS[:4])
+    drafter.prepare(PROMPT_IDS[:9])  # five behind: run now
+    assert (drafter.runs, drafter.fed, drafter.cached) == (runs + 1, 9, PROMPT_IDS[:9])
+    drafter.close()
