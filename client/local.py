@@ -127,10 +127,15 @@ class LocalChain:
         return faults.corrupt(hidden) if faults is not None else hidden
 
     async def move(
-        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+        self,
+        session_id: SessionID,
+        stage: Stage,
+        target: NodeID,
+        timeout_s: float,
+        part: LayerRange | None = None,
     ) -> tuple[int, int]:
-        """Copy the session's cache for ``stage``'s layers to ``target``'s blocks and close it on the stage's
-        peer, as rpc_move does between peers."""
+        """Copy the session's cache for ``stage``'s layers (or ``part`` of them) to ``target``'s blocks and, for
+        the whole stage, close it on the stage's peer, as rpc_move does between peers."""
         for peer_id in (stage.peer_id, target):
             if peer_id in self.dead:
                 error = TransportError(f"peer {peer_id} is unreachable")
@@ -139,17 +144,19 @@ class LocalChain:
         if target in self.refusing:
             raise self.refusing[target]
         source, dest = self.blocks[stage.peer_id], self.blocks[target]
-        if not dest.range.covers(stage.layers):
-            raise CapacityError(f"layers {stage.layers} requested, {target} holds {dest.range}")
+        layers = part or stage.layers
+        if not dest.range.covers(layers) or not stage.layers.covers(layers):
+            raise CapacityError(f"layers {layers} requested, {target} holds {dest.range}")
         cache = source.cache.get(session_id)
         position = cache.lengths[stage.layers.start - cache.layers.start]
         dest.open_session(session_id, cache.max_length_tokens)
         moved, kv_bytes = dest.cache.get(session_id), 0
-        for layer in range(stage.layers.start, stage.layers.end):
+        for layer in range(layers.start, layers.end):
             k, v = cache.gather(layer, position)
             moved.append(layer, k.to(dest.device, dest.dtype), v.to(dest.device, dest.dtype))
             kv_bytes += 2 * k.numel() * k.element_size()
-        source.close_session(session_id)
+        if layers == stage.layers:
+            source.close_session(session_id)
         self.moves.append((stage.peer_id, target, position))
         return position, kv_bytes
 

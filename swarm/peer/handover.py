@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hivemind.p2p import P2P
@@ -134,13 +134,21 @@ class Handovers:
 
         return await self._send(served, key, choose) is not None
 
-    async def move(self, served: Served, key: str, target: str, maddrs: tuple[str, ...]) -> tuple[int, int]:
+    async def move(
+        self,
+        served: Served,
+        key: str,
+        target: str,
+        maddrs: tuple[str, ...],
+        part: LayerRange | None = None,
+    ) -> tuple[int, int]:
         """Hand session ``key`` of ``served`` to ``target``, named by its client (rpc_move): (tokens, KV bytes)
-        moved. Raises what went wrong (the target refused: its layers, its cache); the session then stays."""
+        moved. With ``part``, only those of its layers, and the session stays here too. Raises what went wrong
+        (the target refused: its layers, its cache); the session then stays."""
         if target == self.peer.peer_id:
             raise ProtocolError("a session cannot move to the peer it is on")
         # the client names the target, which may refuse (or be no peer at all): one token first, then the bulk
-        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1)
+        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1, part=part)
         if moved is None:
             raise SessionError(f"session {key[:16]} holds no tokens here yet: nothing to move")
         return moved
@@ -151,9 +159,11 @@ class Handovers:
         key: str,
         choose: Callable[[Snapshot], tuple[str, tuple[str, ...]] | None],
         first_tokens: int = 0,
+        part: LayerRange | None = None,
     ) -> tuple[int, int] | None:
-        """Freeze session ``key``, send its cache to the peer ``choose`` names for its snapshot, close it here:
-        (tokens, KV bytes) sent, or None if it had nothing to move or ``choose`` named nobody."""
+        """Freeze session ``key``, send its cache (only ``part`` of its layers, if given) to the peer ``choose``
+        names for its snapshot, and close it here unless only a part went: (tokens, KV bytes) sent, or None if
+        it had nothing to move or ``choose`` named nobody."""
         session = served.sessions.get(key)
         if session is None:
             return None
@@ -165,6 +175,9 @@ class Handovers:
             snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key))
             if snapshot is None:
                 return None
+            whole = part is None or part == snapshot.layers
+            if part is not None and not whole:
+                snapshot = part_of(snapshot, part)
             chosen = choose(snapshot)
             if chosen is None:
                 return None
@@ -179,11 +192,13 @@ class Handovers:
                 )
             if not installed:
                 raise ProtocolError(f"{successor[-8:]} did not confirm the hand-over")
-            self._remember_moved(key, successor)
+            if whole:
+                self._remember_moved(key, successor)
             logger.info(
-                "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
+                "handed session %s (%d tokens of layers %s, %d KV bytes) over to %s in %.3f s",
                 key[:8],
                 snapshot.position,
+                snapshot.layers,
                 sent_bytes,
                 successor[-8:],
                 time.perf_counter() - began,
@@ -191,7 +206,8 @@ class Handovers:
         finally:
             state.frozen = None
             frozen.set_result(None)
-        await self.peer.close(key)
+        if whole:
+            await self.peer.close(key)
         return snapshot.position, sent_bytes
 
     def _remember_moved(self, key: str, successor: str) -> None:
@@ -298,6 +314,15 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
         values.append(v.to("cpu", copy=True))
     layers = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
     return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
+
+
+def part_of(snapshot: Snapshot, part: LayerRange) -> Snapshot:
+    """The snapshot's layers ``part`` only; ProtocolError unless the session holds all of them."""
+    held = snapshot.layers
+    if not held.start <= part.start < part.end <= held.end:
+        raise ProtocolError(f"session holds layers {held} here: cannot move layers {part}")
+    lo, hi = part.start - held.start, part.end - held.start
+    return replace(snapshot, layers=part, keys=snapshot.keys[lo:hi], values=snapshot.values[lo:hi])
 
 
 def chunks(
