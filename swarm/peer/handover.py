@@ -178,6 +178,8 @@ class Handovers:
             whole = part is None or part == snapshot.layers
             if part is not None and not whole:
                 snapshot = part_of(snapshot, part)
+                if state.parted & set(range(part.start, part.end)):
+                    raise ProtocolError(f"layers of {part} of session {key[:16]} were handed over already")
             chosen = choose(snapshot)
             if chosen is None:
                 return None
@@ -194,6 +196,8 @@ class Handovers:
                 raise ProtocolError(f"{successor[-8:]} did not confirm the hand-over")
             if whole:
                 self._remember_moved(key, successor)
+            else:
+                state.parted.update(range(snapshot.layers.start, snapshot.layers.end))
             logger.info(
                 "handed session %s (%d tokens of layers %s, %d KV bytes) over to %s in %.3f s",
                 key[:8],

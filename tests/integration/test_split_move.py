@@ -173,8 +173,8 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
     swarm: LocalSwarm, client: SwarmClient, expected: list[int]
 ) -> None:
     """Moves the session's client never asked for, sent after the prompt: a wrong origin, an unknown session,
-    a target that does not hold the session's layers, one that has it open already, the peer itself. Each
-    fails alone; the session decodes on, exactly."""
+    a target that does not hold the session's layers, one that has it open already, the peer itself, layers the
+    session does not hold here, a part sent before. Each fails alone; the session decodes on, exactly."""
     prefill = _route(swarm, ("p1", 0, 3), ("p2", 3, 6))
     chain = client.aclient.chain
     assert isinstance(chain, RemoteChain)
@@ -192,6 +192,8 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
             ),  # the session's next hop: open there already
             MoveRequest(session_id, p1.peer_id),  # the peer itself
             MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(2, 5)),  # layers it does not hold
+            MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(0, 2)),  # a part: it goes
+            MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(1, 3)),  # layer 1 again: refused
         ):
             try:
                 await call_move(chain.p2p, p1.peer_id, request, maddrs=tuple(p1.maddrs), timeout_s=30)
@@ -214,11 +216,19 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
         return tokens
 
     assert client.run(run()) == expected
-    kinds = [ProtocolError, SessionError, CapacityError, SessionError, ProtocolError, ProtocolError]
+    kinds = [
+        ProtocolError,
+        SessionError,
+        CapacityError,
+        SessionError,
+        ProtocolError,
+        ProtocolError,
+        ProtocolError,
+    ]
     assert [type(e) for e in errors] == kinds, errors
     assert "origin" in str(errors[0]) and "no session" in str(errors[1]) and "holds 3:6" in str(errors[2])
     assert "already open" in str(errors[3]) and "the peer it is on" in str(errors[4])
-    assert "cannot move layers 2:5" in str(errors[5])
+    assert "cannot move layers 2:5" in str(errors[5]) and "handed over already" in str(errors[6])
 
 
 def test_a_killed_target_leaves_the_session_on_the_prefill_route(
