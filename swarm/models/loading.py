@@ -26,6 +26,7 @@ from swarm import config as swarm_config
 from swarm.models import checkpoints
 from swarm.models.backends import for_device, held_bytes
 from swarm.models.blocks import BlockRange, family_classes
+from swarm.models.device import parse_device
 from swarm.models.head import ClientHead
 from swarm.models.spec import ModelSpec, dtype_name, torch_dtype
 from swarm.types import LayerRange
@@ -52,16 +53,6 @@ def resolve_model(model: str) -> ModelSource:
             f"model {model!r} is neither 'default', 'tiny[:SEED]' nor a checkpoint dir with a config.json"
         )
     return ModelSource(path)
-
-
-def parse_device(device: str) -> torch.device:
-    if device == "cpu":
-        return torch.device("cpu")
-    if device == "cuda" or device.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
-        return torch.device(device)
-    raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _set_torch_threads() -> None:

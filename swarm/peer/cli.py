@@ -47,6 +47,14 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
     return from_arguments(PeerConfig, args)
 
 
+def check_before_join(config: PeerConfig) -> None:
+    """What the machine lacks for this config, as a ValueError naming the fix, before the DHT, p2p or any
+    weight load starts (a CUDA device without a CUDA build of torch or a driver)."""
+    from swarm.models.device import parse_device
+
+    parse_device(config.device)
+
+
 async def _join(config: PeerConfig) -> None:
     from swarm.peer.server import run  # torch and the model code load only for `join`
 
@@ -178,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command == "join":
-            coro = _join(peer_config(args))
+            config = peer_config(args)
+            check_before_join(config)
+            coro = _join(config)
         else:
             coro = _status(args)
         import uvloop
