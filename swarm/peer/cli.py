@@ -49,10 +49,14 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
 
 def check_before_join(config: PeerConfig) -> None:
     """What the machine lacks for this config, as a ValueError naming the fix, before the DHT, p2p or any
-    weight load starts (a CUDA device without a CUDA build of torch or a driver)."""
+    weight load starts (a CUDA device without a CUDA build of torch or a driver; --quant without bitsandbytes)."""
     from swarm.models.device import parse_device
 
     parse_device(config.device)
+    if config.quant != "none":
+        from swarm.models.quant import bitsandbytes
+
+        bitsandbytes(config.quant)
 
 
 async def _join(config: PeerConfig) -> None:
@@ -80,6 +84,7 @@ def snapshot_json(
             "peer_id": r.peer_id,
             "name": r.name,
             "state": r.state,
+            "quant": r.quant,
             "range": [r.range_start, r.range_end],
             "older_ranges": [[o.start, o.end, o.sessions] for o in r.older_ranges],  # [start, end, sessions]
             "decode_tokens_s": r.decode_layer_tokens_s_b1,

@@ -49,3 +49,10 @@ def test_cuda_without_a_usable_gpu_fails_at_once_naming_the_fix() -> None:
     else:
         assert "NVIDIA driver" in line, line
 
+
+def test_quant_without_bitsandbytes_fails_at_once() -> None:
+    # None in sys.modules makes `import bitsandbytes` raise ImportError, as where it is not installed
+    line = _error_line(
+        _join("--quant", "nf4", "--model", "tiny", prelude="import sys; sys.modules['bitsandbytes'] = None")
+    )
+    assert "--quant nf4 needs bitsandbytes" in line and "pip install" in line, line
