@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from swarm import config as swarm_config
-from swarm.models import checkpoints
+from swarm.models import checkpoints, hub
 from swarm.models.backends import for_device
 from swarm.models.blocks import BlockRange, family_classes
 from swarm.models.device import parse_device
@@ -38,7 +38,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def resolve_model(model: str) -> ModelSource:
-    """ "default" (packaged SmolLM2-135M GGUF), "tiny" / "tiny:SEED" (random tiny Llama), or an HF dir path."""
+    """ "default" (packaged SmolLM2-135M GGUF), "tiny" / "tiny:SEED" (random tiny Llama), an HF dir path, or a
+    hub id ORG/NAME (downloaded once into the model cache: swarm/models/hub.py)."""
     _set_torch_threads()
     if model == "default":
         return ModelSource(checkpoints.ensure_default_checkpoint())
@@ -47,10 +48,13 @@ def resolve_model(model: str) -> ModelSource:
         if not seed_text.isdigit():
             raise ValueError(f"bad tiny model {model!r}: expected tiny or tiny:SEED with an integer SEED")
         return ModelSource(checkpoints.ensure_tiny_checkpoint(int(seed_text)))
+    if hub.is_hub_id(model):  # ORG/NAME, and no such local path
+        return ModelSource(hub.fetch(model))
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model {model!r} is neither 'default', 'tiny[:SEED]' nor a checkpoint dir with a config.json"
+            f"model {model!r} is neither 'default', 'tiny[:SEED]', a checkpoint dir with a config.json "
+            "nor a hub id ORG/NAME"
         )
     return ModelSource(path)
 
