@@ -20,6 +20,7 @@ from swarm.models.loading import ModelSource
 from swarm.models.quant import bitsandbytes, reference_config
 from swarm.peer.measure import max_layers_within
 from swarm.testing.reference import greedy_tokens
+from swarm.types import LayerRange, NodeID
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,6 +153,25 @@ def test_the_memory_estimate_counts_quantized_bytes(tiny_source: ModelSource) ->
     # --layers auto: a budget of three bfloat16 layers (no cache) holds every layer in nf4
     assert max_layers_within(spec, "bfloat16", 3 * full, 0, full) == 3
     assert max_layers_within(spec, "bfloat16", 3 * full, 0, nf4) == spec.num_layers
+
+
+@needs_bnb
+def test_spot_checks_pass_between_peers_holding_their_weights_alike(tiny_source: ModelSource) -> None:
+    """b (nf4) and bf (unquantized) both hold layers 2:4 and answer differently, both honestly: a spot-check of
+    one is run only by a peer holding its weights alike (b2), and nobody is excluded."""
+    kinds = {"a": "nf4", "b": "nf4", "b2": "nf4", "bf": "none", "c": "nf4"}
+    spans = {"a": (0, 2), "b": (2, 4), "b2": (2, 4), "bf": (2, 4), "c": (4, 6)}
+    blocks = {
+        name: tiny_source.load_blocks(*spans[name], cache_tokens=1024, quant=kind)
+        for name, kind in kinds.items()
+    }
+    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=1.0, spot_check_blocking=True, speculate="off")
+    client = in_process_client(tiny_source.load_head(), blocks, None, config)
+    layers = LayerRange(2, 4)
+    assert sorted(asyncio.run(client.routes.holders(layers, like=NodeID("b")))) == ["b", "b2"]
+    assert asyncio.run(client.routes.holders(layers, like=NodeID("bf"))) == ["bf"]
+    asyncio.run(client.generate_ids(PROMPT_IDS, NEW_TOKENS, SamplingParams()))
+    assert client.checker.checks_run > 0 and not client.checker.excluded
 
 
 def test_without_bitsandbytes_quant_fails_at_once(
