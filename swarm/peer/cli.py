@@ -124,9 +124,10 @@ def _print_status(data: dict[str, object]) -> None:
     assert isinstance(peers, list)
     print(f"{len(peers)} peers; coverage per layer: {data['coverage']}; planner: {data['planner']}")
     for p in peers:
+        quant = "" if p["quant"] == "none" else f"{p['quant']} "
         print(
             f"  {p['name']:>12} {p['peer_id'][-10:]} layers {p['range'][0]}:{p['range'][1]} {p['state']:<8} "
-            f"decode {p['decode_tokens_s']:.0f} tok/s/layer, free cache {p['free_cache_tokens']}, "
+            f"{quant}decode {p['decode_tokens_s']:.0f} tok/s/layer, free cache {p['free_cache_tokens']}, "
             f"sessions {p['active_sessions']}"
         )
     if data["plan"]:
