@@ -83,9 +83,8 @@ class ModelSource:
             self.config, name=name, dtype=self._stored_dtype(), weights_hash=digest
         )
         self._prefix = "model."
-        self._held_layer_bytes: dict[
-            tuple[str, str, str], int
-        ] = {}  # by (device, dtype, quant): held_layer_bytes
+        # by (device, dtype, quant): held_layer_bytes
+        self._held_layer_bytes: dict[tuple[str, str, str], int] = {}
 
     def __repr__(self) -> str:
         return f"ModelSource({self.spec.name!r}, {self.path})"

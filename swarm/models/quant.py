@@ -43,6 +43,23 @@ def bitsandbytes(kind: str) -> Any:
     return bnb
 
 
+def check_runs(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError in one line unless bitsandbytes imports and quantizes and runs a small layer on ``device`` in
+    ``dtype``: what a peer checks before it joins, so a library without kernels for this device fails then."""
+    bitsandbytes(kind)
+    try:
+        layer = quantize_linears(
+            nn.Sequential(nn.Linear(64, 64, device=device, dtype=dtype)), kind, device, dtype
+        )
+        layer(torch.zeros(1, 64, device=device, dtype=dtype))
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"--quant {kind} cannot run on {device} ({dtype}) here: bitsandbytes failed with "
+            f"{type(e).__name__}: {reason}; join without --quant, or on a device bitsandbytes supports"
+        ) from e
+
+
 def quantize_linears(layer: nn.Module, kind: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """``layer`` (loaded in ``dtype`` on ``device``) with every nn.Linear replaced by its bitsandbytes form,
     quantized on ``device``; layers already quantized are left as they are."""
@@ -131,4 +148,11 @@ def reference_config(kind: str, dtype: torch.dtype) -> Any:
     )
 
 
-__all__ = ["INT8_THRESHOLD", "bitsandbytes", "quantize_linears", "reference_config", "stats_bytes"]
+__all__ = [
+    "INT8_THRESHOLD",
+    "bitsandbytes",
+    "check_runs",
+    "quantize_linears",
+    "reference_config",
+    "stats_bytes",
+]

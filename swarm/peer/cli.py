@@ -52,11 +52,13 @@ def check_before_join(config: PeerConfig) -> None:
     weight load starts (a CUDA device without a CUDA build of torch or a driver; --quant without bitsandbytes)."""
     from swarm.models.device import parse_device
 
-    parse_device(config.device)
+    device = parse_device(config.device)
     if config.quant != "none":
-        from swarm.models.quant import bitsandbytes
+        import torch
 
-        bitsandbytes(config.quant)
+        from swarm.models.quant import check_runs
+
+        check_runs(config.quant, device, getattr(torch, config.torch_dtype_name))
 
 
 async def _join(config: PeerConfig) -> None:

@@ -17,7 +17,7 @@ from client.local import in_process_client
 from swarm.models.backends import for_device
 from swarm.models.head import SamplingParams
 from swarm.models.loading import ModelSource
-from swarm.models.quant import bitsandbytes, reference_config
+from swarm.models.quant import bitsandbytes, check_runs, reference_config
 from swarm.peer.measure import max_layers_within
 from swarm.testing.reference import greedy_tokens
 from swarm.types import LayerRange, NodeID
@@ -172,6 +172,22 @@ def test_spot_checks_pass_between_peers_holding_their_weights_alike(tiny_source:
     assert asyncio.run(client.routes.holders(layers, like=NodeID("bf"))) == ["bf"]
     asyncio.run(client.generate_ids(PROMPT_IDS, NEW_TOKENS, SamplingParams()))
     assert client.checker.checks_run > 0 and not client.checker.excluded
+
+
+@needs_bnb
+def test_a_bitsandbytes_that_cannot_quantize_here_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    check_runs("nf4", cpu, torch.float32)  # it can, here
+    check_runs("int8", cpu, torch.bfloat16)
+
+    def no_kernel(*args: object, **kwargs: object) -> None:  # as a build without this device's kernels
+        raise RuntimeError("no kernel for this device\nsecond line")
+
+    monkeypatch.setattr(bnb.functional, "quantize_4bit", no_kernel)
+    with pytest.raises(
+        ValueError, match="--quant nf4 cannot run on cpu .* RuntimeError: no kernel for this device;"
+    ):
+        check_runs("nf4", cpu, torch.float32)
 
 
 def test_without_bitsandbytes_quant_fails_at_once(
