@@ -230,11 +230,15 @@ class LocalRoutes:
         """None: no plan here, so no decode flows (a session decodes where it prefilled unless told)."""
         return None
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]:
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]:
+        blocks = self.chain.blocks
+        quant = blocks[like].quant if like is not None and like in blocks else None
         return [
             p
-            for p, block in self.chain.blocks.items()
-            if block.range.covers(layers) and not self.bans.is_banned(p)
+            for p, block in blocks.items()
+            if block.range.covers(layers)
+            and not self.bans.is_banned(p)
+            and (quant is None or block.quant == quant)
         ]
 
     def ban(self, peer_id: NodeID) -> None:

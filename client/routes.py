@@ -385,15 +385,27 @@ class SwarmRoutes:
             client_rtt_s=self.client_rtt_s,
         )
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]:
-        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage).
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]:
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage); with
+        `like`, only those whose records say they hold their weights as it does (the same --quant: a peer
+        holding them otherwise computes other numbers, honestly).
 
         From the cached snapshot however old (sessions refresh it when they open): a spot-check runs between
         two decode steps, and a DHT read there can stall the answer for seconds while a dead peer's DHT node
         is still in the table; a checker that has gone only makes the check skip."""
-        view = self._view(self._snapshot or await self.snapshot(), 1.0)
+        snapshot = self._snapshot or await self.snapshot()
+        view = self._view(snapshot, 1.0)
+
+        def quant(peer_id: NodeID) -> str:
+            record = snapshot.peers.get(peer_id)
+            return record.quant if record is not None else "none"
+
         return [
-            p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
+            p
+            for p, state in view.peers.items()
+            if state.layers.covers(layers)
+            and not self.bans.is_banned(p)
+            and (like is None or quant(p) == quant(like))
         ]
 
     def ban(self, peer_id: NodeID) -> None:

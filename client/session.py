@@ -112,7 +112,8 @@ class RouteSource(Protocol):
         self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
     ) -> Route | None: ...
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
+    # live, unbanned peers holding `layers`; with `like`, only those holding their weights as it does (--quant)
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]: ...
 
     def ban(self, peer_id: NodeID) -> None: ...  # deprioritise: used only where nobody else holds its layers
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
-from swarm.models.backends import Batch, Shape, for_device, held_bytes
+from swarm.models.backends import Batch, Shape, for_device
 from swarm.models.kv_cache import KVCache, SessionCache
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
@@ -77,9 +77,11 @@ class BlockRange:
         device: torch.device,
         dtype: torch.dtype,
         pack_bytes: int = 0,
+        quant: str = "none",
     ) -> None:
         """``pack_bytes``: memory this range may spend on copies of its weights beside them, where its backend
-        has a faster form that needs one (a CPU's packed float32 weights); 0 keeps none."""
+        has a faster form that needs one (a CPU's packed float32 weights); 0 keeps none. ``quant``: how its
+        projections are held (swarm.types.QUANT_KINDS; swarm/models/quant.py)."""
         if len(layers) != len(layer_range):
             raise ValueError(f"got {len(layers)} layers for range {layer_range}")
         _, rotary_class, _ = family_classes(spec.model_type)
@@ -87,6 +89,7 @@ class BlockRange:
         self.range = layer_range
         self.device = device
         self.dtype = dtype
+        self.quant = quant
         self.rotary = rotary_class(config=config).to(device)
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
@@ -103,14 +106,14 @@ class BlockRange:
             getattr(config, "hidden_act", None) in ("silu", "swish"),
         )
         # the weights in the form this device holds them (a no-op for layers held so already)
-        self.backend = for_device(device, dtype)
+        self.backend = for_device(device, dtype, quant)
         self.layers = nn.ModuleList([self.backend.hold(layer) for layer in layers])
         self.kernels = self.backend.range_kernels(list(self.layers), layer_range.start, shape, pack_bytes)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights this range holds (shared with other ranges of the same modules)."""
-        return held_bytes(list(self.layers))
+        return self.backend.held_bytes(list(self.layers))
 
     def same_form(self, rows: int, more_rows: int) -> bool:
         """Whether ``more_rows`` more rows leave a forward call of ``rows`` in the same form of products."""

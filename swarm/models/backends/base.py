@@ -103,6 +103,10 @@ class Backend(ABC):
         """``layer`` (just loaded) with its weights in the form this device keeps them, in place."""
         return layer
 
+    def held_bytes(self, modules: Sequence[nn.Module]) -> int:
+        """Bytes the weights of these held modules take (what a memory budget counts)."""
+        return held_bytes(modules)
+
     @abstractmethod
     def range_kernels(
         self, layers: Sequence[nn.Module], first_layer: int, shape: Shape, pack_bytes: int
