@@ -33,7 +33,14 @@ from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_CLASS_PREFIX = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "gemma2": "Gemma2",
+}
 
 
 def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
@@ -90,10 +97,6 @@ class BlockRange:
         self.rotary = rotary_class(config=config).to(device)
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
-        # We attend over the whole context; a sliding-window model (Mistral v0.1) would see less past that window,
-        # so sessions longer than the window are refused rather than silently computed differently.
-        window = getattr(config, "sliding_window", None)
-        self.max_context_tokens: int | None = int(window) if window else None
         attn: Any = getattr(layers[0], "self_attn", None) if len(layers) else None
         shape = Shape(
             spec.num_heads,
@@ -103,9 +106,14 @@ class BlockRange:
             getattr(config, "hidden_act", None) in ("silu", "swish"),
         )
         # the weights in the form this device holds them (a no-op for layers held so already)
-        self.backend = for_device(device, dtype)
+        self.backend = for_device(device, dtype, spec.model_type)
         self.layers = nn.ModuleList([self.backend.hold(layer) for layer in layers])
         self.kernels = self.backend.range_kernels(list(self.layers), layer_range.start, shape, pack_bytes)
+        # Kernels that are not ``windowed`` attend over the whole context; a sliding-window model (Mistral v0.1)
+        # would see less past that window, so their sessions longer than it are refused rather than silently
+        # computed differently.
+        window = getattr(config, "sliding_window", None)
+        self.max_context_tokens: int | None = int(window) if window and not self.kernels.windowed else None
 
     @property
     def weight_bytes(self) -> int:
