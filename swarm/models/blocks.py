@@ -16,7 +16,9 @@ BlockRange is not thread-safe: one executor thread owns it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +42,9 @@ _CLASS_PREFIX = {
     "qwen3": "Qwen3",
     "mixtral": "Mixtral",
     "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
 }
+_MODULE = {"gemma3_text": "gemma3"}  # model types whose classes live in another model type's module
 
 
 def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
@@ -48,7 +52,8 @@ def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], t
     prefix = _CLASS_PREFIX.get(model_type)
     if prefix is None:
         raise ValueError(f"unsupported model_type {model_type!r}: FlowSwarm runs {', '.join(_CLASS_PREFIX)}")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = _MODULE.get(model_type, model_type)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     return (
         getattr(module, f"{prefix}DecoderLayer"),
         getattr(module, f"{prefix}RotaryEmbedding"),
@@ -94,7 +99,11 @@ class BlockRange:
         self.range = layer_range
         self.device = device
         self.dtype = dtype
-        self.rotary = rotary_class(config=config).to(device)
+        rotary = rotary_class(config=config).to(device)
+        # a RoPE per layer type (Gemma 3): the batch's angles are the full-attention layers' (the kernels turn
+        # the others' themselves)
+        per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rotary = functools.partial(rotary, layer_type="full_attention") if per_type else rotary
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
         attn: Any = getattr(layers[0], "self_attn", None) if len(layers) else None

@@ -209,8 +209,8 @@ class ModelSource:
         )
         norm.weight.data.copy_(tensors[norm_name])
         lm_head = tensors[embed_name] if tied else tensors["lm_head.weight"]
-        # Gemma 2 scales its embeddings by sqrt(hidden size) and soft-caps its logits
-        scaled = self.spec.model_type == "gemma2"
+        # Gemma scales its embeddings by sqrt(hidden size); Gemma 2 soft-caps its logits
+        scaled = self.spec.family in ("gemma2", "gemma3")
         embed_scale = float(self.spec.hidden_size**0.5) if scaled else None
         softcap = getattr(self.config, "final_logit_softcapping", None)
         return ClientHead(self.spec, tensors[embed_name], norm.eval(), lm_head, embed_scale, softcap)

@@ -15,7 +15,8 @@ from swarm.wire import WIRE_DTYPES as DTYPES
 # transformers model_type -> family. The "llama" family's decoder layer is the Llama block (RMSNorm, RoPE, GQA
 # attention, SwiGLU MLP): Mistral and Qwen2 differ only in config details (sliding window, q/k/v biases) handled by
 # their modules. The others have a layer of their own (swarm.models.backends.families): Qwen3 norms q and k per
-# head, Mixtral's MLP is a mixture of experts, Gemma 2 has more norms, soft-capping and sliding-window layers.
+# head, Mixtral's MLP is a mixture of experts, Gemma 2 has more norms, soft-capping and sliding-window layers,
+# Gemma 3 (its text-only checkpoints) norms q and k and turns the sliding layers' RoPE at a base of its own.
 FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
@@ -23,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3",
     "mixtral": "mixtral",
     "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 
 
@@ -46,7 +48,7 @@ class ModelSpec:
     """What a model is, independent of where its weights live."""
 
     name: str  # human name, e.g. "SmolLM2-135M-Instruct" or "tiny-0"
-    family: str  # "llama" (also Mistral and Qwen2 checkpoints), "qwen3", "mixtral" or "gemma2"
+    family: str  # "llama" (also Mistral and Qwen2 checkpoints), "qwen3", "mixtral", "gemma2" or "gemma3"
     num_layers: int
     hidden_size: int
     num_heads: int

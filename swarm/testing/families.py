@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the families that are not the Llama block (Qwen3, Mixtral, Gemma 2), written by
+"""Tiny random checkpoints of the families that are not the Llama block (Qwen3, Mixtral, Gemma 2 and 3), written by
 transformers itself, for exactness tests and local swarms.
 
     path = write_tiny_family(tmp_path / "qwen3", "qwen3")   # an HF dir: resolve_model(str(path)) loads it
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 TINY_VOCAB = 320
-GEMMA2_WINDOW = 8  # a window shorter than the tests' sequences, so windowed layers drop keys
+GEMMA2_WINDOW = 8  # Gemma 2's and 3's window, shorter than the tests' sequences: windowed layers drop keys
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=TINY_VOCAB,
@@ -52,20 +52,37 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=1.0,
         tie_word_embeddings=True,
     ),
+    # layers alternating sliding and full, each kind with its own RoPE base (transformers' defaults: 1e4, 1e6)
+    "gemma3_text": dict(
+        _COMMON,
+        num_hidden_layers=6,
+        intermediate_size=96,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=GEMMA2_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        tie_word_embeddings=True,
+    ),
 }
 
-_CLASSES = {"qwen3": "Qwen3", "mixtral": "Mixtral", "gemma2": "Gemma2"}
+# model_type -> (config class, model class) in transformers
+_CLASSES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
 
 
 def tiny_family_model(model_type: str, seed: int = 0) -> Any:
     """A tiny *ForCausalLM of ``model_type`` (a key of FAMILY_CONFIGS) with seeded weights, in float32."""
     import transformers
 
-    prefix = _CLASSES[model_type]
-    config = getattr(transformers, f"{prefix}Config")(**FAMILY_CONFIGS[model_type])
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    config_class, model_class = _CLASSES[model_type]
+    config = getattr(transformers, config_class)(**FAMILY_CONFIGS[model_type])
+    model = getattr(transformers, model_class)(config)
     generator = torch.Generator().manual_seed(seed)
-    zero_centred = model_type == "gemma2"  # Gemma's RMSNorm multiplies by (1 + weight)
+    zero_centred = model_type.startswith("gemma")  # Gemma's RMSNorm multiplies by (1 + weight)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)

@@ -8,33 +8,40 @@ the backend chooses the class once, from the model_type (``family_range``), so t
   experts by the router's softmax, renormalised over the chosen ones (as transformers does).
 - Gemma 2: norms after attention and around the MLP, attention logits soft-capped, the sliding window on
   the layers that have one (the cache keeps every token; the window is a mask), a GELU-tanh MLP.
+- Gemma 3 (text-only checkpoints): Gemma 2's layer with Qwen3's per-head q and k norms, no soft-caps, and a
+  RoPE base of their own on the sliding layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.backends.base import Shape
+from swarm.models.backends.base import Batch, Shape
 from swarm.models.backends.generic import Ragged, TorchRange
 
 
+def _normed_heads(
+    kernels: TorchRange, attn: Any, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TorchRange.heads with q and k normed per head (attn.q_norm, attn.k_norm over head_dim) before RoPE."""
+    tokens, shape = x.shape[1], kernels.shape
+    q, k, v = kernels.projections(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    q = attn.q_norm(q.view(1, tokens, shape.num_heads, shape.head_dim))  # [1, N, nh, hd]
+    k = attn.k_norm(k.view(1, tokens, shape.num_kv_heads, shape.head_dim))  # [1, N, nkv, hd]
+    v = v.view(1, tokens, shape.num_kv_heads, shape.head_dim)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, nh or nkv, N, hd]
+
+
 class Qwen3Range(TorchRange):
-    """Qwen3: q and k normed per head (q_norm, k_norm over head_dim) before RoPE."""
+    """Qwen3: q and k normed per head before RoPE."""
 
     def heads(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens, head_dim = x.shape[1], self.shape.head_dim
-        q, k, v = self.projections(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-        q = attn.q_norm(q.view(1, tokens, self.shape.num_heads, head_dim)).transpose(1, 2)  # [1, nh, N, hd]
-        k = attn.k_norm(k.view(1, tokens, self.shape.num_kv_heads, head_dim)).transpose(
-            1, 2
-        )  # [1, nkv, N, hd]
-        v = v.view(1, tokens, self.shape.num_kv_heads, head_dim).transpose(1, 2)
-        return q, k, v
+        return _normed_heads(self, attn, x)
 
 
 class MixtralRange(TorchRange):
@@ -112,11 +119,57 @@ class Gemma2Range(TorchRange):
         return torch.matmul(probs, values)  # [1, nh, T, hd]
 
 
+class Gemma3Range(Gemma2Range):
+    """Gemma 3 (text): Gemma 2's layer without soft-caps, with q and k normed per head before RoPE, and the
+    sliding layers' RoPE at a base of their own: the batch brings the full-attention layers' angles, the local
+    ones are made here from the same positions."""
+
+    def __init__(self, layers: Sequence[nn.Module], first_layer: int, shape: Shape) -> None:
+        super().__init__(layers, first_layer, shape)
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+        attns: list[Any] = [layer.self_attn for layer in self.layers]
+        self.sliding = [a.layer_type == "sliding_attention" for a in attns]
+        device = next(iter(self.layers[0].parameters())).device if self.layers else None
+        self.local_rotary = Gemma3RotaryEmbedding(attns[0].config).to(device) if self.layers else None
+        self._local: tuple[torch.Tensor, torch.Tensor] | None = None  # this call's local (cos, sin) [N, hd]
+
+    def run(self, batch: Batch, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        positions = [torch.arange(p, p + t) for p, t in zip(batch.positions, batch.sizes, strict=True)]
+        self._local = self._local_angles(batch.hidden, torch.cat(positions))
+        return super().run(batch, between_layers)
+
+    def run_stateless(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        self._local = self._local_angles(hidden, torch.arange(hidden.shape[0]))
+        return super().run_stateless(hidden, cos, sin, start, end)
+
+    def _local_angles(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding layers' (cos, sin) [N, head_dim] at ``positions`` [N], in ``hidden``'s dtype."""
+        assert self.local_rotary is not None, "a range of no layers runs nothing"
+        cos, sin = self.local_rotary(hidden[None], positions.to(hidden.device)[None], "sliding_attention")
+        return cos[0], sin[0]
+
+    def layer(
+        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ragged: Ragged | None
+    ) -> torch.Tensor:
+        if self.sliding[layer - self.first_layer] and self._local is not None:
+            cos, sin = self._local
+        return super().layer(layer, h, cos, sin, ragged)
+
+    def heads(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _normed_heads(self, attn, x)
+
+
 # model_type -> its range class; model types not here run the Llama block (TorchRange and the devices' forms)
 FAMILY_RANGES: dict[str, type[TorchRange]] = {
     "qwen3": Qwen3Range,
     "mixtral": MixtralRange,
     "gemma2": Gemma2Range,
+    "gemma3_text": Gemma3Range,
 }
 
 
@@ -125,4 +178,4 @@ def family_range(model_type: str) -> type[TorchRange] | None:
     return FAMILY_RANGES.get(model_type)
 
 
-__all__ = ["FAMILY_RANGES", "Gemma2Range", "MixtralRange", "Qwen3Range", "family_range"]
+__all__ = ["FAMILY_RANGES", "Gemma2Range", "Gemma3Range", "MixtralRange", "Qwen3Range", "family_range"]

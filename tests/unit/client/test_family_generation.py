@@ -1,7 +1,7 @@
-"""Greedy generation of Qwen3, Mixtral and Gemma 2 through a split in-process swarm equals transformers.
+"""Greedy generation of Qwen3, Mixtral, Gemma 2 and Gemma 3 through a split in-process swarm equals transformers.
 
 The client's own head and three in-process peers (client.local) holding 0:2, 2:4 and 4:6 of a tiny random
-checkpoint of each family; 20 tokens after an 8-token prompt run well past Gemma 2's 8-token window.
+checkpoint of each family; 20 tokens after an 8-token prompt run well past Gemma's 8-token window.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Qwen3, Mixtral and Gemma 2: tiny random checkpoints written by transformers run through our ranges and head
-with the logits of transformers, stateless and with sessions, split over ranges, past Gemma 2's window."""
+"""Qwen3, Mixtral, Gemma 2 and Gemma 3: tiny random checkpoints written by transformers run through our ranges and head
+with the logits of transformers, stateless and with sessions, split over ranges, past Gemma's window."""
 
 from __future__ import annotations
 
@@ -11,20 +11,21 @@ import torch
 
 from swarm.models import ModelSpec, Step, resolve_model
 from swarm.models.backends import TorchBackend
-from swarm.models.backends.families import Gemma2Range, MixtralRange, Qwen3Range
+from swarm.models.backends.families import Gemma2Range, Gemma3Range, MixtralRange, Qwen3Range
 from swarm.models.loading import ModelSource
+from swarm.models.spec import FAMILIES
 from swarm.testing.families import FAMILY_CONFIGS, GEMMA2_WINDOW, tiny_family_model, write_tiny_family
 
 pytestmark = pytest.mark.timeout(120)
 
-FAMILIES = sorted(FAMILY_CONFIGS)
-RANGES = {"qwen3": Qwen3Range, "mixtral": MixtralRange, "gemma2": Gemma2Range}
-IDS = torch.tensor([5, 17, 42, 99, 7, 3, 250, 11, 1, 2, 3, 4, 5, 6, 300, 12, 77, 8])  # 18 > Gemma 2's window
+MODEL_TYPES = sorted(FAMILY_CONFIGS)
+RANGES = {"qwen3": Qwen3Range, "mixtral": MixtralRange, "gemma2": Gemma2Range, "gemma3_text": Gemma3Range}
+IDS = torch.tensor([5, 17, 42, 99, 7, 3, 250, 11, 1, 2, 3, 4, 5, 6, 300, 12, 77, 8])  # 18 > Gemma's window
 SPLIT = [(0, 2), (2, 5), (5, 6)]
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=MODEL_TYPES)
 def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[ModelSource, Any]:
@@ -42,7 +43,7 @@ def _reference_logits(reference: Any, ids: torch.Tensor) -> torch.Tensor:
 def test_the_spec_knows_the_family(family: tuple[ModelSource, Any]) -> None:
     source, reference = family
     spec = source.spec
-    assert spec.family == spec.model_type == reference.config.model_type
+    assert spec.model_type == reference.config.model_type and spec.family == FAMILIES[spec.model_type]
     assert ModelSpec.from_dict(spec.to_dict()) == spec
     assert spec.head_dim == source.load_blocks(0, 1).head_dim
     layer = reference.model.layers[0]
@@ -150,3 +151,14 @@ def test_gemma2_head_scales_embeddings_and_caps_logits(tmp_path: Path) -> None:
     cap = FAMILY_CONFIGS["gemma2"]["final_logit_softcapping"]
     logits = head.logits(torch.randn(3, source.spec.hidden_size) * 10)
     assert logits.abs().max().item() <= cap and (logits.abs() > cap / 2).any()
+
+
+def test_gemma3_sliding_layers_turn_at_their_own_rope_base(tmp_path: Path) -> None:
+    """The tiny Gemma 3's two RoPE bases differ (so the exactness tests above would catch local angles taken for
+    global ones), and a range's sliding layers get the local angles."""
+    source = resolve_model(str(write_tiny_family(tmp_path / "gemma3", "gemma3_text")))
+    bases = {kind: p["rope_theta"] for kind, p in source.config.rope_parameters.items()}
+    assert bases["sliding_attention"] != bases["full_attention"]
+    blocks = source.load_blocks(0, 2)
+    assert blocks.kernels.sliding == [True, False]  # type: ignore[attr-defined]
+    assert blocks.max_context_tokens is None
