@@ -162,3 +162,18 @@ def test_gemma3_sliding_layers_turn_at_their_own_rope_base(tmp_path: Path) -> No
     blocks = source.load_blocks(0, 2)
     assert blocks.kernels.sliding == [True, False]  # type: ignore[attr-defined]
     assert blocks.max_context_tokens is None
+
+
+def test_bfloat16_ranges_run_close_to_float32(family: tuple[ModelSource, Any]) -> None:
+    """Head and ranges in bfloat16 (the dtype a GPU peer runs) stay within bfloat16's rounding of transformers'
+    float32 logits: every op of the family's layer takes 16-bit inputs."""
+    source, reference = family
+    head = source.load_head(dtype="bfloat16")
+    hidden = head.embed(IDS)
+    for start, end in SPLIT:
+        hidden = source.load_blocks(start, end, dtype="bfloat16").forward(
+            [Step(None, hidden, start, end, 0)]
+        )[0]
+    assert hidden.dtype == torch.bfloat16
+    expected = _reference_logits(reference, IDS)
+    assert (head.logits(hidden) - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
