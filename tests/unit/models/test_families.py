@@ -101,14 +101,24 @@ def test_mixtral_routes_each_token_of_a_batch_on_its_own(tmp_path: Path) -> None
         for i, prompt in enumerate(prompts):
             blocks.open_session(f"s{i}", 16)
             blocks.forward([Step(f"s{i}", head.embed(prompt), 0, 6, 0)])
+    inputs: list[torch.Tensor] = []  # what each layer's experts were given in the batched call
+    experts = together.kernels.mlp
+
+    def recording(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        inputs.append(x.reshape(-1, x.shape[-1]))
+        return experts(mlp, x)  # type: ignore[attr-defined]
+
+    together.kernels.mlp = recording  # type: ignore[attr-defined]
     nexts = [head.embed(torch.tensor([t])) for t in (9, 99, 199)]
     batched = together.forward([Step(f"s{i}", h, 0, 6, 6) for i, h in enumerate(nexts)])
     for i, h in enumerate(nexts):
         (one,) = alone.forward([Step(f"s{i}", h, 0, 6, 6)])
         assert (batched[i] - one).abs().max().item() <= 1e-5
-    router: Any = together.layers[0].mlp.gate  # type: ignore[union-attr]
-    chosen = torch.topk(torch.cat(nexts) @ router.weight.T, 2, dim=-1).indices.sort(-1).values
-    assert len({tuple(row.tolist()) for row in chosen}) > 1
+    assert len(inputs) == 6 and inputs[0].shape[0] == 3  # one call of three rows a layer
+    for layer, x in zip(together.layers, inputs, strict=True):
+        router: Any = layer.mlp.gate  # type: ignore[union-attr]
+        chosen = torch.topk(x @ router.weight.T, 2, dim=-1).indices.sort(-1).values  # [3, 2]
+        assert len({tuple(row.tolist()) for row in chosen}) > 1, "the three rows chose different experts"
 
 
 def test_mixtral_checkpoints_missing_an_expert_fail_at_load(tmp_path: Path) -> None:
