@@ -74,7 +74,7 @@ class Gemma2Range(TorchRange):
         attns: list[Any] = [layer.self_attn for layer in self.layers]
         if not all(getattr(a, "is_causal", True) for a in attns):
             raise ValueError(
-                "a Gemma 2 checkpoint with bidirectional attention: FlowSwarm runs causal models only"
+                "a Gemma checkpoint with bidirectional attention: FlowSwarm runs causal models only"
             )
         self.windows: list[int | None] = [getattr(a, "sliding_window", None) for a in attns]
         self.softcaps: list[float | None] = [getattr(a, "attn_logit_softcapping", None) for a in attns]
@@ -100,10 +100,8 @@ class Gemma2Range(TorchRange):
         inside the window on a sliding layer), softmax in float32. The mask is made here from T and L."""
         tokens, length = q.shape[2], keys.shape[2]
         groups = self.shape.num_heads // self.shape.num_kv_heads
-        keys, values = (
-            keys.repeat_interleave(groups, 1),
-            values.repeat_interleave(groups, 1),
-        )  # [1, nh, L, hd]
+        keys = keys.repeat_interleave(groups, 1)  # [1, nh, L, hd]: each kv head for its group of queries
+        values = values.repeat_interleave(groups, 1)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.shape.scale  # [1, nh, T, L]
         softcap = self.softcaps[layer - self.first_layer]
         if softcap is not None:

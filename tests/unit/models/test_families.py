@@ -187,3 +187,14 @@ def test_bfloat16_ranges_run_close_to_float32(family: tuple[ModelSource, Any]) -
     assert hidden.dtype == torch.bfloat16
     expected = _reference_logits(reference, IDS)
     assert (head.logits(hidden) - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
+
+
+def test_a_bidirectional_gemma_fails_at_load(tmp_path: Path) -> None:
+    """Attention we would compute causally where the checkpoint's is not: refused when the layers load."""
+    import json
+
+    path = write_tiny_family(tmp_path / "gemma2", "gemma2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(ValueError, match="bidirectional"):
+        resolve_model(str(path)).load_blocks(0, 2)
