@@ -16,7 +16,9 @@ BlockRange is not thread-safe: one executor thread owns it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +35,16 @@ from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_CLASS_PREFIX = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+}
+_MODULE = {"gemma3_text": "gemma3"}  # model types whose classes live in another model type's module
 
 
 def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
@@ -41,7 +52,8 @@ def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], t
     prefix = _CLASS_PREFIX.get(model_type)
     if prefix is None:
         raise ValueError(f"unsupported model_type {model_type!r}: FlowSwarm runs {', '.join(_CLASS_PREFIX)}")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = _MODULE.get(model_type, model_type)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     return (
         getattr(module, f"{prefix}DecoderLayer"),
         getattr(module, f"{prefix}RotaryEmbedding"),
@@ -90,13 +102,13 @@ class BlockRange:
         self.device = device
         self.dtype = dtype
         self.quant = quant
-        self.rotary = rotary_class(config=config).to(device)
+        rotary = rotary_class(config=config).to(device)
+        # a RoPE per layer type (Gemma 3): the batch's angles are the full-attention layers' (the kernels turn
+        # the others' themselves)
+        per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rotary = functools.partial(rotary, layer_type="full_attention") if per_type else rotary
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
-        # We attend over the whole context; a sliding-window model (Mistral v0.1) would see less past that window,
-        # so sessions longer than the window are refused rather than silently computed differently.
-        window = getattr(config, "sliding_window", None)
-        self.max_context_tokens: int | None = int(window) if window else None
         attn: Any = getattr(layers[0], "self_attn", None) if len(layers) else None
         shape = Shape(
             spec.num_heads,
@@ -106,9 +118,14 @@ class BlockRange:
             getattr(config, "hidden_act", None) in ("silu", "swish"),
         )
         # the weights in the form this device holds them (a no-op for layers held so already)
-        self.backend = for_device(device, dtype, quant)
+        self.backend = for_device(device, dtype, quant, spec.model_type)
         self.layers = nn.ModuleList([self.backend.hold(layer) for layer in layers])
         self.kernels = self.backend.range_kernels(list(self.layers), layer_range.start, shape, pack_bytes)
+        # Kernels that are not ``windowed`` attend over the whole context; a sliding-window model (Mistral v0.1)
+        # would see less past that window, so their sessions longer than it are refused rather than silently
+        # computed differently.
+        window = getattr(config, "sliding_window", None)
+        self.max_context_tokens: int | None = int(window) if window and not self.kernels.windowed else None
 
     @property
     def weight_bytes(self) -> int:

@@ -66,14 +66,15 @@ def _set_torch_threads() -> None:
 
 
 class ModelSource:
-    """A Llama-family safetensors checkpoint dir: its spec, config and tensors, loadable piece by piece."""
+    """A safetensors checkpoint dir of one of spec.FAMILIES: its spec, config and tensors, loadable piece by
+    piece."""
 
     def __init__(self, path: Path) -> None:
         checkpoints.offline_hub()
         from transformers import AutoConfig
 
         self.path = path
-        self._prefix = "model."  # Llama-family checkpoints name decoder tensors model.layers.N.*
+        self._prefix = "model."  # checkpoints of every family we run name decoder tensors model.layers.N.*
         self.config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
         self._files = self._tensor_files()  # tensor name -> file holding it
         meta = checkpoints.read_metadata(path)
@@ -150,7 +151,7 @@ class ModelSource:
         torch_device, torch_type = parse_device(device), torch_dtype(dtype)
         _set_torch_threads()
         began = time.perf_counter()
-        backend = for_device(torch_device, torch_type, quant)
+        backend = for_device(torch_device, torch_type, quant, self.spec.model_type)
         # each layer held in the backend's form as it is read, so a float32 copy of one layer at most is alive
         modules = [backend.hold(self._layer(layer, torch_device, torch_type)) for layer in range(start, end)]
         logger.info(
@@ -174,7 +175,10 @@ class ModelSource:
         tensors = self.read_tensors(names, device, dtype)
         with torch.device("meta"):
             module = layer_class(self.config, layer_idx=layer)
-        module.load_state_dict({n[len(prefix) :]: t for n, t in tensors.items()}, strict=True, assign=True)
+        state = {n[len(prefix) :]: t for n, t in tensors.items()}
+        if self.spec.num_experts:
+            state = _fused_experts(state, self.spec.num_experts)
+        module.load_state_dict(state, strict=True, assign=True)
         return module.eval()
 
     def held_layer_bytes(self, device: str = "cpu", dtype: str = "float32", quant: str = "none") -> int:
@@ -185,7 +189,7 @@ class ModelSource:
         if key not in self._held_layer_bytes:
             torch_device, torch_type = parse_device(device), torch_dtype(dtype)
             _set_torch_threads()
-            backend = for_device(torch_device, torch_type, quant)
+            backend = for_device(torch_device, torch_type, quant, self.spec.model_type)
             layer = backend.hold(self._layer(0, torch_device, torch_type))
             self._held_layer_bytes[key] = backend.held_bytes([layer])
         return self._held_layer_bytes[key]
@@ -204,7 +208,11 @@ class ModelSource:
         )
         norm.weight.data.copy_(tensors[norm_name])
         lm_head = tensors[embed_name] if tied else tensors["lm_head.weight"]
-        return ClientHead(self.spec, tensors[embed_name], norm.eval(), lm_head)
+        # Gemma scales its embeddings by sqrt(hidden size); Gemma 2 soft-caps its logits
+        scaled = self.spec.family in ("gemma2", "gemma3")
+        embed_scale = float(self.spec.hidden_size**0.5) if scaled else None
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        return ClientHead(self.spec, tensors[embed_name], norm.eval(), lm_head, embed_scale, softcap)
 
     def load_reference_model(self, device: str = "cpu", dtype: str = "float32") -> Any:
         """The whole model as a plain transformers *ForCausalLM (tests and benchmarks compare against it)."""
@@ -215,6 +223,32 @@ class ModelSource:
             self.path, dtype=torch_dtype(dtype), local_files_only=True
         )
         return model.to(parse_device(device)).eval()
+
+
+def _fused_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """A Mixtral layer's tensors as its module takes them: checkpoints keep each expert's w1 (gate), w3 (up)
+    and w2 (down) under block_sparse_moe; the module holds them fused, gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I], and the router under mlp.gate. A layer already in the module's form is left as it is."""
+    old = "block_sparse_moe."
+    if not any(name.startswith(old) for name in state):
+        return state
+    out = {name: t for name, t in state.items() if not name.startswith(old)}
+    experts = [f"{old}experts.{e}." for e in range(num_experts)]
+    try:
+        out["mlp.gate.weight"] = state[f"{old}gate.weight"]
+        out["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{e}w1.weight"], state[f"{e}w3.weight"]]) for e in experts]
+        )
+        out["mlp.experts.down_proj"] = torch.stack([state[f"{e}w2.weight"] for e in experts])
+    except KeyError as e:
+        raise ValueError(
+            f"a Mixtral layer lacks tensor {e}: not a checkpoint of {num_experts} experts"
+        ) from None
+    known = {f"{old}gate.weight"} | {f"{e}{w}.weight" for e in experts for w in ("w1", "w2", "w3")}
+    unknown = sorted(name for name in state if name.startswith(old) and name not in known)
+    if unknown:
+        raise ValueError(f"unexpected Mixtral tensors {unknown[:3]}")
+    return out
 
 
 __all__ = ["ModelSource", "resolve_model", "parse_device", "dtype_name", "DEFAULT_CACHE_TOKENS"]

@@ -118,6 +118,8 @@ def test_quantized_ranges_never_take_the_cpus_own_kernels() -> None:
     assert for_device(cpu, torch.float32).name == "cpu"  # what an unquantized float32 CPU range runs
     assert for_device(cpu, torch.float32, "nf4").name == "bitsandbytes-nf4"
     assert for_device(cpu, torch.float32, "int8").name == "bitsandbytes-int8"
+    with pytest.raises(ValueError, match="Llama-family layers only"):  # a family with a layer of its own
+        for_device(cpu, torch.float32, "nf4", "qwen3")
 
 
 @needs_bnb
