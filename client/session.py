@@ -308,14 +308,17 @@ class InferenceSession:
         if len(to) == 1 and to[0].layers == stage.layers:
             return [await self._move_stage(stage, to[0].peer_id)]
         moves: list[Move] = []
-        for part in to:
-            moves.append(await self._move_stage(stage, part.peer_id, part.layers))
-            if moves[-1].error:
-                break
-        sent = tuple(Stage(m.target, part.layers) for m, part in zip(moves, to, strict=False) if not m.error)
-        gone = (stage,) if len(sent) == len(to) else sent
-        with contextlib.suppress(SwarmError, TimeoutError, ConnectionError, OSError):
-            await self.chain.close(self.session_id, gone)
+        try:
+            for part in to:
+                moves.append(await self._move_stage(stage, part.peer_id, part.layers))
+                if moves[-1].error:
+                    break
+        finally:  # every part asked for, a half-sent one too, or the stage it left
+            moved = len(moves) == len(to) and not any(m.error for m in moves)
+            gone = [stage] if moved else [Stage(p.peer_id, p.layers) for p in to[: max(1, len(moves))]]
+            for left in gone:
+                with contextlib.suppress(SwarmError, TimeoutError, ConnectionError, OSError):
+                    await self.chain.close(self.session_id, (left,))
         return moves
 
     async def _move_stage(self, stage: Stage, target: NodeID, part: LayerRange | None = None) -> Move:

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P
@@ -56,10 +56,11 @@ class Snapshot:
 
     key: str
     max_length_tokens: int
-    layers: LayerRange
+    layers: LayerRange  # the layers read
     position: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    held: LayerRange  # all the layers the session holds here
 
 
 class Handovers:
@@ -147,6 +148,9 @@ class Handovers:
         (the target refused: its layers, its cache); the session then stays."""
         if target == self.peer.peer_id:
             raise ProtocolError("a session cannot move to the peer it is on")
+        session = served.sessions.get(key)
+        if session is not None and part is None and session.handover.parted:
+            raise ProtocolError(f"session {key[:16]} was handed over in parts already: it cannot go whole")
         # the client names the target, which may refuse (or be no peer at all): one token first, then the bulk
         moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1, part=part)
         if moved is None:
@@ -168,18 +172,21 @@ class Handovers:
         if session is None:
             return None
         state = session.handover
+        if state.frozen is not None:  # one hand-over of a session at a time: each would send it all
+            raise SessionError(f"session {key[:16]} is being handed over already")
+        reserved = set(range(part.start, part.end)) if part is not None else set()
+        if reserved & state.parted:
+            raise ProtocolError(f"layers of {part} of session {key[:16]} were handed over already")
+        state.parted |= reserved  # so a concurrent ask for them is refused; given back unless they went
         frozen = state.frozen = asyncio.get_running_loop().create_future()
+        whole = went = False
         try:
             async with self._idle:  # the step already computing finishes first
                 await self._idle.wait_for(lambda: not state.in_flight)
-            snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key))
+            snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key, part))
             if snapshot is None:
                 return None
-            whole = part is None or part == snapshot.layers
-            if part is not None and not whole:
-                snapshot = part_of(snapshot, part)
-                if state.parted & set(range(part.start, part.end)):
-                    raise ProtocolError(f"layers of {part} of session {key[:16]} were handed over already")
+            whole = snapshot.layers == snapshot.held and state.parted == reserved
             chosen = choose(snapshot)
             if chosen is None:
                 return None
@@ -194,10 +201,9 @@ class Handovers:
                 )
             if not installed:
                 raise ProtocolError(f"{successor[-8:]} did not confirm the hand-over")
+            went = True
             if whole:
                 self._remember_moved(key, successor)
-            else:
-                state.parted.update(range(snapshot.layers.start, snapshot.layers.end))
             logger.info(
                 "handed session %s (%d tokens of layers %s, %d KV bytes) over to %s in %.3f s",
                 key[:8],
@@ -208,6 +214,8 @@ class Handovers:
                 time.perf_counter() - began,
             )
         finally:
+            if not went:
+                state.parted -= reserved
             state.frozen = None
             frozen.set_result(None)
         if whole:
@@ -297,9 +305,10 @@ class Handovers:
             raise ProtocolError(f"hand-over keys in {request.keys.dtype}: a float dtype is expected")
 
 
-def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
-    """Copy session ``key``'s cache (on the torch thread); None when it has no tokens or its layers disagree
-    (a session half-way through a step: not worth moving)."""
+def read_session(blocks: BlockRange, key: str, part: LayerRange | None = None) -> Snapshot | None:
+    """Copy session ``key``'s cache (only ``part`` of its layers, if given) on the torch thread; None when it
+    has no tokens or its layers disagree (a session half-way through a step: not worth moving). ProtocolError if
+    it does not hold all of ``part``."""
     try:
         cache = blocks.cache.get(key)
     except SessionError:
@@ -311,22 +320,16 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
     position = cache.lengths[first]
     if any(n != position for n in cache.lengths[first : last + 1]):
         return None
+    held = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
+    layers = part or held
+    if not held.covers(layers):
+        raise ProtocolError(f"session holds layers {held} here: cannot move layers {layers}")
     keys, values = [], []
-    for i in range(first, last + 1):
-        k, v = cache.gather(cache.layers.start + i, position)
+    for layer in range(layers.start, layers.end):
+        k, v = cache.gather(layer, position)
         keys.append(k.to("cpu", copy=True))
         values.append(v.to("cpu", copy=True))
-    layers = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
-    return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
-
-
-def part_of(snapshot: Snapshot, part: LayerRange) -> Snapshot:
-    """The snapshot's layers ``part`` only; ProtocolError unless the session holds all of them."""
-    held = snapshot.layers
-    if not held.start <= part.start < part.end <= held.end:
-        raise ProtocolError(f"session holds layers {held} here: cannot move layers {part}")
-    lo, hi = part.start - held.start, part.end - held.start
-    return replace(snapshot, layers=part, keys=snapshot.keys[lo:hi], values=snapshot.values[lo:hi])
+    return Snapshot(key, cache.max_length_tokens, layers, position, keys, values, held)
 
 
 def chunks(
