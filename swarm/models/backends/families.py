@@ -130,18 +130,26 @@ class Gemma3Range(Gemma2Range):
         self.sliding = [a.layer_type == "sliding_attention" for a in attns]
         device = next(iter(self.layers[0].parameters())).device if self.layers else None
         self.local_rotary = Gemma3RotaryEmbedding(attns[0].config).to(device) if self.layers else None
-        self._local: tuple[torch.Tensor, torch.Tensor] | None = None  # this call's local (cos, sin) [N, hd]
+        # each running call's local (cos, sin) [N, hd], by the id of its full-attention cos: calls of one range
+        # overlap (a decode call runs between a prefill chunk's layers, on another thread or inside it)
+        self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run(self, batch: Batch, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         positions = [torch.arange(p, p + t) for p, t in zip(batch.positions, batch.sizes, strict=True)]
-        self._local = self._local_angles(batch.hidden, torch.cat(positions))
-        return super().run(batch, between_layers)
+        self._local[id(batch.cos)] = self._local_angles(batch.hidden, torch.cat(positions))
+        try:
+            return super().run(batch, between_layers)
+        finally:
+            del self._local[id(batch.cos)]
 
     def run_stateless(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, end: int
     ) -> torch.Tensor:
-        self._local = self._local_angles(hidden, torch.arange(hidden.shape[0]))
-        return super().run_stateless(hidden, cos, sin, start, end)
+        self._local[id(cos)] = self._local_angles(hidden, torch.arange(hidden.shape[0]))
+        try:
+            return super().run_stateless(hidden, cos, sin, start, end)
+        finally:
+            del self._local[id(cos)]
 
     def _local_angles(
         self, hidden: torch.Tensor, positions: torch.Tensor
@@ -154,8 +162,8 @@ class Gemma3Range(Gemma2Range):
     def layer(
         self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ragged: Ragged | None
     ) -> torch.Tensor:
-        if self.sliding[layer - self.first_layer] and self._local is not None:
-            cos, sin = self._local
+        if self.sliding[layer - self.first_layer]:
+            cos, sin = self._local[id(cos)]
         return super().layer(layer, h, cos, sin, ragged)
 
     def heads(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -198,3 +198,26 @@ def test_a_bidirectional_gemma_fails_at_load(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
     with pytest.raises(ValueError, match="bidirectional"):
         resolve_model(str(path)).load_blocks(0, 2)
+
+
+def test_a_gemma3_decode_call_between_a_prefills_layers_leaves_both_exact(tmp_path: Path) -> None:
+    """The executor runs a decode call between the layers of a prefill chunk on the same range: each call keeps
+    its own sliding layers' angles."""
+    source = resolve_model(str(write_tiny_family(tmp_path / "gemma3", "gemma3_text")))
+    head, blocks = source.load_head(), source.load_blocks(0, 6)
+    ids = torch.tensor([5, 17, 42, 99, 7, 3, 250, 11, 1, 2, 3, 4])
+    for session in ("p", "d", "alone", "d-alone"):
+        blocks.open_session(session, 64)
+    for session in ("d", "d-alone"):
+        blocks.forward([Step(session, head.embed(ids[:5]), 0, 6, 0)])
+    prefill_alone = blocks.forward([Step("alone", head.embed(ids), 0, 6, 0)])[0]
+    decode_alone = blocks.forward([Step("d-alone", head.embed(ids[5:6]), 0, 6, 5)])[0]
+    decoded: list[torch.Tensor] = []
+
+    def decode_between() -> None:
+        if not decoded:
+            decoded.append(blocks.forward([Step("d", head.embed(ids[5:6]), 0, 6, 5)])[0])
+
+    prefill = blocks.forward([Step("p", head.embed(ids), 0, 6, 0)], decode_between)[0]
+    assert torch.allclose(prefill, prefill_alone, atol=1e-5)
+    assert torch.allclose(decoded[0], decode_alone, atol=1e-5)
