@@ -196,9 +196,11 @@ class LocalRoutes:
         num_layers: int,
         bans: BanConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quant: str = "none",
     ) -> None:
         self.chain = chain
         self.num_layers = num_layers
+        self.quant = quant  # routes go through blocks held so only (ClientConfig.quant)
         self.bans = BanList(clock, bans or BanConfig(base_s=60.0, max_s=60.0))
         self.router = Router(None, bans=self.bans)
         self.withdrawn: set[NodeID] = set()
@@ -208,6 +210,7 @@ class LocalRoutes:
             PeerState(peer_id, block.range, block.free_cache_tokens)
             for peer_id, block in self.chain.blocks.items()
             if peer_id not in avoid
+            and block.quant == self.quant
             and not (peer_id in self.withdrawn and peer_id in self.chain.dead | self.chain.hung)
         ]
         return RoutingView.of(self.num_layers, peers)
@@ -237,6 +240,7 @@ class LocalRoutes:
             p
             for p, block in blocks.items()
             if block.range.covers(layers)
+            and block.quant == self.quant
             and not self.bans.is_banned(p)
             and (quant is None or block.quant == quant)
         ]
@@ -266,11 +270,11 @@ def in_process_client(
     `clock` times the bans (inject one to test them without waiting).
     """
     chain = LocalChain({NodeID(name): block for name, block in blocks.items()})
-    num_layers = head.spec.num_layers
+    num_layers, config = head.spec.num_layers, config or ClientConfig()
     return AsyncSwarmClient(
-        config or ClientConfig(),
+        config,
         chain=chain,
-        routes=LocalRoutes(chain, num_layers, clock=clock),
+        routes=LocalRoutes(chain, num_layers, clock=clock, quant=config.quant),
         head=head,
         tokenizer=tokenizer,
         reports=reports,

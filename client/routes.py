@@ -171,8 +171,10 @@ class SwarmRoutes:
         rng: random.Random | None = None,
         ping: Pinger | None = None,
         ping_timeout_s: float = 1.0,
+        quant: str = "none",
     ) -> None:
         self._read_snapshot = snapshot
+        self.quant = quant  # routes go through peers holding their layers so only (ClientConfig.quant)
         self._ping = ping  # measures this client's round trip to a peer (None: client delays unmeasured)
         self.ping_timeout_s = ping_timeout_s
         self.rng = rng  # random IWRR start phases, so many clients' first sessions spread over replicas
@@ -373,11 +375,12 @@ class SwarmRoutes:
     def _view(
         self, snapshot: SwarmSnapshot, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
     ) -> RoutingView:
+        unlike = {NodeID(p) for p, r in snapshot.peers.items() if r.quant != self.quant}
         return routing_view(
             snapshot,
             self.num_layers,
             cache_high_water,
-            avoid,
+            avoid | unlike,
             min_reporters=self.min_reporters,
             max_layer_tokens_s=self.max_layer_tokens_s,
             ratios=self.ratios,
@@ -436,5 +439,12 @@ class SwarmRoutes:
                 await self.measure_client_links(snapshot)  # now, so that sessions need not wait for it
                 return snapshot
             if self._clock() >= deadline:
+                others = sorted({r.quant for r in snapshot.peers.values()} - {self.quant})
+                if others:
+                    logger.warning(
+                        "peers holding layers as %s are not used: this client routes through --quant %s only",
+                        "/".join(others),
+                        self.quant,
+                    )
                 raise NoRouteError(missing)
             await asyncio.sleep(0.5)

@@ -769,7 +769,12 @@ def measure_in_client(
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ClientConfig fields the command line sets for this process's client and the client processes."""
-    options: dict[str, Any] = {"step_timeout_s": STEP_TIMEOUT_S, "device": args.device, "dtype": args.dtype}
+    options: dict[str, Any] = {
+        "step_timeout_s": STEP_TIMEOUT_S,
+        "device": args.device,
+        "dtype": args.dtype,
+        "quant": args.quant,  # routes through the peers of that --quant only
+    }
     if args.spot_check_rate is not None:
         options["spot_check_rate"] = args.spot_check_rate
     if args.batch_lanes is not None:

@@ -31,11 +31,24 @@ def fetch(repo_id: str) -> Path:
     final = cached_dir(repo_id)
     if (final / "config.json").is_file():
         return final
+    try:
+        _download(repo_id, final)
+    except OSError:
+        if (final / "config.json").is_file():  # another process (one peer per GPU) finished first: its copy
+            return final
+        raise
+    return final
+
+
+def _download(repo_id: str, final: Path) -> None:
     with checkpoints.atomic_dir(final) as tmp:
         try:
             from huggingface_hub import snapshot_download
 
-            snapshot_download(repo_id, local_dir=tmp, allow_patterns=WANTED)
+            # consolidated*: Mistral repos' single-file copy of the same weights, beside the shards
+            snapshot_download(
+                repo_id, local_dir=tmp, allow_patterns=WANTED, ignore_patterns=["consolidated*"]
+            )
         except Exception as e:  # offline, no such model, a gated one without a token, ...
             reason = (str(e).strip().splitlines() or [""])[0][:300]
             raise ValueError(
@@ -45,7 +58,6 @@ def fetch(repo_id: str) -> Path:
             ) from e
         if not (tmp / "config.json").is_file():
             raise ValueError(f"hub model {repo_id!r} has no config.json: not a transformers checkpoint")
-    return final
 
 
 __all__ = ["cached_dir", "fetch", "is_hub_id"]

@@ -84,6 +84,6 @@ def test_nf4_peers_announce_it_fit_more_layers_and_answer_as_transformers(
         device_map="cpu",
         local_files_only=True,
     ).eval()
-    with SwarmClient(nf4_swarm.initial_peers, model="tiny:0", spot_check_rate=0.0) as client:
+    with SwarmClient(nf4_swarm.initial_peers, model="tiny:0", spot_check_rate=0.0, quant="nf4") as client:
         rows = client.generate_ids_batch([PROMPT_IDS], NEW_TOKENS, SamplingParams())
     assert rows == [greedy_tokens(reference, PROMPT_IDS, NEW_TOKENS)]

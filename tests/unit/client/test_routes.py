@@ -355,8 +355,10 @@ def test_spot_check_holders_hold_their_weights_as_the_checked_peer_does() -> Non
         peer_record("af", 0, 4),
         peer_record("b", 4, 8),
     )
-    routes, _ = make_routes([snap], FakeClock())
+    routes, _ = make_routes([snap], FakeClock())  # a client of unquantized peers (ClientConfig.quant)
     layers = LayerRange(0, 4)
-    assert sorted(asyncio.run(routes.holders(layers))) == ["a", "a2", "af"]
+    assert asyncio.run(routes.holders(layers)) == ["af"]
+    assert [s.peer_id for s in asyncio.run(routes.route(0, SOURCE, 16))] == ["af", "b"]
+    routes.quant = "nf4"  # a client of nf4 peers: routes and checkers among them only
+    assert sorted(asyncio.run(routes.holders(layers))) == ["a", "a2"]
     assert sorted(asyncio.run(routes.holders(layers, like=NodeID("a")))) == ["a", "a2"]
-    assert asyncio.run(routes.holders(layers, like=NodeID("af"))) == ["af"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,39 @@ def test_an_uncached_hub_model_offline_fails_saying_why(tmp_path: Path) -> None:
     assert last.startswith("ValueError: model 'nobody-here/no-such-model' is not in the cache"), last
     assert "could not be downloaded" in last and "HF_HUB_OFFLINE" in last, last
     assert list((tmp_path / "models" / "hub").iterdir()) == []  # no half-written model left behind
+
+
+def test_two_processes_fetching_one_model_at_once_both_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two peers on one machine (one per GPU) start together: the second to finish takes the first's copy."""
+    monkeypatch.setenv("FLOWSWARM_CACHE", str(tmp_path))
+    import huggingface_hub
+
+    both_started = threading.Barrier(2)
+    asked: list[dict[str, object]] = []
+
+    def fake_download(repo_id: str, local_dir: Path, **options: object) -> None:
+        asked.append(options)
+        both_started.wait()  # both saw no copy in the cache
+        (Path(local_dir) / "config.json").write_text("{}")
+        (Path(local_dir) / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    results: list[object] = []
+
+    def fetch() -> None:
+        try:
+            results.append(hub.fetch("org/model"))
+        except BaseException as e:  # noqa: BLE001 - the test reports whatever a thread raised
+            results.append(e)
+
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [hub.cached_dir("org/model")] * 2
+    assert all(
+        o["ignore_patterns"] == ["consolidated*"] for o in asked
+    )  # no second copy of Mistral's weights

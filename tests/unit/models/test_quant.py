@@ -49,7 +49,9 @@ def _split_greedy(source: ModelSource, quant: str, dtype: str, device: str = "cp
         name: source.load_blocks(a, b, device, dtype, cache_tokens=1024, quant=quant)
         for name, (a, b) in SPLIT.items()
     }
-    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=0.0, speculate="off", device=device, dtype=dtype)
+    config = ClientConfig(
+        retry_delay_s=0.0, spot_check_rate=0.0, speculate="off", device=device, dtype=dtype, quant=quant
+    )
     client = in_process_client(source.load_head(device, dtype), blocks, None, config)
     return asyncio.run(client.generate_ids(PROMPT_IDS, NEW_TOKENS, SamplingParams()))
 
@@ -159,19 +161,21 @@ def test_the_memory_estimate_counts_quantized_bytes(tiny_source: ModelSource) ->
 
 @needs_bnb
 def test_spot_checks_pass_between_peers_holding_their_weights_alike(tiny_source: ModelSource) -> None:
-    """b (nf4) and bf (unquantized) both hold layers 2:4 and answer differently, both honestly: a spot-check of
-    one is run only by a peer holding its weights alike (b2), and nobody is excluded."""
+    """b (nf4) and bf (unquantized) both hold layers 2:4 and answer differently, both honestly: an nf4 client
+    routes and checks among nf4 peers only (b, b2), and nobody is excluded."""
     kinds = {"a": "nf4", "b": "nf4", "b2": "nf4", "bf": "none", "c": "nf4"}
     spans = {"a": (0, 2), "b": (2, 4), "b2": (2, 4), "bf": (2, 4), "c": (4, 6)}
     blocks = {
         name: tiny_source.load_blocks(*spans[name], cache_tokens=1024, quant=kind)
         for name, kind in kinds.items()
     }
-    config = ClientConfig(retry_delay_s=0.0, spot_check_rate=1.0, spot_check_blocking=True, speculate="off")
+    config = ClientConfig(
+        retry_delay_s=0.0, spot_check_rate=1.0, spot_check_blocking=True, speculate="off", quant="nf4"
+    )
     client = in_process_client(tiny_source.load_head(), blocks, None, config)
     layers = LayerRange(2, 4)
+    assert sorted(asyncio.run(client.routes.holders(layers))) == ["b", "b2"]  # an nf4 client's: not bf
     assert sorted(asyncio.run(client.routes.holders(layers, like=NodeID("b")))) == ["b", "b2"]
-    assert asyncio.run(client.routes.holders(layers, like=NodeID("bf"))) == ["bf"]
     asyncio.run(client.generate_ids(PROMPT_IDS, NEW_TOKENS, SamplingParams()))
     assert client.checker.checks_run > 0 and not client.checker.excluded
 
