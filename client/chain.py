@@ -37,7 +37,7 @@ from swarm.transport import (
     call_wait,
     call_wait_batch,
 )
-from swarm.types import NodeID, SessionID
+from swarm.types import LayerRange, NodeID, SessionID
 from swarm.wire import CloseRequest, Hop, MoveRequest, StepAck, StepReply, StepRequest, StepWait
 
 logger = logging.getLogger(__name__)
@@ -300,11 +300,18 @@ class RemoteChain:
         await self._step_and_wait(request, first, rest[-1])
 
     async def move(
-        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+        self,
+        session_id: SessionID,
+        stage: Stage,
+        target: NodeID,
+        timeout_s: float,
+        part: LayerRange | None = None,
     ) -> tuple[int, int]:
-        """Have ``stage``'s peer hand the session's cache over to ``target`` (rpc_move): the session's position,
-        now held there, and the KV bytes sent. Any failure leaves the session on ``stage``."""
-        request = MoveRequest(session_id, str(target), self.maddrs(target))
+        """Have ``stage``'s peer hand the session's cache (only ``part`` of its layers, if given: the peer keeps
+        the session) over to ``target`` (rpc_move): the session's position, now held there, and the KV bytes
+        sent. Any failure leaves the session on ``stage``."""
+        layers = (part.start, part.end) if part is not None else None
+        request = MoveRequest(session_id, str(target), self.maddrs(target), layers=layers)
         reply = await call_move(
             self.p2p, str(stage.peer_id), request, maddrs=self.maddrs(stage.peer_id), timeout_s=timeout_s
         )

@@ -141,6 +141,7 @@ class AsyncSwarmClient:
                 max_layer_tokens_s=config.max_layer_tokens_s,
                 rng=random.Random(),  # seeded by the OS: another client's routes start elsewhere
                 ping=lambda peer_id: _round_trip_s(p2p, peer_id, routes.maddrs(peer_id)),
+                quant=config.quant,
             )
             await routes.wait_for_coverage(config.connect_timeout_s)
             chain = RemoteChain(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from swarm.codec import ActivationConfig
 from swarm.dht.trust import MAX_LAYER_TOKENS_S, MIN_REPORTERS
 from swarm.settings import component, setting
-from swarm.types import DTYPE_BYTES
+from swarm.types import DTYPE_BYTES, QUANT_KINDS
 
 SPECULATE_CHOICES = ("off", "lookup", "model", "self")
 
@@ -90,6 +90,13 @@ class ClientConfig:
     spot_check_tokens: int = setting(2, "how many of the session's newest tokens one spot-check re-runs")
     spot_check_seed: int | None = setting(
         None, "seed of the draw of which steps are checked (default: unpredictable, as against real liars)"
+    )
+    # Peers holding their layers quantized (swarm-peer --quant) compute other numbers, honestly: a route goes
+    # through peers of one kind only, so outputs are those of one model, and spot-checks compare like with like.
+    quant: str = setting(
+        "none",
+        "the --quant of the peers this client's routes go through: none, int8 or nf4",
+        choices=QUANT_KINDS,
     )
     # A step carries the drafter's guesses and keeps those the model agrees with (client.drafting): greedy
     # tokens are those of plain decoding, sampled ones drawn as plain sampling draws them, in fewer trips where

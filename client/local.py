@@ -128,10 +128,15 @@ class LocalChain:
         return faults.corrupt(hidden) if faults is not None else hidden
 
     async def move(
-        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+        self,
+        session_id: SessionID,
+        stage: Stage,
+        target: NodeID,
+        timeout_s: float,
+        part: LayerRange | None = None,
     ) -> tuple[int, int]:
-        """Copy the session's cache for ``stage``'s layers to ``target``'s blocks and close it on the stage's
-        peer, as rpc_move does between peers."""
+        """Copy the session's cache for ``stage``'s layers (or ``part`` of them) to ``target``'s blocks and, for
+        the whole stage, close it on the stage's peer, as rpc_move does between peers."""
         for peer_id in (stage.peer_id, target):
             if peer_id in self.dead:
                 error = TransportError(f"peer {peer_id} is unreachable")
@@ -140,17 +145,19 @@ class LocalChain:
         if target in self.refusing:
             raise self.refusing[target]
         source, dest = self.blocks[stage.peer_id], self.blocks[target]
-        if not dest.range.covers(stage.layers):
-            raise CapacityError(f"layers {stage.layers} requested, {target} holds {dest.range}")
+        layers = part or stage.layers
+        if not dest.range.covers(layers) or not stage.layers.covers(layers):
+            raise CapacityError(f"layers {layers} requested, {target} holds {dest.range}")
         cache = source.cache.get(session_id)
         position = cache.lengths[stage.layers.start - cache.layers.start]
         dest.open_session(session_id, cache.max_length_tokens)
         moved, kv_bytes = dest.cache.get(session_id), 0
-        for layer in range(stage.layers.start, stage.layers.end):
+        for layer in range(layers.start, layers.end):
             k, v = cache.gather(layer, position)
             moved.append(layer, k.to(dest.device, dest.dtype), v.to(dest.device, dest.dtype))
             kv_bytes += 2 * k.numel() * k.element_size()
-        source.close_session(session_id)
+        if layers == stage.layers:
+            source.close_session(session_id)
         self.moves.append((stage.peer_id, target, position))
         return position, kv_bytes
 
@@ -190,9 +197,11 @@ class LocalRoutes:
         num_layers: int,
         bans: BanConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quant: str = "none",
     ) -> None:
         self.chain = chain
         self.num_layers = num_layers
+        self.quant = quant  # routes go through blocks held so only (ClientConfig.quant)
         self.bans = BanList(clock, bans or BanConfig(base_s=60.0, max_s=60.0))
         self.router = Router(None, bans=self.bans)
         self.withdrawn: set[NodeID] = set()
@@ -202,6 +211,7 @@ class LocalRoutes:
             PeerState(peer_id, block.range, block.free_cache_tokens)
             for peer_id, block in self.chain.blocks.items()
             if peer_id not in avoid
+            and block.quant == self.quant
             and not (peer_id in self.withdrawn and peer_id in self.chain.dead | self.chain.hung)
         ]
         return RoutingView.of(self.num_layers, peers)
@@ -224,11 +234,16 @@ class LocalRoutes:
         """None: no plan here, so no decode flows (a session decodes where it prefilled unless told)."""
         return None
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]:
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]:
+        blocks = self.chain.blocks
+        quant = blocks[like].quant if like is not None and like in blocks else None
         return [
             p
-            for p, block in self.chain.blocks.items()
-            if block.range.covers(layers) and not self.bans.is_banned(p)
+            for p, block in blocks.items()
+            if block.range.covers(layers)
+            and block.quant == self.quant
+            and not self.bans.is_banned(p)
+            and (quant is None or block.quant == quant)
         ]
 
     def ban(self, peer_id: NodeID) -> None:
@@ -258,11 +273,11 @@ def in_process_client(
     or "self" drafts with (client.draft_model.load_draft_model).
     """
     chain = LocalChain({NodeID(name): block for name, block in blocks.items()})
-    num_layers = head.spec.num_layers
+    num_layers, config = head.spec.num_layers, config or ClientConfig()
     return AsyncSwarmClient(
-        config or ClientConfig(),
+        config,
         chain=chain,
-        routes=LocalRoutes(chain, num_layers, clock=clock),
+        routes=LocalRoutes(chain, num_layers, clock=clock, quant=config.quant),
         head=head,
         tokenizer=tokenizer,
         reports=reports,

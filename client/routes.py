@@ -171,8 +171,10 @@ class SwarmRoutes:
         rng: random.Random | None = None,
         ping: Pinger | None = None,
         ping_timeout_s: float = 1.0,
+        quant: str = "none",
     ) -> None:
         self._read_snapshot = snapshot
+        self.quant = quant  # routes go through peers holding their layers so only (ClientConfig.quant)
         self._ping = ping  # measures this client's round trip to a peer (None: client delays unmeasured)
         self.ping_timeout_s = ping_timeout_s
         self.rng = rng  # random IWRR start phases, so many clients' first sessions spread over replicas
@@ -373,11 +375,12 @@ class SwarmRoutes:
     def _view(
         self, snapshot: SwarmSnapshot, cache_high_water: float, avoid: frozenset[NodeID] = frozenset()
     ) -> RoutingView:
+        unlike = {NodeID(p) for p, r in snapshot.peers.items() if r.quant != self.quant}
         return routing_view(
             snapshot,
             self.num_layers,
             cache_high_water,
-            avoid,
+            avoid | unlike,
             min_reporters=self.min_reporters,
             max_layer_tokens_s=self.max_layer_tokens_s,
             ratios=self.ratios,
@@ -385,15 +388,27 @@ class SwarmRoutes:
             client_rtt_s=self.client_rtt_s,
         )
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]:
-        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage).
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]:
+        """Serving, unbanned peers that hold all of `layers` (the candidates to spot-check a stage); with
+        `like`, only those whose records say they hold their weights as it does (the same --quant: a peer
+        holding them otherwise computes other numbers, honestly).
 
         From the cached snapshot however old (sessions refresh it when they open): a spot-check runs between
         two decode steps, and a DHT read there can stall the answer for seconds while a dead peer's DHT node
         is still in the table; a checker that has gone only makes the check skip."""
-        view = self._view(self._snapshot or await self.snapshot(), 1.0)
+        snapshot = self._snapshot or await self.snapshot()
+        view = self._view(snapshot, 1.0)
+
+        def quant(peer_id: NodeID) -> str:
+            record = snapshot.peers.get(peer_id)
+            return record.quant if record is not None else "none"
+
         return [
-            p for p, state in view.peers.items() if state.layers.covers(layers) and not self.bans.is_banned(p)
+            p
+            for p, state in view.peers.items()
+            if state.layers.covers(layers)
+            and not self.bans.is_banned(p)
+            and (like is None or quant(p) == quant(like))
         ]
 
     def ban(self, peer_id: NodeID) -> None:
@@ -424,5 +439,12 @@ class SwarmRoutes:
                 await self.measure_client_links(snapshot)  # now, so that sessions need not wait for it
                 return snapshot
             if self._clock() >= deadline:
+                others = sorted({r.quant for r in snapshot.peers.values()} - {self.quant})
+                if others:
+                    logger.warning(
+                        "peers holding layers as %s are not used: this client routes through --quant %s only",
+                        "/".join(others),
+                        self.quant,
+                    )
                 raise NoRouteError(missing)
             await asyncio.sleep(0.5)

@@ -25,6 +25,7 @@ Who decides what is not here: client/retry.py maps each error to an action, and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -39,7 +40,7 @@ from client.chunks import chunked
 from client.drafting import Speculation
 from client.liveness import StepWatch
 from client.retry import Action, Decision, RetryPolicy
-from client.split import Move, moved_route, pair_stages
+from client.split import Move, cut, moved_route, plan_moves
 from client.spot import CheckChain, SpotChecker, WrongOutput
 from swarm.errors import NoRouteError, SessionError, SwarmError
 from swarm.routing.route import Route, Stage, route_text
@@ -79,10 +80,16 @@ class Chain(CheckChain, Protocol):
         max_length_tokens: int,
     ) -> None: ...
 
-    # stage's peer hands the session's cache for its layers to ``target`` (the decode route, client.split): the
-    # session's position, now held there, and the KV bytes sent; on any error the session stays on the stage
+    # stage's peer hands the session's cache for its layers (or only ``part`` of them, keeping the session) to
+    # ``target`` (the decode route, client.split): the session's position, now held there, and the KV bytes
+    # sent; on any error the session stays on the stage
     async def move(
-        self, session_id: SessionID, stage: Stage, target: NodeID, timeout_s: float
+        self,
+        session_id: SessionID,
+        stage: Stage,
+        target: NodeID,
+        timeout_s: float,
+        part: LayerRange | None = None,
     ) -> tuple[int, int]: ...
 
 
@@ -105,7 +112,8 @@ class RouteSource(Protocol):
         self, session_tokens: int, avoid: frozenset[NodeID] = frozenset()
     ) -> Route | None: ...
 
-    async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
+    # live, unbanned peers holding `layers`; with `like`, only those holding their weights as it does (--quant)
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]: ...
 
     def ban(self, peer_id: NodeID) -> None: ...  # deprioritise: used only where nobody else holds its layers
 
@@ -268,30 +276,57 @@ class InferenceSession:
 
     async def move(self, decode: Route) -> list[Move]:
         """Move the stages of the session's route that can to peers of ``decode`` (client.split): each stage's
-        peer hands its cache to the target, all at once, and the session steps there from the same position,
-        with nothing replayed. A stage whose move fails stays where it is. Returns this call's moves."""
+        peer hands its cache to the target (or, a part at a time, to the targets of its parts), stages at once,
+        and the session steps there from the same position, with nothing replayed. A stage whose move fails
+        stays where it is. Returns this call's moves."""
         if not self.stages or not self.token_ids:
             return []
-        holders = [set(await self.routes.holders(stage.layers)) for stage in self.stages]
-        pairs = pair_stages(self.stages, decode, lambda i, peer: peer in holders[i])
-        moves = list(await asyncio.gather(*(self._move_stage(self.stages[i], t) for i, t in pairs)))
+        wanted = {s.layers for s in self.stages} | {
+            part for s in self.stages for d in decode if (part := cut(s, d)) is not None
+        }
+        holders = {layers: set(await self.routes.holders(layers)) for layers in wanted}
+        plans = plan_moves(self.stages, decode, lambda layers, peer: peer in holders[layers])
+        done = await asyncio.gather(*(self._move_whole_or_parts(self.stages[i], to) for i, to in plans))
+        moves = [m for stage_moves in done for m in stage_moves]
         before = self.stages
-        self.stages = moved_route(before, moves)
-        self._filled = {new for old, new in zip(before, self.stages, strict=True) if old in self._filled}
+        self.stages, replaced = moved_route(before, moves)
+        self._filled = {new for old in before if old in self._filled for new in replaced.get(old, (old,))}
         self.moves.extend(moves)
         logger.info(
             "session %s moved %d of %d stages after its prompt: %s",
             self.session_id[:8],
-            sum(not m.error for m in moves),
-            len(moves),
+            len(replaced),
+            len(plans),
             route_text(self.stages),
         )
         return moves
 
-    async def _move_stage(self, stage: Stage, target: NodeID) -> Move:
+    async def _move_whole_or_parts(self, stage: Stage, to: Route) -> list[Move]:
+        """Move ``stage`` to ``to``: one stage holding all its layers, or its parts one after another (its peer
+        keeps the session until the last is in, then we close it there; if one fails, the parts sent are
+        closed and the stage stays)."""
+        if len(to) == 1 and to[0].layers == stage.layers:
+            return [await self._move_stage(stage, to[0].peer_id)]
+        moves: list[Move] = []
+        try:
+            for part in to:
+                moves.append(await self._move_stage(stage, part.peer_id, part.layers))
+                if moves[-1].error:
+                    break
+        finally:  # every part asked for, a half-sent one too, or the stage it left
+            moved = len(moves) == len(to) and not any(m.error for m in moves)
+            gone = [stage] if moved else [Stage(p.peer_id, p.layers) for p in to[: max(1, len(moves))]]
+            for left in gone:
+                with contextlib.suppress(SwarmError, TimeoutError, ConnectionError, OSError):
+                    await self.chain.close(self.session_id, (left,))
+        return moves
+
+    async def _move_stage(self, stage: Stage, target: NodeID, part: LayerRange | None = None) -> Move:
         began = time.monotonic()
         try:
-            tokens, kv_bytes = await self.chain.move(self.session_id, stage, target, self.step_timeout_s)
+            tokens, kv_bytes = await self.chain.move(
+                self.session_id, stage, target, self.step_timeout_s, part
+            )
         except (SwarmError, TimeoutError, ConnectionError, OSError) as error:
             logger.info(
                 "session %s stays on %s: moving to %s failed (%s: %s)",
@@ -301,12 +336,13 @@ class InferenceSession:
                 type(error).__name__,
                 error,
             )
-            return Move(stage, target, 0, time.monotonic() - began, f"{type(error).__name__}: {error}")
+            seconds = time.monotonic() - began
+            return Move(stage, target, 0, seconds, f"{type(error).__name__}: {error}", part=part)
         if tokens != self.position:  # not the cache we sent: it stays unfilled, and the next step refills it
             self._filled.discard(stage)
             wrong = f"peer {stage.peer_id} moved {tokens} tokens of a session of {self.position}"
-            return Move(stage, target, tokens, time.monotonic() - began, wrong)
-        return Move(stage, target, tokens, time.monotonic() - began, kv_bytes=kv_bytes)
+            return Move(stage, target, tokens, time.monotonic() - began, wrong, part=part)
+        return Move(stage, target, tokens, time.monotonic() - began, kv_bytes=kv_bytes, part=part)
 
     def _check_forward(self, new_ids: Sequence[int]) -> None:
         """Raise if `forward(new_ids)` cannot go: the session is closed, or the tokens are none or too many."""

@@ -130,7 +130,8 @@ class CheckChain(Protocol):
 
 
 class Holders(Protocol):
-    async def holders(self, layers: LayerRange) -> list[NodeID]: ...  # live, unbanned peers holding `layers`
+    # live, unbanned peers holding `layers`; with `like`, only those holding their weights as it does (--quant)
+    async def holders(self, layers: LayerRange, like: NodeID | None = None) -> list[NodeID]: ...
 
     def ban(self, peer_id: NodeID) -> None: ...
 
@@ -280,8 +281,11 @@ class SpotChecker:
         return liar
 
     async def _others(self, stage: Stage) -> list[NodeID]:
-        """Other holders of `stage`'s layers that this client still trusts, in random order."""
-        others = [p for p in await self.routes.holders(stage.layers) if p != stage.peer_id]
+        """Other holders of `stage`'s layers that this client still trusts and that hold their weights as the
+        stage's peer does (an nf4 peer's honest answer is not a float16 peer's), in random order."""
+        others = [
+            p for p in await self.routes.holders(stage.layers, like=stage.peer_id) if p != stage.peer_id
+        ]
         others = [p for p in others if p not in self.excluded]
         self.rng.shuffle(others)
         return others

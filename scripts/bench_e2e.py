@@ -75,12 +75,14 @@ from swarm.models import Sampler, SamplingParams, resolve_model  # noqa: E402
 from swarm.models.blocks import BlockRange, Step  # noqa: E402
 from swarm.models.head import ClientHead  # noqa: E402
 from swarm.models.loading import ModelSource  # noqa: E402
+from swarm.models.quant import reference_config  # noqa: E402
 from swarm.peer.executor import DECODE_THREAD, PREFILL_THREAD  # noqa: E402
 from swarm.peer.measure import sync_device  # noqa: E402
 from swarm.peer.server import BATCH_LOG_INTERVAL_S  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.launcher import log_tail  # noqa: E402
 from swarm.testing.prompts import chat_prompt_ids  # noqa: E402
+from swarm.types import QUANT_KINDS  # noqa: E402
 
 OWN_MODEL_PACK_BYTES = 2**40  # blocks_decode's range may keep any packed copy, as the peers here can
 STEP_TIMEOUT_S = 600.0  # a 2048-token prefill on a busy shared machine can take far past the client's default
@@ -125,6 +127,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cpu | cuda | cuda:N: the peers', the clients' heads' and the reference's",
     )
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16, likewise")
+    parser.add_argument(
+        "--quant",
+        default="none",
+        choices=QUANT_KINDS,
+        help="the peers' --quant, the own model code's, and the reference's (transformers with the same"
+        " BitsAndBytesConfig)",
+    )
     parser.add_argument(
         "--ab", metavar="B_ARGS", default=None, help="paired A/B: a second swarm with these peer arguments"
     )
@@ -221,12 +230,17 @@ def local_decode(model: torch.nn.Module, ids: Sequence[int], new_tokens: int) ->
 
 
 def blocks_decode(
-    source: ModelSource, ids: Sequence[int], new_tokens: int, device: str = "cpu", dtype: str = "float32"
+    source: ModelSource,
+    ids: Sequence[int],
+    new_tokens: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    quant: str = "none",
 ) -> tuple[float, list[int]]:
     """The same greedy decode through this project's own model code (every layer on one BlockRange, the client's
     head) in this process: what the swarm computes, without the network: (tokens/s, tokens)."""
     num_layers = source.spec.num_layers
-    blocks, head = _own_model(source, device, dtype)
+    blocks, head = _own_model(source, device, dtype, quant)
     with _sessions(blocks, 1, len(ids) + new_tokens) as (session,):
         hidden = blocks.forward([Step(session, head.embed(torch.tensor(list(ids))), 0, num_layers, 0)])[0]
         first = time.perf_counter()
@@ -260,13 +274,14 @@ def arithmetic_ms(
     rounds: int,
     device: str = "cpu",
     dtype: str = "float32",
+    quant: str = "none",
 ) -> dict[str, dict[str, float]]:
     """The model's own arithmetic for one decode token of 1 and of ``TARGET_SESSIONS`` sessions, as the swarm
     splits it, in this process with nothing else in the way: the peers' decode calls (one per range of
     ``layer_cuts``, in turn; their sum) and the client head's greedy step on their outputs (``argmax_only``, its
     tokens read as a client reads them), medians of ``rounds`` rounds, 1 and 8 rows in turn, the first of them
     flipping each round. Ms by rows: {"hops": {"1", "8"}, "head": {"1", "8"}}."""
-    blocks, head = _own_model(source, device, dtype)
+    blocks, head = _own_model(source, device, dtype, quant)
     cuts = layer_cuts(source.spec.num_layers, peers)
     times: dict[str, dict[str, list[float]]] = {"hops": defaultdict(list), "head": defaultdict(list)}
     with _sessions(blocks, 1 + TARGET_SESSIONS, len(ids) + rounds) as sessions:
@@ -339,12 +354,38 @@ def beyond_arithmetic(cpu_ms: dict[str, float] | None) -> float | None:
 
 
 @functools.cache
-def _own_model(source: ModelSource, device: str, dtype: str) -> tuple[BlockRange, ClientHead]:
+def _own_model(
+    source: ModelSource, device: str, dtype: str, quant: str = "none"
+) -> tuple[BlockRange, ClientHead]:
     # the products in the forms a peer with memory to spare takes (packed or 4-bit weights, as calibrated)
     blocks = source.load_blocks(
-        0, source.spec.num_layers, device, dtype, cache_tokens=4096, pack_bytes=OWN_MODEL_PACK_BYTES
+        0,
+        source.spec.num_layers,
+        device,
+        dtype,
+        cache_tokens=4096,
+        pack_bytes=OWN_MODEL_PACK_BYTES,
+        quant=quant,
     )
     return blocks, source.load_head(device, dtype)
+
+
+def reference_model(source: ModelSource, device: str, dtype: str, quant: str) -> torch.nn.Module:
+    """Local transformers: the plain model, or for a ``quant`` the model loaded with the BitsAndBytesConfig
+    that quantizes it as the peers do (swarm.models.quant.reference_config)."""
+    if quant == "none":
+        return source.load_reference_model(device, dtype)
+    from transformers import AutoModelForCausalLM
+
+    torch_type = getattr(torch, dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        quantization_config=reference_config(quant, torch_type),
+        dtype=torch_type,
+        device_map=device,
+        local_files_only=True,
+    )
+    return model.eval()
 
 
 def local_ttft(model: torch.nn.Module, ids: Sequence[int]) -> float:
@@ -543,7 +584,7 @@ def start_swarm(
     # process (its first solves, and a re-solve whenever load moves the measured speeds) would share this
     # machine's two cores with the phases being measured.
     fixed = ["--no-follow-plan", "--no-plan", "--cache-tokens", "16384", "--device", args.device]
-    fixed += ["--dtype", args.dtype, *peer_args.split()]
+    fixed += ["--dtype", args.dtype, "--quant", args.quant, *peer_args.split()]
     for i, layers in enumerate(ranges):
         swarm.start_peer(layers=layers, name=f"peer-{i}", wait=i == 0, timeout_s=300, extra_args=fixed)
     return ranges
@@ -559,7 +600,9 @@ def measure_single(
     for _ in range(args.repeats):
         swarm_tok_s, swarm_tokens = client.run(swarm_decode(client.aclient, ids, args.new_tokens))
         local_tok_s, local_tokens = local_decode(reference, ids, args.new_tokens)
-        blocks_tok_s, blocks_tokens = blocks_decode(source, ids, args.new_tokens, args.device, args.dtype)
+        blocks_tok_s, blocks_tokens = blocks_decode(
+            source, ids, args.new_tokens, args.device, args.dtype, args.quant
+        )
         best = {
             "swarm": max(best["swarm"], swarm_tok_s),
             "local": max(best["local"], local_tok_s),
@@ -579,7 +622,7 @@ def measure_single(
         ttft[str(size)] = {"local": round(local_s, 4), "swarm": round(swarm_s, 4)}
         log(f"ttft {size}: swarm {swarm_s:.3f} s, local {local_s:.3f} s")
     rounds = ARITHMETIC_ROUNDS_PER_REPEAT * args.repeats + 1
-    arithmetic = arithmetic_ms(source, ids, args.peers, rounds, args.device, args.dtype)
+    arithmetic = arithmetic_ms(source, ids, args.peers, rounds, args.device, args.dtype, args.quant)
     log(f"arithmetic of a decode token (ms, by rows): {arithmetic}")
     return {**best, "ttft": ttft, "tokens_match": match, "arithmetic": arithmetic}
 
@@ -726,7 +769,12 @@ def measure_in_client(
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ClientConfig fields the command line sets for this process's client and the client processes."""
-    options: dict[str, Any] = {"step_timeout_s": STEP_TIMEOUT_S, "device": args.device, "dtype": args.dtype}
+    options: dict[str, Any] = {
+        "step_timeout_s": STEP_TIMEOUT_S,
+        "device": args.device,
+        "dtype": args.dtype,
+        "quant": args.quant,  # routes through the peers of that --quant only
+    }
     if args.spot_check_rate is not None:
         options["spot_check_rate"] = args.spot_check_rate
     if args.batch_lanes is not None:
@@ -740,7 +788,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seen = Seen()
     source = resolve_model(args.model)
     ids = chat_prompt_ids(source, QUESTION)
-    reference = source.load_reference_model(args.device, args.dtype)
+    reference = reference_model(source, args.device, args.dtype, args.quant)
     options = client_options(args)
     with (
         tempfile.TemporaryDirectory(prefix="flowswarm-e2e-") as tmp,
@@ -798,6 +846,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peer_batches": peer_batches,
         "peer_computing_share": peer_computing,  # of the busy intervals' time, in forward calls (peer_batch_sizes)
         "model": source.spec.name,
+        "quant": args.quant,
         "route": ranges,
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
@@ -1042,6 +1091,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "settings": settings,
         "model": source.spec.name,
+        "quant": args.quant,
         "tokens_per_session": args.aggregate_tokens,
         "aggregate_tok_s": rates,
         "median_tok_s": {name: {n: statistics.median(v[n]) for n in levels} for name, v in rates.items()},

@@ -135,3 +135,7 @@ class Plan:
 
 # The dtypes FlowSwarm runs and sends, with their size: the one table every layer derives its own view from.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# How a peer may hold its layers' projection weights: as loaded (none), or quantized through bitsandbytes
+# (int8: LLM.int8(); nf4: 4-bit NormalFloat with double-quantized block scales). swarm/models/quant.py.
+QUANT_KINDS: tuple[str, ...] = ("none", "int8", "nf4")

@@ -52,6 +52,7 @@ MAX_REASON_CHARS = 512
 MAX_OLDER_RANGES = 4  # ranges a moving peer still serves for their open sessions (usually 0 or 1)
 
 PeerState = Literal["loading", "serving", "leaving"]
+QuantKind = Literal["none", "int8", "nf4"]  # swarm.types.QUANT_KINDS
 NonNegInt = Annotated[int, Field(ge=0)]
 Count = Annotated[int, Field(ge=0, le=MAX_SESSIONS)]
 CacheTokens = Annotated[int, Field(ge=0, le=MAX_CACHE_TOKENS)]
@@ -111,6 +112,7 @@ class PeerRecord(_Record):
     hidden_size: Annotated[int, Field(gt=0, le=MAX_HIDDEN_SIZE)]
     device: ShortStr  # "cpu", "cuda:0", ...
     dtype: ShortStr
+    quant: QuantKind = "none"  # how its layers' projections are held (absent from records before the field)
     memory_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]  # memory budget of this peer
     state: PeerState
     range_start: LayerIndex  # held layers [range_start, range_end)
@@ -153,6 +155,8 @@ class PeerRecord(_Record):
         value = self.model_dump(mode="python")
         if not value["older_ranges"]:  # absent when empty: readers from before the field accept the record
             del value["older_ranges"]
+        if value["quant"] == "none":  # likewise
+            del value["quant"]
         for link in value["links"].values():
             if link["reverse_bandwidth_bytes_s"] is None:  # likewise
                 del link["reverse_bandwidth_bytes_s"]

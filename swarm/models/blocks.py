@@ -16,7 +16,9 @@ BlockRange is not thread-safe: one executor thread owns it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,14 +28,23 @@ import torch
 from torch import nn
 
 from swarm.errors import CapacityError, ProtocolError, SessionError
-from swarm.models.backends import Batch, Shape, for_device, held_bytes
+from swarm.models.backends import Batch, Shape, for_device
 from swarm.models.kv_cache import KVCache, SessionCache
 from swarm.models.spec import ModelSpec
 from swarm.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_CLASS_PREFIX = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+}
+_MODULE = {"gemma3_text": "gemma3"}  # model types whose classes live in another model type's module
 
 
 def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
@@ -41,7 +52,8 @@ def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module], t
     prefix = _CLASS_PREFIX.get(model_type)
     if prefix is None:
         raise ValueError(f"unsupported model_type {model_type!r}: FlowSwarm runs {', '.join(_CLASS_PREFIX)}")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = _MODULE.get(model_type, model_type)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     return (
         getattr(module, f"{prefix}DecoderLayer"),
         getattr(module, f"{prefix}RotaryEmbedding"),
@@ -77,9 +89,11 @@ class BlockRange:
         device: torch.device,
         dtype: torch.dtype,
         pack_bytes: int = 0,
+        quant: str = "none",
     ) -> None:
         """``pack_bytes``: memory this range may spend on copies of its weights beside them, where its backend
-        has a faster form that needs one (a CPU's packed float32 weights); 0 keeps none."""
+        has a faster form that needs one (a CPU's packed float32 weights); 0 keeps none. ``quant``: how its
+        projections are held (swarm.types.QUANT_KINDS; swarm/models/quant.py)."""
         if len(layers) != len(layer_range):
             raise ValueError(f"got {len(layers)} layers for range {layer_range}")
         _, rotary_class, _ = family_classes(spec.model_type)
@@ -87,13 +101,14 @@ class BlockRange:
         self.range = layer_range
         self.device = device
         self.dtype = dtype
-        self.rotary = rotary_class(config=config).to(device)
+        self.quant = quant
+        rotary = rotary_class(config=config).to(device)
+        # a RoPE per layer type (Gemma 3): the batch's angles are the full-attention layers' (the kernels turn
+        # the others' themselves)
+        per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rotary = functools.partial(rotary, layer_type="full_attention") if per_type else rotary
         self.head_dim = int(getattr(config, "head_dim", None) or spec.hidden_size // spec.num_heads)
         self.cache = KVCache(layer_range, cache_tokens)
-        # We attend over the whole context; a sliding-window model (Mistral v0.1) would see less past that window,
-        # so sessions longer than the window are refused rather than silently computed differently.
-        window = getattr(config, "sliding_window", None)
-        self.max_context_tokens: int | None = int(window) if window else None
         attn: Any = getattr(layers[0], "self_attn", None) if len(layers) else None
         shape = Shape(
             spec.num_heads,
@@ -103,14 +118,19 @@ class BlockRange:
             getattr(config, "hidden_act", None) in ("silu", "swish"),
         )
         # the weights in the form this device holds them (a no-op for layers held so already)
-        self.backend = for_device(device, dtype)
+        self.backend = for_device(device, dtype, quant, spec.model_type)
         self.layers = nn.ModuleList([self.backend.hold(layer) for layer in layers])
         self.kernels = self.backend.range_kernels(list(self.layers), layer_range.start, shape, pack_bytes)
+        # Kernels that are not ``windowed`` attend over the whole context; a sliding-window model (Mistral v0.1)
+        # would see less past that window, so their sessions longer than it are refused rather than silently
+        # computed differently.
+        window = getattr(config, "sliding_window", None)
+        self.max_context_tokens: int | None = int(window) if window and not self.kernels.windowed else None
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights this range holds (shared with other ranges of the same modules)."""
-        return held_bytes(list(self.layers))
+        return self.backend.held_bytes(list(self.layers))
 
     def same_form(self, rows: int, more_rows: int) -> bool:
         """Whether ``more_rows`` more rows leave a forward call of ``rows`` in the same form of products."""

@@ -24,8 +24,13 @@ class ClientHead:
         embed_weight: torch.Tensor,  # [V, H]
         norm: nn.Module,
         lm_head_weight: torch.Tensor,  # [V, H]; the same tensor as embed_weight when embeddings are tied
+        embed_scale: float | None = None,  # embeddings multiplied by it (Gemma 2: sqrt of the hidden size)
+        logit_softcap: float | None = None,  # logits made cap * tanh(logits / cap) (Gemma 2)
     ) -> None:
         self.spec = spec
+        # in the weights' dtype, rounded through float32 as transformers' scaled embedding does
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale).to(embed_weight.dtype)
+        self.logit_softcap = logit_softcap
         self.embed_weight = embed_weight
         self.norm = norm
         self.lm_head_weight = lm_head_weight
@@ -54,19 +59,27 @@ class ClientHead:
             )
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
-        return F.embedding(token_ids.to(self.device), self.embed_weight)
+        hidden = F.embedding(token_ids.to(self.device), self.embed_weight)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale.to(self.device)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """hidden [..., H] (output of the last layer) -> logits [..., V] in float32.
 
         ``argmax_only`` (a greedy pick reads nothing else): each row's argmax is exact as the backend defines it
-        (HeadKernels.greedy_logits), and entries that cannot be it may be -inf instead of their logit."""
+        (HeadKernels.greedy_logits), and entries that cannot be it may be -inf instead of their logit. Soft-capped
+        logits are always whole: capping can make distinct logits equal, and the first of them is the argmax."""
         if hidden.shape[-1] != self.spec.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != model hidden size {self.spec.hidden_size}")
         normed = self.norm(hidden.to(self.device, self.dtype))
         rows = normed.reshape(-1, self.hidden_size)  # [N, H]
-        out = self.kernels.greedy_logits(rows) if argmax_only else self.kernels.logits(rows)
+        if self.logit_softcap is not None:
+            cap = self.logit_softcap
+            out = torch.tanh(self.kernels.logits(rows) / cap) * cap
+        elif argmax_only:
+            out = self.kernels.greedy_logits(rows)
+        else:
+            out = self.kernels.logits(rows)
         return out.reshape(*normed.shape[:-1], -1)
 
 

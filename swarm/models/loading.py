@@ -23,9 +23,10 @@ from safetensors import safe_open
 from torch import nn
 
 from swarm import config as swarm_config
-from swarm.models import checkpoints
-from swarm.models.backends import for_device, held_bytes
+from swarm.models import checkpoints, hub
+from swarm.models.backends import for_device
 from swarm.models.blocks import BlockRange, family_classes
+from swarm.models.device import parse_device
 from swarm.models.head import ClientHead
 from swarm.models.spec import ModelSpec, dtype_name, torch_dtype
 from swarm.types import LayerRange
@@ -37,7 +38,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def resolve_model(model: str) -> ModelSource:
-    """ "default" (packaged SmolLM2-135M GGUF), "tiny" / "tiny:SEED" (random tiny Llama), or an HF dir path."""
+    """ "default" (packaged SmolLM2-135M GGUF), "tiny" / "tiny:SEED" (random tiny Llama), an HF dir path, or a
+    hub id ORG/NAME (downloaded once into the model cache: swarm/models/hub.py)."""
     _set_torch_threads()
     if model == "default":
         return ModelSource(checkpoints.ensure_default_checkpoint())
@@ -46,22 +48,15 @@ def resolve_model(model: str) -> ModelSource:
         if not seed_text.isdigit():
             raise ValueError(f"bad tiny model {model!r}: expected tiny or tiny:SEED with an integer SEED")
         return ModelSource(checkpoints.ensure_tiny_checkpoint(int(seed_text)))
+    if hub.is_hub_id(model):  # ORG/NAME, and no such local path
+        return ModelSource(hub.fetch(model))
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model {model!r} is neither 'default', 'tiny[:SEED]' nor a checkpoint dir with a config.json"
+            f"model {model!r} is neither 'default', 'tiny[:SEED]', a checkpoint dir with a config.json "
+            "nor a hub id ORG/NAME"
         )
     return ModelSource(path)
-
-
-def parse_device(device: str) -> torch.device:
-    if device == "cpu":
-        return torch.device("cpu")
-    if device == "cuda" or device.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
-        return torch.device(device)
-    raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _set_torch_threads() -> None:
@@ -71,14 +66,15 @@ def _set_torch_threads() -> None:
 
 
 class ModelSource:
-    """A Llama-family safetensors checkpoint dir: its spec, config and tensors, loadable piece by piece."""
+    """A safetensors checkpoint dir of one of spec.FAMILIES: its spec, config and tensors, loadable piece by
+    piece."""
 
     def __init__(self, path: Path) -> None:
         checkpoints.offline_hub()
         from transformers import AutoConfig
 
         self.path = path
-        self._prefix = "model."  # Llama-family checkpoints name decoder tensors model.layers.N.*
+        self._prefix = "model."  # checkpoints of every family we run name decoder tensors model.layers.N.*
         self.config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
         self._files = self._tensor_files()  # tensor name -> file holding it
         meta = checkpoints.read_metadata(path)
@@ -88,7 +84,8 @@ class ModelSource:
             self.config, name=name, dtype=self._stored_dtype(), weights_hash=digest
         )
         self._prefix = "model."
-        self._held_layer_bytes: dict[tuple[str, str], int] = {}  # by (device, dtype): held_layer_bytes
+        # by (device, dtype, quant): held_layer_bytes
+        self._held_layer_bytes: dict[tuple[str, str, str], int] = {}
 
     def __repr__(self) -> str:
         return f"ModelSource({self.spec.name!r}, {self.path})"
@@ -146,26 +143,28 @@ class ModelSource:
         dtype: str = "float32",
         cache_tokens: int = DEFAULT_CACHE_TOKENS,
         pack_bytes: int = 0,
+        quant: str = "none",
     ) -> BlockRange:
-        """Layers [start, end), reading only their tensors (``pack_bytes``: see BlockRange)."""
+        """Layers [start, end), reading only their tensors (``pack_bytes``, ``quant``: see BlockRange)."""
         layers = LayerRange(start, end)
         layers.check_within(self.spec.num_layers)
         torch_device, torch_type = parse_device(device), torch_dtype(dtype)
         _set_torch_threads()
         began = time.perf_counter()
-        backend = for_device(torch_device, torch_type)
+        backend = for_device(torch_device, torch_type, quant, self.spec.model_type)
         # each layer held in the backend's form as it is read, so a float32 copy of one layer at most is alive
         modules = [backend.hold(self._layer(layer, torch_device, torch_type)) for layer in range(start, end)]
         logger.info(
-            "loaded layers %s of %s on %s (%s) in %.2f s",
+            "loaded layers %s of %s on %s (%s%s) in %.2f s",
             layers,
             self.spec.name,
             device,
             dtype,
+            "" if quant == "none" else f", {quant}",
             time.perf_counter() - began,
         )
         return BlockRange(
-            self.spec, self.config, modules, layers, cache_tokens, torch_device, torch_type, pack_bytes
+            self.spec, self.config, modules, layers, cache_tokens, torch_device, torch_type, pack_bytes, quant
         )
 
     def _layer(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -176,18 +175,23 @@ class ModelSource:
         tensors = self.read_tensors(names, device, dtype)
         with torch.device("meta"):
             module = layer_class(self.config, layer_idx=layer)
-        module.load_state_dict({n[len(prefix) :]: t for n, t in tensors.items()}, strict=True, assign=True)
+        state = {n[len(prefix) :]: t for n, t in tensors.items()}
+        if self.spec.num_experts:
+            state = _fused_experts(state, self.spec.num_experts)
+        module.load_state_dict(state, strict=True, assign=True)
         return module.eval()
 
-    def held_layer_bytes(self, device: str = "cpu", dtype: str = "float32") -> int:
+    def held_layer_bytes(self, device: str = "cpu", dtype: str = "float32", quant: str = "none") -> int:
         """Bytes one decoder layer's weights take as ``device``'s backend holds them (the first layer, loaded
-        and held once): what a memory budget counts per layer (3/16 of float32 for a CPU's 4-bit weights)."""
-        key = (device, dtype)
+        and held once): what a memory budget counts per layer (3/16 of float32 for a CPU's 4-bit weights;
+        nf4: ~4.13 bits a projection weight, its block scales included)."""
+        key = (device, dtype, quant)
         if key not in self._held_layer_bytes:
             torch_device, torch_type = parse_device(device), torch_dtype(dtype)
             _set_torch_threads()
-            layer = for_device(torch_device, torch_type).hold(self._layer(0, torch_device, torch_type))
-            self._held_layer_bytes[key] = held_bytes([layer])
+            backend = for_device(torch_device, torch_type, quant, self.spec.model_type)
+            layer = backend.hold(self._layer(0, torch_device, torch_type))
+            self._held_layer_bytes[key] = backend.held_bytes([layer])
         return self._held_layer_bytes[key]
 
     def load_head(self, device: str = "cpu", dtype: str = "float32") -> ClientHead:
@@ -204,7 +208,11 @@ class ModelSource:
         )
         norm.weight.data.copy_(tensors[norm_name])
         lm_head = tensors[embed_name] if tied else tensors["lm_head.weight"]
-        return ClientHead(self.spec, tensors[embed_name], norm.eval(), lm_head)
+        # Gemma scales its embeddings by sqrt(hidden size); Gemma 2 soft-caps its logits
+        scaled = self.spec.family in ("gemma2", "gemma3")
+        embed_scale = float(self.spec.hidden_size**0.5) if scaled else None
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        return ClientHead(self.spec, tensors[embed_name], norm.eval(), lm_head, embed_scale, softcap)
 
     def load_reference_model(self, device: str = "cpu", dtype: str = "float32") -> Any:
         """The whole model as a plain transformers *ForCausalLM (tests and benchmarks compare against it)."""
@@ -215,6 +223,32 @@ class ModelSource:
             self.path, dtype=torch_dtype(dtype), local_files_only=True
         )
         return model.to(parse_device(device)).eval()
+
+
+def _fused_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """A Mixtral layer's tensors as its module takes them: checkpoints keep each expert's w1 (gate), w3 (up)
+    and w2 (down) under block_sparse_moe; the module holds them fused, gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I], and the router under mlp.gate. A layer already in the module's form is left as it is."""
+    old = "block_sparse_moe."
+    if not any(name.startswith(old) for name in state):
+        return state
+    out = {name: t for name, t in state.items() if not name.startswith(old)}
+    experts = [f"{old}experts.{e}." for e in range(num_experts)]
+    try:
+        out["mlp.gate.weight"] = state[f"{old}gate.weight"]
+        out["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{e}w1.weight"], state[f"{e}w3.weight"]]) for e in experts]
+        )
+        out["mlp.experts.down_proj"] = torch.stack([state[f"{e}w2.weight"] for e in experts])
+    except KeyError as e:
+        raise ValueError(
+            f"a Mixtral layer lacks tensor {e}: not a checkpoint of {num_experts} experts"
+        ) from None
+    known = {f"{old}gate.weight"} | {f"{e}{w}.weight" for e in experts for w in ("w1", "w2", "w3")}
+    unknown = sorted(name for name in state if name.startswith(old) and name not in known)
+    if unknown:
+        raise ValueError(f"unexpected Mixtral tensors {unknown[:3]}")
+    return out
 
 
 __all__ = ["ModelSource", "resolve_model", "parse_device", "dtype_name", "DEFAULT_CACHE_TOKENS"]

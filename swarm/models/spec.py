@@ -12,9 +12,20 @@ import torch
 
 from swarm.wire import WIRE_DTYPES as DTYPES
 
-# Families whose decoder layer is the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
-# Mistral and Qwen2 differ only in config details (sliding window, q/k/v biases) handled by their modules.
-FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# transformers model_type -> family. The "llama" family's decoder layer is the Llama block (RMSNorm, RoPE, GQA
+# attention, SwiGLU MLP): Mistral and Qwen2 differ only in config details (sliding window, q/k/v biases) handled by
+# their modules. The others have a layer of their own (swarm.models.backends.families): Qwen3 norms q and k per
+# head, Mixtral's MLP is a mixture of experts, Gemma 2 has more norms, soft-capping and sliding-window layers,
+# Gemma 3 (its text-only checkpoints) norms q and k and turns the sliding layers' RoPE at a base of its own.
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,7 +48,7 @@ class ModelSpec:
     """What a model is, independent of where its weights live."""
 
     name: str  # human name, e.g. "SmolLM2-135M-Instruct" or "tiny-0"
-    family: str  # "llama" (Mistral and Qwen2 checkpoints are Llama-family variants)
+    family: str  # "llama" (also Mistral and Qwen2 checkpoints), "qwen3", "mixtral", "gemma2" or "gemma3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -46,20 +57,24 @@ class ModelSpec:
     dtype: str  # dtype of the checkpoint's weights as stored ("float32", "bfloat16", "float16")
     weights_hash: str  # hex sha256 over the weight files: equal hashes mean the same weights
     intermediate_size: int = 0  # MLP width; 0 when unknown (older records)
-    model_type: str = "llama"  # transformers model_type: "llama", "mistral" or "qwen2"
+    model_type: str = "llama"  # transformers model_type: a key of FAMILIES
+    head_size: int = 0  # width of one attention head; 0 when it is hidden_size // num_heads
+    num_experts: int = 0  # experts of a mixture-of-experts MLP, each intermediate_size wide; 0: one dense MLP
 
     def __post_init__(self) -> None:
         if self.family not in set(FAMILIES.values()):
             raise ValueError(f"unknown model family {self.family!r}")
         if min(self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size) <= 0:
             raise ValueError(f"model spec {self.name!r} has a non-positive size: {self}")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+        if (self.head_size <= 0 and self.hidden_size % self.num_heads) or self.num_heads % self.num_kv_heads:
             raise ValueError(f"model spec {self.name!r}: heads do not divide hidden size / kv heads")
+        if self.head_size < 0 or self.num_experts < 0:
+            raise ValueError(f"model spec {self.name!r} has a negative head size or expert count: {self}")
         torch_dtype(self.dtype)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def dtype_bytes(self) -> int:
@@ -76,11 +91,12 @@ class ModelSpec:
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention + MLP + two norms; biases ignored)."""
-        kv_width = self.num_kv_heads * self.head_dim
-        attention = 2 * self.hidden_size * self.hidden_size + 2 * self.hidden_size * kv_width
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return attention + mlp + 2 * self.hidden_size
+        """Parameters of one decoder layer (attention + MLP or experts and router + two norms; biases ignored)."""
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = 2 * self.hidden_size * q_width + 2 * self.hidden_size * kv_width
+        mlp = 3 * self.hidden_size * self.intermediate_size * max(1, self.num_experts)
+        router = self.hidden_size * self.num_experts
+        return attention + mlp + router + 2 * self.hidden_size
 
     def layer_bytes(self, dtype: str | None = None) -> int:
         """Bytes of weights of one decoder layer when loaded in `dtype` (default: the checkpoint's)."""
@@ -107,13 +123,15 @@ class ModelSpec:
                 weights_hash=str(data["weights_hash"]),
                 intermediate_size=int(data.get("intermediate_size", 0)),
                 model_type=str(data.get("model_type", "llama")),
+                head_size=int(data.get("head_size", 0)),
+                num_experts=int(data.get("num_experts", 0)),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad model spec {data!r}: {e!r}") from e
 
     @classmethod
     def from_config(cls, config: Any, name: str, dtype: str, weights_hash: str) -> ModelSpec:
-        """Build from a transformers config of a Llama-family model."""
+        """Build from a transformers config of a model of one of FAMILIES."""
         model_type = getattr(config, "model_type", "")
         if model_type not in FAMILIES:
             raise ValueError(
@@ -131,4 +149,12 @@ class ModelSpec:
             weights_hash=weights_hash,
             intermediate_size=int(config.intermediate_size),
             model_type=model_type,
+            head_size=_head_size(config),
+            num_experts=int(getattr(config, "num_local_experts", None) or 0),
         )
+
+
+def _head_size(config: Any) -> int:
+    """The config's head width where it is not hidden_size // num_attention_heads (Qwen3, Gemma 2), else 0."""
+    head_dim = int(getattr(config, "head_dim", None) or 0)
+    return 0 if head_dim * int(config.num_attention_heads) == int(config.hidden_size) else head_dim

@@ -47,6 +47,20 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
     return from_arguments(PeerConfig, args)
 
 
+def check_before_join(config: PeerConfig) -> None:
+    """What the machine lacks for this config, as a ValueError naming the fix, before the DHT, p2p or any
+    weight load starts (a CUDA device without a CUDA build of torch or a driver; --quant without bitsandbytes)."""
+    from swarm.models.device import parse_device
+
+    device = parse_device(config.device)
+    if config.quant != "none":
+        import torch
+
+        from swarm.models.quant import check_runs
+
+        check_runs(config.quant, device, getattr(torch, config.torch_dtype_name))
+
+
 async def _join(config: PeerConfig) -> None:
     from swarm.peer.server import run  # torch and the model code load only for `join`
 
@@ -72,6 +86,7 @@ def snapshot_json(
             "peer_id": r.peer_id,
             "name": r.name,
             "state": r.state,
+            "quant": r.quant,
             "range": [r.range_start, r.range_end],
             "older_ranges": [[o.start, o.end, o.sessions] for o in r.older_ranges],  # [start, end, sessions]
             "decode_tokens_s": r.decode_layer_tokens_s_b1,
@@ -111,9 +126,10 @@ def _print_status(data: dict[str, object]) -> None:
     assert isinstance(peers, list)
     print(f"{len(peers)} peers; coverage per layer: {data['coverage']}; planner: {data['planner']}")
     for p in peers:
+        quant = "" if p["quant"] == "none" else f"{p['quant']} "
         print(
             f"  {p['name']:>12} {p['peer_id'][-10:]} layers {p['range'][0]}:{p['range'][1]} {p['state']:<8} "
-            f"decode {p['decode_tokens_s']:.0f} tok/s/layer, free cache {p['free_cache_tokens']}, "
+            f"{quant}decode {p['decode_tokens_s']:.0f} tok/s/layer, free cache {p['free_cache_tokens']}, "
             f"sessions {p['active_sessions']}"
         )
     if data["plan"]:
@@ -178,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command == "join":
-            coro = _join(peer_config(args))
+            config = peer_config(args)
+            check_before_join(config)
+            coro = _join(config)
         else:
             coro = _status(args)
         import uvloop

@@ -17,7 +17,7 @@ from swarm.planner.replan import ReplanConfig
 from swarm.planner.split import SplitConfig
 from swarm.routing.route import RoutingConfig
 from swarm.settings import component, positive, setting
-from swarm.types import DTYPE_BYTES, LayerRange
+from swarm.types import DTYPE_BYTES, QUANT_KINDS, LayerRange
 
 PLANNER_METHODS = ("milp", "search", "greedy", "swarm", "separate")
 SHARED_DEVICE_MODES = ("auto", "on", "off")  # ExecutorConfig.shared_device
@@ -317,6 +317,12 @@ class PeerConfig:
     dtype: str | None = setting(
         None, "weights and activations (default: float32 on CPU, bfloat16 on GPU)", choices=tuple(DTYPE_BYTES)
     )
+    quant: str = setting(
+        "none",
+        "hold the layers' projection weights quantized through bitsandbytes: int8 (LLM.int8()) or nf4"
+        " (4-bit, ~1/4 of float16's memory); none keeps them as loaded",
+        choices=QUANT_KINDS,
+    )
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "port to listen on (0: any free)")
     listen: bool = setting(
@@ -366,6 +372,8 @@ class PeerConfig:
             LayerRange.parse(self.layers)  # raises ValueError with a clear message
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"unknown device {self.device!r}: use cpu, cuda or cuda:N")
+        if self.quant not in QUANT_KINDS:
+            raise ValueError(f"unknown quant {self.quant!r}: use one of {', '.join(QUANT_KINDS)}")
         positive(self, "cache_tokens", "max_memory_gb", "record_ttl_s")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range 0..65535")

@@ -163,7 +163,7 @@ def assemble_blocks(
         # A run of layers we do not hold: load it in one go.
         end = held.range.start if layer < held.range.start else layers.end
         end = min(end, layers.end)
-        loaded = source.load_blocks(layer, end, device, dtype, cache_tokens=0)
+        loaded = source.load_blocks(layer, end, device, dtype, cache_tokens=0, quant=held.quant)
         modules.extend(loaded.layers)
         layer = end
     return BlockRange(
@@ -175,13 +175,14 @@ def assemble_blocks(
         held.device,
         held.dtype,
         pack_bytes,
+        held.quant,
     )
 
 
 def spare_bytes(source: ModelSource, held: BlockRange, memory_bytes: int, layers: LayerRange) -> int:
     """BlockRange's ``pack_bytes`` for ``layers`` within a budget of ``memory_bytes``, counted as at join."""
     device, dtype = str(held.device), str(held.dtype).removeprefix("torch.")
-    weight_bytes = source.held_layer_bytes(device, dtype)
+    weight_bytes = source.held_layer_bytes(device, dtype, held.quant)
     cache_tokens = held.cache.cache_tokens
     return packing_bytes(source.spec, dtype, memory_bytes, cache_tokens, len(layers), weight_bytes)
 
@@ -324,7 +325,7 @@ class PlanFollower:
         if not await self._handover(dropped_layers(old.range, target), epoch):
             return False
         device, dtype = str(old.blocks.device), str(old.blocks.dtype).removeprefix("torch.")
-        cache_tokens = old.blocks.cache.cache_tokens
+        cache_tokens, quant = old.blocks.cache.cache_tokens, old.blocks.quant
         spare = spare_bytes(self.source, old.blocks, self.peer.identity.memory_bytes, target)
         keep = old.range.intersect(target)
         if keep is not None:
@@ -343,7 +344,14 @@ class PlanFollower:
             await self.peer.carry_over(blocks)
         else:
             fresh = await asyncio.to_thread(
-                self.source.load_blocks, target.start, target.end, device, dtype, cache_tokens, spare
+                self.source.load_blocks,
+                target.start,
+                target.end,
+                device,
+                dtype,
+                cache_tokens,
+                spare,
+                quant,
             )
             self.peer.serve(fresh)
         await self._announce(target)

@@ -362,8 +362,9 @@ class PeerHandlers:
         if served is None:
             raise SessionError(f"no session {key[:16]} of yours here to move")
         with self._admit(remote_id):
+            part = LayerRange(*request.layers) if request.layers is not None else None
             tokens, kv_bytes = await self.handover.move(
-                served, key, request.target_peer_id, request.target_maddrs
+                served, key, request.target_peer_id, request.target_maddrs, part
             )
         return MoveReply(tokens, kv_bytes)
 

@@ -56,10 +56,11 @@ class Snapshot:
 
     key: str
     max_length_tokens: int
-    layers: LayerRange
+    layers: LayerRange  # the layers read
     position: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    held: LayerRange  # all the layers the session holds here
 
 
 class Handovers:
@@ -134,13 +135,24 @@ class Handovers:
 
         return await self._send(served, key, choose) is not None
 
-    async def move(self, served: Served, key: str, target: str, maddrs: tuple[str, ...]) -> tuple[int, int]:
+    async def move(
+        self,
+        served: Served,
+        key: str,
+        target: str,
+        maddrs: tuple[str, ...],
+        part: LayerRange | None = None,
+    ) -> tuple[int, int]:
         """Hand session ``key`` of ``served`` to ``target``, named by its client (rpc_move): (tokens, KV bytes)
-        moved. Raises what went wrong (the target refused: its layers, its cache); the session then stays."""
+        moved. With ``part``, only those of its layers, and the session stays here too. Raises what went wrong
+        (the target refused: its layers, its cache); the session then stays."""
         if target == self.peer.peer_id:
             raise ProtocolError("a session cannot move to the peer it is on")
+        session = served.sessions.get(key)
+        if session is not None and part is None and session.handover.parted:
+            raise ProtocolError(f"session {key[:16]} was handed over in parts already: it cannot go whole")
         # the client names the target, which may refuse (or be no peer at all): one token first, then the bulk
-        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1)
+        moved = await self._send(served, key, lambda _snapshot: (target, maddrs), first_tokens=1, part=part)
         if moved is None:
             raise SessionError(f"session {key[:16]} holds no tokens here yet: nothing to move")
         return moved
@@ -151,20 +163,30 @@ class Handovers:
         key: str,
         choose: Callable[[Snapshot], tuple[str, tuple[str, ...]] | None],
         first_tokens: int = 0,
+        part: LayerRange | None = None,
     ) -> tuple[int, int] | None:
-        """Freeze session ``key``, send its cache to the peer ``choose`` names for its snapshot, close it here:
-        (tokens, KV bytes) sent, or None if it had nothing to move or ``choose`` named nobody."""
+        """Freeze session ``key``, send its cache (only ``part`` of its layers, if given) to the peer ``choose``
+        names for its snapshot, and close it here unless only a part went: (tokens, KV bytes) sent, or None if
+        it had nothing to move or ``choose`` named nobody."""
         session = served.sessions.get(key)
         if session is None:
             return None
         state = session.handover
+        if state.frozen is not None:  # one hand-over of a session at a time: each would send it all
+            raise SessionError(f"session {key[:16]} is being handed over already")
+        reserved = set(range(part.start, part.end)) if part is not None else set()
+        if reserved & state.parted:
+            raise ProtocolError(f"layers of {part} of session {key[:16]} were handed over already")
+        state.parted |= reserved  # so a concurrent ask for them is refused; given back unless they went
         frozen = state.frozen = asyncio.get_running_loop().create_future()
+        whole = went = False
         try:
             async with self._idle:  # the step already computing finishes first
                 await self._idle.wait_for(lambda: not state.in_flight)
-            snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key))
+            snapshot = await self.peer.executor.call(lambda: read_session(served.blocks, key, part))
             if snapshot is None:
                 return None
+            whole = snapshot.layers == snapshot.held and state.parted == reserved
             chosen = choose(snapshot)
             if chosen is None:
                 return None
@@ -179,19 +201,25 @@ class Handovers:
                 )
             if not installed:
                 raise ProtocolError(f"{successor[-8:]} did not confirm the hand-over")
-            self._remember_moved(key, successor)
+            went = True
+            if whole:
+                self._remember_moved(key, successor)
             logger.info(
-                "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s",
+                "handed session %s (%d tokens of layers %s, %d KV bytes) over to %s in %.3f s",
                 key[:8],
                 snapshot.position,
+                snapshot.layers,
                 sent_bytes,
                 successor[-8:],
                 time.perf_counter() - began,
             )
         finally:
+            if not went:
+                state.parted -= reserved
             state.frozen = None
             frozen.set_result(None)
-        await self.peer.close(key)
+        if whole:
+            await self.peer.close(key)
         return snapshot.position, sent_bytes
 
     def _remember_moved(self, key: str, successor: str) -> None:
@@ -277,9 +305,10 @@ class Handovers:
             raise ProtocolError(f"hand-over keys in {request.keys.dtype}: a float dtype is expected")
 
 
-def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
-    """Copy session ``key``'s cache (on the torch thread); None when it has no tokens or its layers disagree
-    (a session half-way through a step: not worth moving)."""
+def read_session(blocks: BlockRange, key: str, part: LayerRange | None = None) -> Snapshot | None:
+    """Copy session ``key``'s cache (only ``part`` of its layers, if given) on the torch thread; None when it
+    has no tokens or its layers disagree (a session half-way through a step: not worth moving). ProtocolError if
+    it does not hold all of ``part``."""
     try:
         cache = blocks.cache.get(key)
     except SessionError:
@@ -291,13 +320,16 @@ def read_session(blocks: BlockRange, key: str) -> Snapshot | None:
     position = cache.lengths[first]
     if any(n != position for n in cache.lengths[first : last + 1]):
         return None
+    held = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
+    layers = part or held
+    if not held.covers(layers):
+        raise ProtocolError(f"session holds layers {held} here: cannot move layers {layers}")
     keys, values = [], []
-    for i in range(first, last + 1):
-        k, v = cache.gather(cache.layers.start + i, position)
+    for layer in range(layers.start, layers.end):
+        k, v = cache.gather(layer, position)
         keys.append(k.to("cpu", copy=True))
         values.append(v.to("cpu", copy=True))
-    layers = LayerRange(cache.layers.start + first, cache.layers.start + last + 1)
-    return Snapshot(key, cache.max_length_tokens, layers, position, keys, values)
+    return Snapshot(key, cache.max_length_tokens, layers, position, keys, values, held)
 
 
 def chunks(

@@ -148,7 +148,9 @@ async def _serve(
     shape = ModelShape(source.spec.num_layers, source.spec.hidden_size)  # from the spec our DHT keys name
     directory_config = DirectoryConfig(ttl_s=config.record_ttl_s, lease_s=config.election.lease_s)
     directory = Directory(dht, directory_config, shape=shape)
-    weight_bytes = await asyncio.to_thread(source.held_layer_bytes, config.device, config.torch_dtype_name)
+    weight_bytes = await asyncio.to_thread(
+        source.held_layer_bytes, config.device, config.torch_dtype_name, config.quant
+    )
     identity = _identity(config, source.spec, dht, weight_bytes)
     layers = await _choose_layers(config, directory, source.spec, identity.max_layers)
     shared = SharedDevice.for_device(config.device, config.executor.shared_device)
@@ -320,7 +322,7 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         identity.memory_bytes / 1024**3,
     )
     dtype = config.torch_dtype_name
-    weight_bytes = source.held_layer_bytes(config.device, dtype)
+    weight_bytes = source.held_layer_bytes(config.device, dtype, config.quant)
     spare = packing_bytes(spec, dtype, identity.memory_bytes, config.cache_tokens, len(layers), weight_bytes)
     blocks = await asyncio.to_thread(
         source.load_blocks,
@@ -330,6 +332,7 @@ async def _load_and_measure(config: PeerConfig, source: ModelSource, peer: Peer,
         config.torch_dtype_name,
         config.cache_tokens,
         spare,
+        config.quant,
     )
     logger.info("measuring compute speed of one layer")
     peer.compute = await peer.executor.call(lambda: measure_compute(blocks))

@@ -36,6 +36,9 @@ class HandoverState:
     frozen: asyncio.Future[None] | None = None  # set while its cache is sent away: new steps wait for it
     in_flight: int = 0  # its steps computing now (a hand-over waits for them to end)
     incoming: Incoming | None = None  # set while its cache comes in from a peer that hands it over
+    # layers already handed over in parts (a stage split between decode peers): each goes once, so a client
+    # cannot have us send one session's cache again and again, each copy charged to our share elsewhere
+    parted: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)

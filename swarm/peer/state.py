@@ -527,6 +527,7 @@ class Peer:
             hidden_size=self.spec.hidden_size,
             device=str(blocks.device) if blocks is not None else "",
             dtype=dtype_name(blocks.dtype) if blocks is not None else "",
+            quant=blocks.quant if blocks is not None else "none",  # type: ignore[arg-type]
             memory_bytes=self.identity.memory_bytes,
             state=_RECORD_STATE[self.status],  # type: ignore[arg-type]
             range_start=start,

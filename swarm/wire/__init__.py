@@ -175,6 +175,8 @@ def _encode_body(msg: Request | Reply) -> dict[str, Any]:
         return fields | {"keys": encode_tensor(msg.keys), "values": encode_tensor(msg.values)}
     if isinstance(msg, MoveRequest):
         body = {"session_id": msg.session_id, "target_peer_id": msg.target_peer_id}
+        if msg.layers is not None:  # a whole session's move keeps its old bytes
+            body |= {"start": msg.layers[0], "end": msg.layers[1]}
         return body | {"target_maddrs": list(msg.target_maddrs)} | _absent_when_unset(origin=msg.origin)
     if isinstance(msg, InfoReply):
         fields = {
@@ -332,7 +334,8 @@ def _decode_move(body: dict[str, Any]) -> MoveRequest:
     if not target:
         raise ProtocolError("move.target_peer_id must name a peer")
     maddrs = _maddrs(body.get("target_maddrs", []), w)
-    return MoveRequest(_str(body, "session_id", w, 128), target, maddrs, _origin(body, w))
+    layers = _layers(body, w) if "start" in body or "end" in body else None
+    return MoveRequest(_str(body, "session_id", w, 128), target, maddrs, _origin(body, w), layers)
 
 
 def _decode_move_reply(body: dict[str, Any]) -> MoveReply:

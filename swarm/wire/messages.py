@@ -193,12 +193,16 @@ class MoveRequest:
     ``target_maddrs``), as a leaving peer would (HandoverRequest chunks), e.g. from the prefill route to a decode
     peer after the prompt. Only the session's own client may ask: the session is the caller's, and ``origin``,
     if set, must be the caller. The target must hold the session's layers; it refuses otherwise, or when its
-    cache is full, and the session then stays here."""
+    cache is full, and the session then stays here.
+
+    With ``layers`` (start, end), only those of the session's layers move, and the session stays here too (a
+    stage split between decode peers: one part to each, the client closes it here once all are in)."""
 
     session_id: str
     target_peer_id: str
     target_maddrs: tuple[str, ...] = ()
     origin: str = ""
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 session's KV cache to its decode peer (rpc_move), and decoding goes on there with nothing replayed.
 
 Five ``swarm-peer`` processes of the tiny model (6 layers), nobody following the plan: the prefill route
-p1 0:3 -> p2 3:6, the decode peers d1 0:3 and d2 3:6, and ``small`` 0:3 whose cache is too small for the
-session (it refuses the hand-over). Greedy tokens equal local transformers' in every case.
+p1 0:3 -> p2 3:6, the decode peers d1 0:3 and d2 3:6, ``small`` 0:3 whose cache is too small for the
+session (it refuses the hand-over), and ``whole`` 0:6, whose one stage moves to d1 and d2 in two parts. Greedy tokens equal local transformers' in every case.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from swarm.models.loading import ModelSource
 from swarm.routing.route import Route, Stage
 from swarm.testing import LocalSwarm, greedy_reference
 from swarm.testing.launcher import PeerProcess
-from swarm.transport import call_move
+from swarm.transport import call_info, call_move
 from swarm.types import LayerRange, NodeID
 from swarm.wire import MoveRequest
 
@@ -51,7 +51,7 @@ def expected(tiny_source: ModelSource) -> list[int]:
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     with LocalSwarm(tmp_path_factory.mktemp("split"), model="tiny:0") as local:
         local.start_peer("0:3", name="p1", extra_args=FIXED)
-        for name, layers in (("p2", "3:6"), ("d1", "0:3"), ("d2", "3:6")):
+        for name, layers in (("p2", "3:6"), ("d1", "0:3"), ("d2", "3:6"), ("whole", "0:6")):
             local.start_peer(layers, name=name, extra_args=FIXED, wait=False)
         small = [*FIXED, "--cache-tokens", str(SMALL_CACHE_TOKENS)]
         local.start_peer("0:3", name="small", extra_args=small, wait=False)
@@ -137,6 +137,25 @@ def test_a_session_prefills_on_one_route_and_decodes_on_another_without_replay(
         assert "installed session" in _peer(swarm, name).log_path.read_text(errors="replace")
 
 
+def test_a_stage_holding_both_decode_stages_layers_moves_to_them_in_parts(
+    swarm: LocalSwarm, client: SwarmClient, expected: list[int]
+) -> None:
+    prefill = _route(swarm, ("whole", 0, 6))
+    decode = _route(swarm, ("d1", 0, 3), ("d2", 3, 6))
+    tokens, session = _generate(client, prefill, decode)
+    assert tokens == expected
+    assert [(m.error, m.tokens, m.part) for m in session.moves] == [
+        ("", len(PROMPT_IDS), LayerRange(0, 3)),
+        ("", len(PROMPT_IDS), LayerRange(3, 6)),
+    ]
+    assert session.stages == decode
+    assert session.replays == [] and session.replayed_tokens == 0 and session.failovers == 0
+    whole, chain = _peer(swarm, "whole"), client.aclient.chain
+    assert isinstance(chain, RemoteChain)
+    info = client.run(call_info(chain.p2p, whole.peer_id, maddrs=tuple(whole.maddrs)))
+    assert info.active_sessions == 0  # closed there once both parts were in
+
+
 def test_a_refused_move_decodes_that_stage_on_the_prefill_route(
     swarm: LocalSwarm, client: SwarmClient, expected: list[int]
 ) -> None:
@@ -154,8 +173,8 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
     swarm: LocalSwarm, client: SwarmClient, expected: list[int]
 ) -> None:
     """Moves the session's client never asked for, sent after the prompt: a wrong origin, an unknown session,
-    a target that does not hold the session's layers, one that has it open already, the peer itself. Each
-    fails alone; the session decodes on, exactly."""
+    a target that does not hold the session's layers, one that has it open already, the peer itself, layers the
+    session does not hold here, a part sent before. Each fails alone; the session decodes on, exactly."""
     prefill = _route(swarm, ("p1", 0, 3), ("p2", 3, 6))
     chain = client.aclient.chain
     assert isinstance(chain, RemoteChain)
@@ -172,6 +191,9 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
                 session_id, p2.peer_id, tuple(p2.maddrs)
             ),  # the session's next hop: open there already
             MoveRequest(session_id, p1.peer_id),  # the peer itself
+            MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(2, 5)),  # layers it does not hold
+            MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(0, 2)),  # a part: it goes
+            MoveRequest(session_id, d1.peer_id, tuple(d1.maddrs), layers=(1, 3)),  # layer 1 again: refused
         ):
             try:
                 await call_move(chain.p2p, p1.peer_id, request, maddrs=tuple(p1.maddrs), timeout_s=30)
@@ -194,10 +216,19 @@ def test_hostile_moves_get_clear_errors_and_the_session_goes_on(
         return tokens
 
     assert client.run(run()) == expected
-    kinds = [ProtocolError, SessionError, CapacityError, SessionError, ProtocolError]
+    kinds = [
+        ProtocolError,
+        SessionError,
+        CapacityError,
+        SessionError,
+        ProtocolError,
+        ProtocolError,
+        ProtocolError,
+    ]
     assert [type(e) for e in errors] == kinds, errors
     assert "origin" in str(errors[0]) and "no session" in str(errors[1]) and "holds 3:6" in str(errors[2])
     assert "already open" in str(errors[3]) and "the peer it is on" in str(errors[4])
+    assert "cannot move layers 2:5" in str(errors[5]) and "handed over already" in str(errors[6])
 
 
 def test_a_killed_target_leaves_the_session_on_the_prefill_route(

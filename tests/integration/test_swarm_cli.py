@@ -37,6 +37,7 @@ def _run(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
         (["join", "--cache-tokens", "-1"], "must be positive"),
         (["join", "--max-memory-gb", "0"], "must be positive"),
         (["join", "--dtype", "int8"], "invalid choice"),
+        (["join", "--quant", "fp3"], "invalid choice"),
         (["join", "--port", "x"], "invalid int value"),
         (["status"], "--initial-peers"),
     ],

@@ -34,6 +34,8 @@ def test_move_messages_round_trip() -> None:
     assert request_verb(MOVE) == "move"
     bare = MoveRequest("abc123", "QmTarget")  # no maddrs, no origin: the caller is the client
     assert decode_request(encode_request(bare)) == bare
+    part = MoveRequest("abc123", "QmTarget", layers=(3, 6))  # a part of the session's layers
+    assert decode_request(encode_request(part)) == part
     assert decode_reply(encode_reply(MoveReply(2048, 31_457_280))) == MoveReply(2048, 31_457_280)
 
 
@@ -47,6 +49,10 @@ def test_move_messages_round_trip() -> None:
         ({"target_maddrs": [b"bytes"]}, "maddrs"),
         ({"session_id": None}, "session_id"),
         ({"origin": 1}, "origin"),
+        ({"start": 3}, "end"),  # a part names both ends
+        ({"start": 3, "end": 3}, "empty layer range"),
+        ({"start": -1, "end": 3}, "start"),
+        ({"start": 0, "end": "6"}, "end"),
     ],
 )
 def test_hostile_move_requests_are_protocol_errors(body: dict[str, object], says: str) -> None:

@@ -54,6 +54,8 @@ class Batch:
 class RangeKernels(ABC):
     """Runs a BlockRange's layers on its device (one executor thread owns it, like the BlockRange)."""
 
+    windowed = False  # applies a sliding-window layer's window itself (else longer sessions are refused)
+
     def __init__(self, layers: Sequence[nn.Module], first_layer: int, shape: Shape) -> None:
         self.layers = list(layers)  # transformers *DecoderLayer modules, weights in the backend's held form
         self.first_layer = first_layer
@@ -102,6 +104,10 @@ class Backend(ABC):
     def hold(self, layer: nn.Module) -> nn.Module:
         """``layer`` (just loaded) with its weights in the form this device keeps them, in place."""
         return layer
+
+    def held_bytes(self, modules: Sequence[nn.Module]) -> int:
+        """Bytes the weights of these held modules take (what a memory budget counts)."""
+        return held_bytes(modules)
 
     @abstractmethod
     def range_kernels(

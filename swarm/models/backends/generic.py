@@ -20,6 +20,9 @@ from torch import nn
 from swarm.models.backends.base import Backend, Batch, HeadKernels, RangeKernels, Shape
 from swarm.models.kv_cache import SessionCache
 
+# each step's cache, its tokens and its (mask, is_causal), in the batch's order
+Ragged = tuple[list[SessionCache], list[int], list[tuple[torch.Tensor | None, bool]]]
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -74,27 +77,29 @@ class TorchRange(RangeKernels):
         h: torch.Tensor,  # [1, N, H]
         cos: torch.Tensor,  # [N, head_dim]
         sin: torch.Tensor,
-        ragged: tuple[list[SessionCache], list[int], list[tuple[torch.Tensor | None, bool]]] | None,
+        ragged: Ragged | None,
     ) -> torch.Tensor:
         """One decoder layer; ``ragged``: each step's cache, tokens and (mask, is_causal), or None for one
         stateless step causal over its own tokens."""
         block: Any = self.layers[layer - self.first_layer]  # a transformers *DecoderLayer
-        attn = block.self_attn
-        tokens = h.shape[1]
-        heads, kv_heads, head_dim = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
+        h = h + self.attention(layer, block.self_attn, block.input_layernorm(h), cos, sin, ragged)
+        return h + self.mlp(block.mlp, block.post_attention_layernorm(h))
 
-        x = block.input_layernorm(h)  # [1, N, H]
-        q, k, v = self.projections(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-        q = q.view(1, tokens, heads, head_dim).transpose(1, 2)  # [1, nh, N, hd]
-        k = k.view(1, tokens, kv_heads, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
-        v = v.view(1, tokens, kv_heads, head_dim).transpose(1, 2)
+    def attention(
+        self,
+        layer: int,
+        attn: Any,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ragged: Ragged | None,
+    ) -> torch.Tensor:
+        """The attention of normed ``x`` [1, N, H], through o_proj: [1, N, H]."""
+        tokens = x.shape[1]
+        q, k, v = self.heads(attn, x)  # [1, nh, N, hd], [1, nkv, N, hd] twice
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = kv_heads != heads
-
         if ragged is None:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=tokens > 1, scale=self.shape.scale, enable_gqa=gqa
-            )  # [1, nh, N, hd]
+            out = self.attend(layer, q, k, v, None, tokens > 1)  # [1, nh, N, hd]
         else:
             outs, offset = [], 0
             for cache, size, (mask, causal) in zip(*ragged, strict=True):
@@ -102,24 +107,43 @@ class TorchRange(RangeKernels):
                     layer, k[0, :, offset : offset + size], v[0, :, offset : offset + size]
                 )  # [nkv, L, hd] each: the session's past and these tokens
                 outs.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, offset : offset + size],  # [1, nh, T, hd]
-                        keys[None],
-                        values[None],
-                        attn_mask=mask,
-                        is_causal=causal,
-                        scale=self.shape.scale,
-                        enable_gqa=gqa,
+                    self.attend(
+                        layer, q[:, :, offset : offset + size], keys[None], values[None], mask, causal
                     )
                 )
                 offset += size
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, nh, N, hd]
-        out = out.transpose(1, 2).reshape(1, tokens, heads * head_dim)  # [1, N, nh * hd]
-        h = h + self.project(out, attn.o_proj)
-        # the gated MLP of transformers' *MLP, written out
-        mlp, x = block.mlp, block.post_attention_layernorm(h)
+        out = out.transpose(1, 2).reshape(1, tokens, -1)  # [1, N, nh * hd]
+        return self.project(out, attn.o_proj)
+
+    def heads(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [1, nh, N, hd], keys and values [1, nkv, N, hd] of normed ``x`` [1, N, H], before RoPE."""
+        tokens, head_dim = x.shape[1], self.shape.head_dim
+        q, k, v = self.projections(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+        q = q.view(1, tokens, self.shape.num_heads, head_dim).transpose(1, 2)  # [1, nh, N, hd]
+        k = k.view(1, tokens, self.shape.num_kv_heads, head_dim).transpose(1, 2)  # [1, nkv, N, hd]
+        v = v.view(1, tokens, self.shape.num_kv_heads, head_dim).transpose(1, 2)
+        return q, k, v
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [1, nh, T, hd]
+        keys: torch.Tensor,  # [1, nkv, L, hd]: the step's past and its own T tokens
+        values: torch.Tensor,
+        mask: torch.Tensor | None,  # [T, L], True where a query sees a key
+        causal: bool,
+    ) -> torch.Tensor:
+        """One step's attention: [1, nh, T, hd]."""
+        gqa = self.shape.num_kv_heads != self.shape.num_heads
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.shape.scale, enable_gqa=gqa
+        )
+
+    def mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of transformers' *MLP, written out: normed x [1, N, H] -> [1, N, H]."""
         gate, up = self.projections(x, (mlp.gate_proj, mlp.up_proj))
-        return h + self.project(mlp.act_fn(gate) * up, mlp.down_proj)
+        return self.project(mlp.act_fn(gate) * up, mlp.down_proj)
 
     def project(self, x: torch.Tensor, layer: Any) -> torch.Tensor:
         """``layer(x)`` for a projection of the layer (an nn.Linear, or the backend's held form of one)."""
@@ -150,14 +174,18 @@ class TorchHead(HeadKernels):
 
 
 class TorchBackend(Backend):
-    """Plain torch on any device and dtype: weights as loaded."""
+    """Plain torch on any device and dtype: weights as loaded, layers run by ``range_class`` (the Llama block's
+    TorchRange, or a family's own, swarm.models.backends.families)."""
 
     name = "torch"
+
+    def __init__(self, range_class: type[TorchRange] = TorchRange) -> None:
+        self.range_class = range_class
 
     def range_kernels(
         self, layers: Sequence[nn.Module], first_layer: int, shape: Shape, pack_bytes: int
     ) -> RangeKernels:
-        return TorchRange(layers, first_layer, shape)
+        return self.range_class(layers, first_layer, shape)
 
     def head_kernels(self, weight: torch.Tensor, sample: Callable[[], torch.Tensor]) -> HeadKernels:
         return TorchHead(weight)

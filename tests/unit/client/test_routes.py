@@ -345,3 +345,20 @@ def test_a_plan_with_decode_flows_gives_a_decode_route_by_them_and_one_without_g
         [snapshot(*peers, plan=Plan("milp", placement, 30.0, prompt, epoch=1))], FakeClock()
     )
     assert asyncio.run(single.decode_route(16)) is None
+
+
+def test_spot_check_holders_hold_their_weights_as_the_checked_peer_does() -> None:
+    # an nf4 peer's honest answer differs from a float peer's: only peers with the same quant check each other
+    snap = snapshot(
+        peer_record("a", 0, 4, quant="nf4"),
+        peer_record("a2", 0, 4, quant="nf4"),
+        peer_record("af", 0, 4),
+        peer_record("b", 4, 8),
+    )
+    routes, _ = make_routes([snap], FakeClock())  # a client of unquantized peers (ClientConfig.quant)
+    layers = LayerRange(0, 4)
+    assert asyncio.run(routes.holders(layers)) == ["af"]
+    assert [s.peer_id for s in asyncio.run(routes.route(0, SOURCE, 16))] == ["af", "b"]
+    routes.quant = "nf4"  # a client of nf4 peers: routes and checkers among them only
+    assert sorted(asyncio.run(routes.holders(layers))) == ["a", "a2"]
+    assert sorted(asyncio.run(routes.holders(layers, like=NodeID("a")))) == ["a", "a2"]

@@ -13,7 +13,7 @@ import pytest
 from client.generation import GenerationRequest, generate_ids
 from client.local import LocalChain
 from client.session import InferenceSession
-from client.split import pair_stages
+from client.split import plan_moves
 from swarm.errors import CapacityError
 from swarm.models.head import Sampler, SamplingParams
 from swarm.models.loading import ModelSource
@@ -32,6 +32,7 @@ PEERS = {
     "c2": (4, 6),
     "x": (0, 3),
     "y": (3, 6),
+    "w": (0, 6),
 }
 
 
@@ -47,14 +48,16 @@ def reference(tiny_source: ModelSource) -> Any:
     return tiny_source.load_reference_model()
 
 
-def _generate(tiny_source: ModelSource, decode: Route, refusing: str = "") -> tuple[list[int], Any, Any]:
+def _generate(
+    tiny_source: ModelSource, decode: Route, refusing: str = "", prefill: Route = PREFILL
+) -> tuple[list[int], Any, Any]:
     client, chain = make_client(tiny_source, PEERS)
     if refusing:
         chain.refusing[NodeID(refusing)] = CapacityError("this peer's cache is full")
 
     async def run() -> tuple[list[int], InferenceSession]:
         session = client.new_session(len(PROMPT_IDS) + STEPS)
-        session.stages, session.decode_route = PREFILL, decode
+        session.stages, session.decode_route = prefill, decode
         request = GenerationRequest(tuple(PROMPT_IDS), STEPS, frozenset())
         try:
             return [
@@ -109,17 +112,60 @@ def test_a_refused_move_leaves_that_stage_on_the_prefill_route(
     assert session.replays == [] and _computed_by(chain, {"b2"}) == []
 
 
-def test_pairing_skips_peers_on_the_route_and_peers_taken_by_an_earlier_stage() -> None:
-    holds = {("a", "d"), ("b", "d"), ("b", "e")}
+def test_planning_skips_peers_on_the_route_and_peers_taken_by_an_earlier_stage() -> None:
+    holds = {((0, 3), "d"), ((3, 6), "d"), ((3, 6), "e")}
     prefill = _route(("a", 0, 3), ("b", 3, 6))
     decode = _route(("d", 0, 6), ("e", 3, 6))
 
-    def held(i: int, peer: str) -> bool:
-        return (prefill[i].peer_id, peer) in holds
+    def held(layers: LayerRange, peer: str) -> bool:
+        return ((layers.start, layers.end), peer) in holds
 
-    assert pair_stages(prefill, decode, held) == [(0, "d"), (1, "e")]
+    assert plan_moves(prefill, decode, held) == [(0, _route(("d", 0, 3))), (1, _route(("e", 3, 6)))]
     # a decode peer already on the prefill route is no target (the route would name it twice)
-    assert pair_stages(prefill, _route(("b", 0, 6)), lambda i, p: True) == []
+    assert plan_moves(prefill, _route(("b", 0, 6)), lambda layers, p: True) == []
+
+
+def test_planning_splits_a_stage_along_the_decode_cuts_only_when_every_part_can_go() -> None:
+    prefill = _route(("w", 0, 6))
+    decode = _route(("x", 0, 2), ("y", 2, 4), ("z", 4, 6))
+
+    def held(layers: LayerRange, peer: str) -> bool:  # each decode peer holds its decode stage's layers
+        return any(d.peer_id == peer and d.layers.covers(layers) for d in decode)
+
+    assert plan_moves(prefill, decode, held) == [(0, decode)]
+    # z does not hold 4:6: no part moves (a stage goes whole or in all its parts)
+    assert plan_moves(prefill, decode, lambda layers, p: held(layers, p) and p != "z") == []
+    # a peer already on the route takes no part
+    assert plan_moves(_route(("w", 0, 4), ("z", 4, 6)), decode, held) == [
+        (0, _route(("x", 0, 2), ("y", 2, 4)))
+    ]
+
+
+def test_a_stage_split_between_two_decode_peers_moves_in_parts_and_closes_on_its_prefill_peer(
+    tiny_source: ModelSource, reference: Any
+) -> None:
+    decode = _route(("x", 0, 3), ("y", 3, 6))
+    tokens, session, chain = _generate(tiny_source, decode, prefill=_route(("w", 0, 6)))
+    assert tokens == greedy_reference(reference, PROMPT_IDS, STEPS)
+    assert chain.moves == [("w", "x", 8), ("w", "y", 8)]
+    assert [m.part for m in session.moves] == [LayerRange(0, 3), LayerRange(3, 6)]
+    assert session.stages == decode and session.replays == [] and session.failovers == 0
+    assert _computed_by(chain, {"w"}) == [("w", 0, 8)]
+    assert _computed_by(chain, {"x", "y"}) == [(p, 8 + i, 1) for i in range(STEPS - 1) for p in ("x", "y")]
+    assert not chain.blocks[NodeID("w")].active_sessions  # closed there once both parts were in
+
+
+def test_a_refused_part_keeps_the_stage_whole_on_its_prefill_peer_and_closes_the_parts_sent(
+    tiny_source: ModelSource, reference: Any
+) -> None:
+    decode = _route(("x", 0, 3), ("y", 3, 6))
+    tokens, session, chain = _generate(tiny_source, decode, refusing="y", prefill=_route(("w", 0, 6)))
+    assert tokens == greedy_reference(reference, PROMPT_IDS, STEPS)
+    assert chain.moves == [("w", "x", 8)]
+    assert session.stages == _route(("w", 0, 6)) and session.replays == []
+    assert [m.error.split(":")[0] for m in session.moves] == ["", "CapacityError"]
+    assert _computed_by(chain, {"x", "y"}) == []
+    assert not chain.blocks[NodeID("x")].active_sessions  # the part it took is closed again
 
 
 def test_without_a_route_given_the_session_moves_to_the_route_of_the_plans_decode_flows(

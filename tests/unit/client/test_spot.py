@@ -302,3 +302,15 @@ def test_a_referee_that_sides_with_nobody_outvotes_nobody(tiny_source: ModelSour
     chain.faulty[NodeID("b3")] = OutputFaults(1.0, seed=3)
     generate(client, 3)
     assert "b2" not in client.checker.excluded
+
+
+def test_a_liar_announcing_a_quant_of_its_own_is_never_on_the_route(
+    tiny_source: ModelSource, expected: list[int]
+) -> None:
+    """A --quant is what a peer says of itself: one that says int8, where nobody else on its layers does, would
+    have no checker. A client routes only through peers of its own quant (none here), so it never reaches it."""
+    client, chain, reports = make_client(tiny_source, SPLIT, rate=1.0)
+    chain.faulty[NodeID("b")] = ShiftedOutputs()
+    chain.blocks[NodeID("b")].quant = "int8"  # its weights are float32: only its record says otherwise
+    assert generate(client) == expected
+    assert [c for c in chain.calls if c[0] == "b"] == [] and reports.sent == []

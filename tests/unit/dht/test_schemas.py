@@ -237,3 +237,33 @@ def test_hostile_reverse_bandwidths_are_rejected(signers, reverse):
     with pytest.raises(pydantic.ValidationError):
         PeerRecord.from_dht(value)
     assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value))
+
+
+def test_quant_round_trips_and_is_absent_when_none(signers):
+    a, _ = signers
+    quantized = peer_record(a.peer_id, device="cuda:0", dtype="float16", quant="nf4")
+    assert quantized.to_dht()["quant"] == "nf4"
+    assert PeerRecord.from_dht(quantized.to_dht()) == quantized
+    assert a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, quantized.to_dht()))
+    # A reader from before the field (extra="forbid") still accepts an unquantized peer's record, and a record
+    # from before the field reads as unquantized.
+    plain = peer_record(a.peer_id).to_dht()
+    assert "quant" not in plain and PeerRecord.from_dht(plain).quant == "none"
+
+
+def test_quant_kinds_are_the_records_kinds():
+    from typing import get_args
+
+    from swarm.dht.schemas import QuantKind
+    from swarm.types import QUANT_KINDS
+
+    assert get_args(QuantKind) == QUANT_KINDS
+
+
+@pytest.mark.parametrize("quant", ["fp3", "NF4", "", "x" * 300, 4, None, ["nf4"], {"kind": "nf4"}])
+def test_hostile_quant_kinds_are_rejected(signers, quant):
+    a, _ = signers
+    value = peer_record(a.peer_id).to_dht() | {"quant": quant}
+    with pytest.raises(pydantic.ValidationError):
+        PeerRecord.from_dht(value)
+    assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value))

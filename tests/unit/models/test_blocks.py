@@ -279,7 +279,7 @@ def test_bad_load_arguments(tiny_source) -> None:  # type: ignore[no-untyped-def
     with pytest.raises(ValueError, match="unknown device"):
         tiny_source.load_head(device="tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match="device .cuda.: torch .* (is a CPU build|finds no usable GPU)"):
             tiny_source.load_blocks(0, 2, device="cuda")
 
 

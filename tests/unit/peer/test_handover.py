@@ -267,3 +267,57 @@ def test_a_client_moves_its_session_to_a_peer_it_names_one_token_first(
             await a.rpc_move(MoveRequest("s1", "QmB"), CLIENT)
 
     _run([a, b, small], body)
+
+
+@pytest.mark.parametrize("layers", [(0, 1), None])
+def test_concurrent_moves_of_one_session_send_its_cache_once(
+    monkeypatch: pytest.MonkeyPatch, layers: tuple[int, int] | None
+) -> None:
+    """A client asking for 8 moves of one session at once, to 8 targets that confirm anything: one is sent,
+    the others are refused while it is under way."""
+    a = _handlers("QmA")
+    sent: dict[str, int] = {}
+
+    async def confirming(p2p: object, peer_id: str, request: HandoverRequest, **_: object) -> bool:
+        await asyncio.sleep(0)  # the send yields, as a network hop does
+        sent[peer_id] = sent.get(peer_id, 0) + request.keys.shape[1]
+        return True
+
+    monkeypatch.setattr(handover_module, "call_handover", confirming)
+    prompt = torch.randn(6, a.peer.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    async def body() -> None:
+        await a.rpc_step(_step(a, 0, prompt), CLIENT)
+        asks = [a.rpc_move(MoveRequest("s1", f"QmT{i}", layers=layers), CLIENT) for i in range(8)]
+        results = await asyncio.gather(*asks, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert len(sent) == 1 and len(refused) == 7, results
+        assert all(isinstance(r, SessionError) and "handed over already" in str(r) for r in refused)
+
+    _run([a], body)
+
+
+def test_a_session_moved_in_parts_cannot_go_whole_or_send_a_layer_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a = _handlers("QmA")
+    sent: list[tuple[str, int]] = []
+
+    async def confirming(p2p: object, peer_id: str, request: HandoverRequest, **_: object) -> bool:
+        sent.append((peer_id, request.layer))
+        return True
+
+    monkeypatch.setattr(handover_module, "call_handover", confirming)
+    prompt = torch.randn(6, a.peer.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    async def body() -> None:
+        await a.rpc_step(_step(a, 0, prompt), CLIENT)
+        await a.rpc_move(MoveRequest("s1", "QmT1", layers=(0, 1)), CLIENT)
+        with pytest.raises(ProtocolError, match="cannot go whole"):
+            await a.rpc_move(MoveRequest("s1", "QmT2"), CLIENT)
+        with pytest.raises(ProtocolError, match="handed over already"):
+            await a.rpc_move(MoveRequest("s1", "QmT3", layers=(0, 2)), CLIENT)
+        await a.rpc_move(MoveRequest("s1", "QmT4", layers=(1, 2)), CLIENT)
+        assert set(sent) == {("QmT1", 0), ("QmT4", 1)}  # (target, layer) of every chunk
+
+    _run([a], body)
