@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.dht.directory import membership_digest
-from swarm.dht.schemas import SummaryRecord
+from swarm.dht.schemas import SummaryRecord, summary_copies
 from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
@@ -314,6 +314,7 @@ class PlannerService:
             peers_digest=version[0],
             peer_count=len(snapshot.peers),
             created_at=self.directory.now(),
+            copies=summary_copies(len(snapshot.peers)),
         )
         try:
             async with asyncio.timeout(self.directory.write_timeout_s):

@@ -30,6 +30,7 @@ class Board:
         self.epoch = 1
         self.summaries: dict[str, SummaryRecord] = {}
         self.full_reads = 0
+        self.peer_id = "QmReader"
 
     def summarize(self, writer: str = PLANNER, created_at: float = 1.0) -> None:
         self.summaries[writer] = SummaryRecord(
@@ -46,7 +47,7 @@ class Board:
             peers=dict(self.peers), plan=plan_record(self.epoch), planner_peer_id=PLANNER, fetched_at=0.0
         )
 
-    async def read_summaries(self) -> dict[str, SummaryRecord]:
+    async def read_summaries(self, copy: int = 0) -> dict[str, SummaryRecord]:
         return dict(self.summaries)
 
 

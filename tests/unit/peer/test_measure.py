@@ -87,13 +87,35 @@ def test_link_monitor_announces_the_k_nearest_and_probes_bandwidth_rarely() -> N
         await monitor.refresh()
         assert all(sent == back == 0 for _, sent, back in monitor.probes)  # within bandwidth_refresh_s: pings
         clock[0] += 600.0
-        monitor.probes.clear()
-        await monitor.refresh()
-        assert {p for p, sent, back in monitor.probes if sent or back} == {"p0", "p1"}
+        # Due again: re-measured with small probes, one link a refresh (the k were measured long ago).
+        remeasured = []
+        for _ in range(2):
+            monitor.probes.clear()
+            await monitor.refresh()
+            sized = [(p, sent, back) for p, sent, back in monitor.probes if sent or back]
+            assert len({p for p, _, _ in sized}) == 1
+            assert all(max(sent, back) <= monitor.config.later_payload_bytes for _, sent, back in sized)
+            assert len(sized) <= 2 * monitor.config.later_rounds
+            remeasured.append(sized[0][0])
+            clock[0] += monitor.config.refresh_s
+        assert sorted(remeasured) == ["p0", "p1"]
         # A peer only a little nearer than an announced one (RTT jitter) does not take its place.
         monitor.rtt["p2"] = monitor.rtt["p1"] - 0.001
         for _ in range(6):
             await monitor.refresh()
         assert set(monitor.links) == {"p0", "p1"}
+
+    asyncio.run(body())
+
+
+def test_the_first_k_links_are_measured_at_once_with_full_probes() -> None:
+    async def body() -> None:
+        clock = [0.0]
+        monitor = _Monitor(["p0", "p1", "p2"], LinkConfig(nearest=2, sample=1), clock)
+        await monitor.refresh()
+        sized = [(p, sent, back) for p, sent, back in monitor.probes if sent or back]
+        assert {p for p, _, _ in sized} == set(monitor.links) and len(monitor.links) == 2
+        # answered at once (lost in the noise): the probes grow to the full size
+        assert max(max(sent, back) for _, sent, back in sized) == monitor.config.payload_bytes
 
     asyncio.run(body())
