@@ -301,7 +301,7 @@ def default_rates() -> Rates:
         lease_s=election.refresh_s,
         candidates=election.max_candidates,
         planner_check_s=PlannerConfig().check_interval_s,
-        summary_write_s=directory.summary_ttl_s / 3,
+        summary_write_s=directory.summary_refresh_s,
     )
 
 

@@ -99,6 +99,12 @@ class DirectoryConfig:
         """How often a writer refreshes its record: three chances before it expires."""
         return self.ttl_s / 3
 
+    @property
+    def summary_refresh_s(self) -> float:
+        """How often the planner stores an unchanged summary again: twice per summary_ttl_s, a failed store
+        retried at each planner check meanwhile (the planner writes one copy per 100 peers: each store counts)."""
+        return self.summary_ttl_s / 2
+
 
 @dataclass(frozen=True)
 class SwarmSnapshot:
@@ -435,25 +441,29 @@ class Directory:
             max_ttl_s=self.config.max_record_ttl_s,
         )
 
-    async def snapshot(self) -> SwarmSnapshot:
+    async def snapshot(self, plans: bool = True) -> SwarmSnapshot:
         """One consistent-enough view: peers, leases, plans and reports read at once (the keys a node stores
-        in one request to it), with a deadline.
+        in one request to it), with a deadline. ``plans=False`` skips the plan key (the planner, which knows
+        its own plan): the snapshot has no plan then.
 
         The plan is the lease holder's, and only if it fits the peers read and its epoch did not jump."""
         h = self.dht.model_hash
-        keys = [*(peers_key(h, s) for s in range(PEER_SHARDS)), plan_key(h), lease_key(h), reports_key(h)]
+        keys = [*(peers_key(h, s) for s in range(PEER_SHARDS)), lease_key(h), reports_key(h)]
+        if plans:
+            keys.append(plan_key(h))
         async with asyncio.timeout(self.config.read_timeout_s):
             raws = await self._read(keys)
         peers = self._peers_of(raws)
-        self.traffic.add("plan", received=read_bytes(raws[plan_key(h)]))
-        plans = self._parse(raws[plan_key(h)], PlanRecord, "plan")
+        raw_plans = raws.get(plan_key(h), {})
+        self.traffic.add("plan", received=read_bytes(raw_plans))
+        plans_read = self._parse(raw_plans, PlanRecord, "plan")
         leases = self._leases_of(raws[lease_key(h)])
         reports = self._reports_of(raws[reports_key(h)])
         holder = lease_holder(leases, self.dht.model_hash)
         now = self.dht.now()
         return SwarmSnapshot(
             peers=peers,
-            plan=self._trusted_plan(pick_plan(plans, holder), peers, now),
+            plan=self._trusted_plan(pick_plan(plans_read, holder), peers, now),
             planner_peer_id=holder,
             fetched_at=now,
             leases=leases,

@@ -388,7 +388,7 @@ async def _read_at(
     ask: int,
 ) -> tuple[dict[str, dict[Any, tuple[Any, float]]], dict[str, tuple[bytes, ...]], set[str]]:
     """Runs in the DHT child (see SwarmDHT.read_near). Returns each key's live subkeys, the nodes found for
-    each key, and the keys some asked node of which did not answer."""
+    each key, and the keys none of whose nodes answered."""
     targets = dict(known)
     targets.update(await _nearest_nodes(node, [key for key in keys if not known[key]]))
     key_ids = {key: DHTID.generate(source=key) for key in keys}
@@ -404,7 +404,7 @@ async def _read_at(
     }
     pending = {key: nodes[:ask] for key, nodes in order.items()}
     tried = {key: len(nodes) for key, nodes in pending.items()}
-    failed: set[str] = set()
+    answered: set[str] = set()
     while pending:
         by_node: dict[bytes, list[str]] = {}
         for key, nodes in pending.items():
@@ -417,14 +417,15 @@ async def _read_at(
         for ks, answer in zip(by_node.values(), answers, strict=True):
             for key in ks:
                 if answer is None:  # no answer: ask the key's next node, if any is left
-                    failed.add(key)
                     if tried[key] < len(order[key]):
                         pending.setdefault(key, []).append(order[key][tried[key]])
                         tried[key] += 1
                     continue
+                answered.add(key)
                 found, _neighbours = answer.get(key_ids[key], (None, {}))
                 if found is not None and isinstance(found.value, DictionaryDHTValue):
                     _merge(merged[key], found.value)
+    failed = {key for key in order if key not in answered}
     return {key: _plain(node, key_ids[key], merged[key]) for key in keys}, targets, failed
 
 

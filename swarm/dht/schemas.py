@@ -41,7 +41,7 @@ from swarm.wire import MAX_HIDDEN_SIZE, MAX_LAYER, MAX_MADDRS  # one set of limi
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
 DIGEST_CHARS = 16  # hex characters of a SummaryRecord's digest (64 bits)
-PEER_SHARDS = 16  # keys the peer records are spread over (each parsed up to directory.MAX_RECORDS_PER_KEY)
+PEER_SHARDS = 24  # keys the peer records are spread over (each parsed up to directory.MAX_RECORDS_PER_KEY)
 MAX_SUMMARY_COPIES = 128  # keys the planner's summary may be written under
 READERS_PER_SUMMARY_COPY = 100  # the planner writes one summary copy per this many peers
 # Hard bounds: a value past these is not a measurement but garbage or an attack (the planner and routing

@@ -283,8 +283,8 @@ class LinkMonitor:
         for peer_id in self.nearest():
             bandwidth = self._bandwidth.get(peer_id)
             due = bandwidth is None or self.clock() - bandwidth[2] >= self.config.bandwidth_refresh_s
-            if due and settled and self.clock() - self._later_at < self.config.refresh_s:
-                due = False  # one later measurement a refresh: this one waits for a later round
+            if due and settled and self.clock() - self._later_at < self.config.later_gap_s:
+                due = False  # one later measurement per later_gap_s: this one waits
             if due:
                 if settled:
                     self._later_at = self.clock()
@@ -299,6 +299,11 @@ class LinkMonitor:
                         self._bandwidth[peer_id] = bandwidth
             if bandwidth is not None:
                 links[peer_id] = link_measure(LinkTiming(self.rtts[peer_id], bandwidth[0], bandwidth[1]))
+        # A link a peer not measured yet displaced stays announced (and favoured) until that peer is measured.
+        for peer_id in self.links:
+            if len(links) < self.config.nearest and peer_id in self.rtts and peer_id in self._bandwidth:
+                up, down, _at = self._bandwidth[peer_id]
+                links.setdefault(peer_id, link_measure(LinkTiming(self.rtts[peer_id], up, down)))
         self.links = links
         self.on_change(self.links)
 

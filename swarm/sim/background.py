@@ -13,7 +13,8 @@ neighbours. A read asks one of the key's nodes, the next one at each read, so th
 over all of them.
 
 The busiest node is an ordinary peer that also stores the keys read most (a summary copy, a peer-records
-shard, the plan, the lease key), and answers its share of their reads; or the planner, which reads every
+shard, the lease key), and answers its share of their reads (the plan key is read only after a change: the
+planner knows its own plan); or the planner, which reads every
 shard and writes every summary copy. Which nodes store which keys is chance: the model charges the busiest
 node with the two heaviest roles one node can have at once.
 
@@ -57,12 +58,14 @@ class Rates:
     pinged_peers: int = 6  # LinkConfig.nearest + sample
     pings: int = 3  # ProbeSizes.pings
     bandwidth_refresh_s: float = 3600.0  # LinkConfig.bandwidth_refresh_s
-    bandwidth_probe_bytes: int = 600_000  # both directions of one link's bandwidth probe (sized for the link)
+    bandwidth_probe_bytes: int = (
+        140_000  # both directions of one later, small measurement (LinkConfig.later_*)
+    )
     nearest: int = 4  # LinkConfig.nearest: links whose bandwidth is probed
     lease_s: float = 10.0  # ElectionConfig.refresh_s: a candidate reads and writes the lease key
     candidates: int = 3  # ElectionConfig.max_candidates
     planner_check_s: float = 5.0  # PlannerConfig.check_interval_s: the planner reads every record
-    summary_write_s: float = 10.0  # the planner refreshes its summary (summary_ttl_s / 3)
+    summary_write_s: float = 15.0  # the planner refreshes its summary (DirectoryConfig.summary_refresh_s)
     replicas: int = 5  # nodes a DHT entry is stored at (hivemind's num_replicas)
     bucket: int = 20  # hivemind's bucket size
     shards: int = PEER_SHARDS  # keys the peer records are spread over
@@ -135,17 +138,17 @@ class _Costs:
 
     @property
     def keys_per_snapshot(self) -> int:
-        return self.r.shards + 3  # the shards, the plan, the lease key, the reports key
+        return self.r.shards + 2  # the shards, the lease key, the reports key (the planner knows its plan)
 
     def snapshot_calls(self) -> int:
         """Nodes a full read asks: one per key, the keys a node stores asked of it at once."""
         return min(self.keys_per_snapshot, max(self.n - 1, 1))
 
-    def snapshot(self) -> float:
-        """A full read (every shard, the plan, leases and reports), both ways."""
+    def snapshot(self, plan: bool = False) -> float:
+        """A full read (every shard, leases and reports; the plan too with ``plan``), both ways."""
         calls = self.snapshot_calls()
         per_call = self.keys_per_snapshot / calls
-        values = self.table + self.leases + self.plan + self.entry
+        values = self.table + self.leases + self.entry + (self.read(self.plan) if plan else 0.0)
         return (
             calls * self.request(round(per_call))
             + values
@@ -174,7 +177,7 @@ def model_bytes_s(n: int, sizes: Sizes | None = None, rates: Rates | None = None
             + c.finding(c.keys_per_snapshot + c.copies) / refresh
         )
         / n,
-        "churn_reads": r.churn_per_s * c.snapshot(),
+        "churn_reads": r.churn_per_s * c.snapshot(plan=True),
     }
     causes["total"] = sum(causes.values())
     return causes
@@ -191,7 +194,6 @@ def holder_bytes_s(n: int, sizes: Sizes | None = None, rates: Rates | None = Non
     return {
         "summary_holder": readers / r.summary_poll_s * share * c.answer(s.summary_bytes + c.entry),
         "shard_holder": share / r.planner_check_s * c.answer(c.table / r.shards),
-        "plan_holder": share / r.planner_check_s * c.answer(c.plan),
         "lease_holder": share
         * (min(r.candidates, n) / r.lease_s + 1 / r.planner_check_s)
         * c.answer(c.leases),
