@@ -121,6 +121,10 @@ class SwarmSnapshot:
         return {pid: r for pid, r in self.peers.items() if r.state == "serving"}
 
 
+async def _nothing() -> dict[str, dict[Any, tuple[Any, float]]]:
+    return {}
+
+
 def coverage(snapshot: SwarmSnapshot, num_layers: int) -> list[int]:
     """How many serving peers hold each layer (a 0 means no route can exist)."""
     held = (
@@ -348,8 +352,14 @@ class Directory:
         """Each of ``keys`` read from one of the nodes storing it (SwarmDHT.read_near). A key whose read lacks
         a subkey our last read of it had, before that subkey's expiration (no honest writer removes one, so
         the node asked missed a store, is new, or withholds it), is read again from CONFIRM_ASK more nodes
-        and the answers merged."""
-        raws = await self.dht.read_near(keys)
+        and the answers merged; a key we never read is asked of 1 + CONFIRM_ASK nodes at once."""
+        new = [key for key in keys if key not in self._seen]  # first reads ask more nodes: nothing to compare
+        known = [key for key in keys if key in self._seen]
+        first, again_ = await asyncio.gather(
+            self.dht.read_near(new, ask=1 + CONFIRM_ASK) if new else _nothing(),
+            self.dht.read_near(known) if known else _nothing(),
+        )
+        raws = {**first, **again_}
         now = self.dht.now()
         alive = now + CLOCK_MARGIN_S  # a node whose clock runs ahead drops records a little early
         doubtful = [

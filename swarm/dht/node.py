@@ -44,6 +44,8 @@ P2PD_THREADS = 1
 REPLICAS_REFRESH_S = (
     120.0  # how long the nodes found for a key are stored to before they are looked for again
 )
+FEW_REPLICAS_REFRESH_S = 15.0  # the same, when fewer than FULL_REPLICAS were found (the swarm is growing)
+FULL_REPLICAS = 5  # nodes a key is stored at in a swarm large enough (hivemind's num_replicas)
 
 # How a peer's log line on its relay starts: it serves through one (and was dialled back through it), or it
 # cannot, followed by exactly why (swarm.peer.reach; tests and benchmarks look for these).
@@ -253,7 +255,7 @@ class SwarmDHT:
         if self.public_key_marker not in subkey:
             raise ValueError("a FlowSwarm subkey must carry this node's owner marker (see own_subkey)")
         known, found_at = self._replicas.get(key, ((), float("-inf")))
-        fresh = time.monotonic() - found_at < REPLICAS_REFRESH_S
+        fresh = time.monotonic() - found_at < _replicas_refresh_s(known)
         store = partial(
             _store_at,
             key=key,
@@ -292,7 +294,7 @@ class SwarmDHT:
         known = {}
         for key in keys:
             targets, found_at = self._replicas.get(key, ((), float("-inf")))
-            known[key] = targets if now - found_at < REPLICAS_REFRESH_S else ()
+            known[key] = targets if now - found_at < _replicas_refresh_s(targets) else ()
         starts = {key: self._next_reads(key, ask) for key in keys}
         read = partial(_read_at, keys=keys, known=known, starts=starts, ask=ask)
         values, targets, failed = await self._dht.run_coroutine(read, return_future=True)
@@ -349,6 +351,12 @@ class SwarmDHT:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
         return None
+
+
+def _replicas_refresh_s(nodes: tuple[bytes, ...]) -> float:
+    """How long the nodes found for a key are used: a short while if fewer than a full set were found, since
+    nodes joining the swarm then become the key's nodes too."""
+    return REPLICAS_REFRESH_S if len(nodes) >= FULL_REPLICAS else FEW_REPLICAS_REFRESH_S
 
 
 def _live_items(found: Any) -> dict[bytes, tuple[Any, float]]:
