@@ -348,12 +348,15 @@ class Directory:
         self.traffic.add("reports", sent=payload_bytes(value))
         return await self.dht.store(reports_key(self.dht.model_hash), subkey, value, expiration)
 
-    async def _read(self, keys: Sequence[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    async def _read(
+        self, keys: Sequence[str], thorough: bool = False
+    ) -> dict[str, dict[Any, tuple[Any, float]]]:
         """Each of ``keys`` read from one of the nodes storing it (SwarmDHT.read_near). A key whose read lacks
-        a subkey our last read of it had, before that subkey's expiration (no honest writer removes one, so
-        the node asked missed a store, is new, or withholds it), is read again from CONFIRM_ASK more nodes
-        and the answers merged; a key we never read is asked of 1 + CONFIRM_ASK nodes at once."""
-        new = [key for key in keys if key not in self._seen]  # first reads ask more nodes: nothing to compare
+        a subkey our last read of it had, before that subkey's expiration, or has an older one (no honest
+        writer removes a subkey or dates one back, so the node asked missed stores, is new, or withholds
+        them), is read again from CONFIRM_ASK more nodes and the answers merged; a key we never read (or
+        every key, ``thorough``) is asked of 1 + CONFIRM_ASK nodes at once."""
+        new = [key for key in keys if thorough or key not in self._seen]  # first reads ask more nodes
         known = [key for key in keys if key in self._seen]
         first, again_ = await asyncio.gather(
             self.dht.read_near(new, ask=1 + CONFIRM_ASK) if new else _nothing(),
@@ -363,7 +366,11 @@ class Directory:
         now = self.dht.now()
         alive = now + CLOCK_MARGIN_S  # a node whose clock runs ahead drops records a little early
         doubtful = [
-            k for k in keys if any(e > alive and sk not in raws[k] for sk, e in self._seen.get(k, {}).items())
+            k
+            for k in keys
+            if any(
+                e > alive and raws[k].get(sk, (None, 0.0))[1] < e for sk, e in self._seen.get(k, {}).items()
+            )
         ]
         if doubtful:
             again = await self.dht.read_near(doubtful, ask=CONFIRM_ASK)
@@ -451,10 +458,10 @@ class Directory:
             max_ttl_s=self.config.max_record_ttl_s,
         )
 
-    async def snapshot(self, plans: bool = True) -> SwarmSnapshot:
+    async def snapshot(self, plans: bool = True, thorough: bool = False) -> SwarmSnapshot:
         """One consistent-enough view: peers, leases, plans and reports read at once (the keys a node stores
         in one request to it), with a deadline. ``plans=False`` skips the plan key (the planner, which knows
-        its own plan): the snapshot has no plan then.
+        its own plan): the snapshot has no plan then. ``thorough``: every key asked of 1 + CONFIRM_ASK nodes.
 
         The plan is the lease holder's, and only if it fits the peers read and its epoch did not jump."""
         h = self.dht.model_hash
@@ -462,7 +469,7 @@ class Directory:
         if plans:
             keys.append(plan_key(h))
         async with asyncio.timeout(self.config.read_timeout_s):
-            raws = await self._read(keys)
+            raws = await self._read(keys, thorough)
         peers = self._peers_of(raws)
         raw_plans = raws.get(plan_key(h), {})
         self.traffic.add("plan", received=read_bytes(raw_plans))

@@ -144,6 +144,10 @@ class SwarmWatch:
         """A full snapshot now (as new as ``summary``, the trusted one that made us read, if any)."""
         async with self._lock:
             snapshot = await self.directory.snapshot()
+            if summary is not None and membership_digest(snapshot.peers) != summary.peers_digest:
+                # The nodes we read from lack a record the planner saw (a store that reached only some of
+                # them): once more, asking more nodes of every key.
+                snapshot = await self.directory.snapshot(thorough=True)
             self._read_at = self.clock()
             self.full_reads += 1
             if (

@@ -411,3 +411,26 @@ def test_report_record_checks() -> None:
         ReportRecord(
             reporter_peer_id="a", accused_peer_id="b", layers=[0, 1], reason="x" * 600, created_at=NOW
         )
+
+
+def test_an_older_record_than_the_last_read_is_asked_of_more_nodes(keys: list[Key]) -> None:
+    """A node that missed a peer's latest stores answers with its older record: the reader, which saw the
+    newer one, asks more nodes and keeps the newest."""
+    dht, directory = swarm(keys)
+    a = keys[1]
+    key = record_key(MODEL_HASH, a.peer_id)
+    dht.put(key, a.subkey, peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht(), expiration=NOW + 30)
+    read(directory)
+    moved = peer_record(a.peer_id, 0, 6, updated_at=NOW).to_dht()
+    dht.put(key, a.subkey, moved, expiration=NOW + 40)
+    assert read(directory).peers[a.peer_id].range_end == 6
+    stale = (peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht(), NOW + 30)
+
+    async def one_node_is_behind(keys_: Any, ask: int = 1) -> dict[str, dict[bytes, tuple[Any, float]]]:
+        found = {k: await dht.get(k) for k in keys_}
+        if ask == 1 and key in found:
+            found[key] = {**found[key], a.subkey: stale}
+        return found
+
+    dht.read_near = one_node_is_behind  # type: ignore[method-assign]
+    assert read(directory).peers[a.peer_id].range_end == 6
