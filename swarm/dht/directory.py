@@ -230,6 +230,7 @@ class Directory:
         self._last_expiration = 0.0
         self.traffic = TrafficMeter()  # payload bytes of our reads and writes, by cause
         self._seen: dict[str, dict[Any, float]] = {}  # key -> {subkey: expiration} of our last read of it
+        self.confirmations = 0  # keys read again from more nodes (see _read), for status and benchmarks
         self._summary_copies = 1  # keys our last summary went to (a shrink keeps writing them a while)
         self._summary_copies_until = float("-inf")
 
@@ -373,6 +374,7 @@ class Directory:
             )
         ]
         if doubtful:
+            self.confirmations += len(doubtful)
             again = await self.dht.read_near(doubtful, ask=CONFIRM_ASK)
             for key in doubtful:
                 merged = dict(raws[key])

@@ -92,6 +92,7 @@ class SwarmWatch:
         self.version = 0  # full snapshots read so far
         self.full_reads = 0
         self.summary_reads = 0
+        self.thorough_reads = 0  # full reads made again from more nodes (a member the summary saw missed)
         self.on_snapshot: list[Callable[[SwarmSnapshot], None]] = []
         self._summary: SummaryRecord | None = None  # the trusted summary our snapshot is as new as
         self._read_at = float("-inf")  # clock of the last full read
@@ -148,6 +149,7 @@ class SwarmWatch:
                 # The nodes we read from lack a record the planner saw (a store that reached only some of
                 # them): once more, asking more nodes of every key.
                 snapshot = await self.directory.snapshot(thorough=True)
+                self.thorough_reads += 1
             self._read_at = self.clock()
             self.full_reads += 1
             if (

@@ -278,6 +278,8 @@ async def _write_traffic(path: Path, directory: Directory, watch: SwarmWatch) ->
             "by_cause": directory.traffic.as_dict(),
             "summary_reads": watch.summary_reads,
             "full_reads": watch.full_reads,
+            "thorough_reads": watch.thorough_reads,
+            "confirmations": directory.confirmations,
             "stores": await _stored_keys(directory),
         }
         try:
