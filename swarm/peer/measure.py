@@ -183,10 +183,10 @@ class LinkMonitor:
     Every refresh_s, small pings give the RTT to those k and to a random sample of the others (how nearer
     peers are found); every poll_s, peers new to the swarm as last read are pinged too. Bandwidth costs real
     bytes, so it is probed (swarm.transport.linkprobe) only when a peer first becomes one of the k, and again
-    every bandwidth_refresh_s. Only the k are announced: the record stays small as the swarm grows. Once the
-    first k are measured, a later measurement (a peer new among the k, a re-measure) uses small probes
-    (later_payload_bytes, later_rounds), one link per refresh_s at most: an idle peer's probes stay a trickle
-    while RTT jitter reshuffles its k nearest."""
+    every bandwidth_refresh_s. Only the k are announced: the record stays small as the swarm grows. After the
+    first k measurements (tried, measured or not), a later one (a peer new among the k, a re-measure) uses
+    small probes (later_payload_bytes, later_rounds), one link per later_gap_s at most, the link it would
+    displace announced meanwhile: an idle peer's probes stay a trickle while RTT jitter reshuffles its k."""
 
     def __init__(
         self,
@@ -226,6 +226,7 @@ class LinkMonitor:
             rounds=self.config.later_rounds,
         )
         self._later_at = float("-inf")  # clock of the last later measurement
+        self._full_measurements = 0  # measurements tried with full probes (at most k)
 
     def heard_probe(self, peer_id: str) -> None:
         """A sized probe from ``peer_id`` reached us: it is measuring our link's bandwidth (the probe handler
@@ -279,7 +280,8 @@ class LinkMonitor:
         self.rtts = {p: r for p, r in self.rtts.items() if p in peers}
         self._bandwidth = {p: b for p, b in self._bandwidth.items() if p in peers}
         links: dict[str, LinkMeasure] = {}
-        settled = len(self._bandwidth) >= self.config.nearest  # the first k are measured
+        # The first k measurements (tried, whether or not they succeeded) use full probes; the rest small ones.
+        settled = self._full_measurements >= self.config.nearest
         for peer_id in self.nearest():
             bandwidth = self._bandwidth.get(peer_id)
             due = bandwidth is None or self.clock() - bandwidth[2] >= self.config.bandwidth_refresh_s
@@ -288,6 +290,8 @@ class LinkMonitor:
             if due:
                 if settled:
                     self._later_at = self.clock()
+                else:
+                    self._full_measurements += 1
                 try:
                     sizes = self.later_sizes if settled else self.sizes
                     timing = await self._measure(peer_id, peers[peer_id].maddrs, sizes)

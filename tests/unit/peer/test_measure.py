@@ -10,6 +10,7 @@ import pytest
 from swarm.dht import PeerRecord
 from swarm.models.spec import ModelSpec
 from swarm.peer.measure import LinkConfig, LinkMonitor, choose_range, max_layers_within
+from swarm.transport.linkprobe import ProbeSizes
 from swarm.types import LayerRange
 from tests.unit.dht.records import peer_record
 
@@ -153,5 +154,28 @@ def test_a_peer_new_among_the_k_waits_its_turn_and_the_link_it_displaces_stays()
         monitor.probes.clear()
         await monitor.refresh()
         assert sized() == {"p4"} and set(monitor.links) == {"p4", "p5"}
+
+    asyncio.run(body())
+
+
+def test_full_probes_are_spent_on_the_first_k_tries_even_when_they_fail() -> None:
+    """A busy peer whose first measurements time out does not go on probing at full size."""
+
+    async def body() -> None:
+        clock = [0.0]
+        config = LinkConfig(nearest=2, sample=1)
+        monitor = _Monitor(["p0", "p1", "p2"], config, clock)
+
+        async def no_bandwidth(peer_id: str, maddrs: list[str], sizes: ProbeSizes) -> None:
+            monitor.probes.append((peer_id, sizes.max_bytes, sizes.max_bytes))
+            raise TimeoutError
+
+        monitor._measure = no_bandwidth  # type: ignore[assignment, method-assign]
+        for _ in range(4):
+            await monitor.refresh()
+            clock[0] += config.later_gap_s
+        sized = [sent for _, sent, _ in monitor.probes if sent]
+        assert sized[:2] == [config.payload_bytes] * 2
+        assert sized[2:] and all(sent == config.later_payload_bytes for sent in sized[2:])
 
     asyncio.run(body())
