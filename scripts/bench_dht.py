@@ -7,6 +7,7 @@ After --settle-s of settling, each host's TUN device counters are read at the st
 only what crosses the emulated network counts (a peer's talk with its own p2pd daemon stays on loopback).
 
   idle_tx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer sent (IP packets, headers included)
+  idle_tx_bytes_s_busiest    {N: bytes/s} what the busiest peer sent ("max" above)
   idle_rx_bytes_s_per_peer   {N: {"mean": .., "max": ..}}  bytes/s a peer received
   by_cause                   at --by-cause-size peers, from the peers' own counters (--traffic-file): each
                              cause's {"tx", "rx"}, the mean per peer of the payload bytes/s it wrote and read
@@ -19,6 +20,10 @@ only what crosses the emulated network counts (a peer's talk with its own p2pd d
                              means "lost in the noise".
   model_tx_bytes_s_per_peer  {N: bytes/s} an idle peer would send at N peers (1000 and 10000, and the measured
                              sizes to check the model against), from measured message sizes (model_tx)
+  model_busiest_tx_bytes_s   {N: bytes/s} the busiest idle node, by the model: the mean peer plus the two
+                             heaviest roles one node can have (storing a summary copy, a shard, the plan, the
+                             lease key; planning), each in model_roles_tx_bytes_s
+  peers                      with --per-peer: {N: [each peer's tx, rx, payload sent by cause, keys it stores]}
 
     sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --json dht.json   # sizes 4 8 12 16
     sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_dht.py --quick           # 4 peers, short settle, window
@@ -46,19 +51,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from swarm import PROTOCOL_VERSION  # noqa: E402
 from swarm.dht import DirectoryConfig, ElectionConfig  # noqa: E402
-from swarm.dht.directory import FULL_READ_BEAM  # noqa: E402
-from swarm.dht.node import NEAR_BEAM, REPLICAS_REFRESH_S  # noqa: E402
+from swarm.dht.node import REPLICAS_REFRESH_S  # noqa: E402
 from swarm.dht.schemas import LeaseRecord, LinkMeasure, PeerRecord, SummaryRecord  # noqa: E402
 from swarm.dht.traffic import payload_bytes  # noqa: E402
 from swarm.dht.watch import WatchConfig  # noqa: E402
 from swarm.peer.config import LinkConfig, PlannerConfig  # noqa: E402
-from swarm.sim.background import Rates, Sizes, hottest_bytes_s, model_bytes_s  # noqa: E402
+from swarm.sim.background import Rates, Sizes, busiest_bytes_s, holder_bytes_s, model_bytes_s  # noqa: E402
 from swarm.testing import LocalSwarm  # noqa: E402
 from swarm.testing.wan import EmulatedNet, LinkSpec  # noqa: E402
 from swarm.testing.wan.bench import bench_main  # noqa: E402
 from swarm.transport.linkprobe import ProbeSizes  # noqa: E402
 
-PREFIX = "fsq"  # this benchmark's namespaces and devices: fsq<N>-p<i>, fsq<N><i>
+PREFIX = "fsq"  # this benchmark's namespaces and devices (--prefix): fsq<N>-p<i>, fsq<N><i>
 NEVER_S = "1000000"  # a loop interval longer than any run
 CAUSES = {  # what each cause's loop is stretched by (swarm-peer join options)
     "link_probes": ["--link-refresh-s", NEVER_S, "--link-poll-s", NEVER_S],
@@ -79,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-args", default="", help="extra swarm-peer join arguments for every peer")
     p.add_argument("--by-cause-size", type=int, default=8, help="swarm size of the by_cause runs (0: none)")
     p.add_argument("--json", help="also write the JSON object here")
+    p.add_argument("--prefix", default=PREFIX, help="name prefix of the namespaces and devices made")
+    p.add_argument("--per-peer", action="store_true", help="also each peer's figures (tx, causes, keys)")
     p.add_argument("--logs", help="keep the peers' logs and traffic files under this directory")
     p.add_argument("--ablation", action="store_true", help="also by_cause_ablation: one more run per cause")
     p.add_argument(
@@ -149,7 +155,7 @@ def counted(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict
 def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict[str, Any]:
     hosts = [f"p{i}" for i in range(n)]
     with (
-        EmulatedNet(f"{PREFIX}{n}", hosts, LinkSpec()) as net,
+        EmulatedNet(f"{args.prefix}{n}", hosts, LinkSpec()) as net,
         LocalSwarm(tmp, model="tiny", net=net) as swarm,
     ):
         started = time.monotonic()
@@ -187,7 +193,18 @@ def _measure_size(n: int, args: argparse.Namespace, tmp: Path, extra: list[str])
         }
         for cause in causes
     }
-    return {"tx": summary(tx), "rx": summary(rx), "counted": by_cause}
+    peers = [
+        {
+            "host": h,
+            "tx": round(t, 1),
+            "rx": round(r, 1),
+            "sent_by_cause": {c: round(v["sent"], 1) for c, v in counts.items() if v["sent"] >= 0.5},
+            "stores": [k.rsplit("_", 1)[-1] for k in (traffic_after[h] or {}).get("stores", [])],
+        }
+        for h, t, r, counts in zip(hosts, tx, rx, per_peer, strict=True)
+    ]
+    log("busiest: " + json.dumps(sorted(peers, key=lambda p: -p["tx"])[:3]))
+    return {"tx": summary(tx), "rx": summary(rx), "counted": by_cause, "peers": peers}
 
 
 def counted_causes(n: int, plain: dict[str, Any]) -> dict[str, Any]:
@@ -284,9 +301,7 @@ def default_rates() -> Rates:
         lease_s=election.refresh_s,
         candidates=election.max_candidates,
         planner_check_s=PlannerConfig().check_interval_s,
-        summary_write_s=directory.summary_ttl_s / 3,
-        beam=NEAR_BEAM,
-        full_read_beam=FULL_READ_BEAM,
+        summary_write_s=directory.summary_refresh_s,
     )
 
 
@@ -312,8 +327,9 @@ def model(sizes: Sequence[int], measured: dict[int, float] | None = None) -> dic
     return {
         "model_tx_bytes_s_per_peer": {str(n): round(m["total"], 1) for n, m in by_size.items()},
         "model_by_cause": {str(n): {k: round(v, 1) for k, v in m.items()} for n, m in by_size.items()},
-        "model_hottest_tx_bytes_s": {
-            str(n): {k: round(v, 1) for k, v in hottest_bytes_s(n, record_sizes, rates).items()} for n in at
+        "model_busiest_tx_bytes_s": {str(n): round(busiest_bytes_s(n, record_sizes, rates), 1) for n in at},
+        "model_roles_tx_bytes_s": {
+            str(n): {k: round(v, 1) for k, v in holder_bytes_s(n, record_sizes, rates).items()} for n in at
         },
         "model_sizes": record_sizes.__dict__,
         "model_rates": rates.__dict__,
@@ -326,7 +342,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "idle_tx_bytes_s_per_peer": {str(n): r["tx"] for n, r in results.items()},
         "idle_rx_bytes_s_per_peer": {str(n): r["rx"] for n, r in results.items()},
+        "idle_tx_bytes_s_busiest": {str(n): r["tx"]["max"] for n, r in results.items()},
     }
+    if args.per_peer:
+        report["peers"] = {str(n): r["peers"] for n, r in results.items()}
     if args.by_cause_size:
         plain = results.get(args.by_cause_size) or measure_size(args.by_cause_size, args)
         report["by_cause"] = counted_causes(args.by_cause_size, plain)

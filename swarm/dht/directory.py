@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from swarm.dht.lease import LEASE_S, lease_holder
 from swarm.dht.node import SwarmDHT
 from swarm.dht.schemas import (
     DIGEST_CHARS,
+    PEER_SHARDS,
     LeaseRecord,
     PeerRecord,
     PlanRecord,
@@ -31,7 +32,9 @@ from swarm.dht.schemas import (
     lease_key,
     peers_key,
     plan_key,
+    record_key,
     reports_key,
+    shard_of,
     summary_key,
 )
 from swarm.dht.traffic import TrafficMeter, payload_bytes, read_bytes
@@ -52,7 +55,8 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", PeerRecord, PlanRecord, LeaseRecord, ReportRecord, SummaryRecord)
 MAX_RECORDS_PER_KEY = 1024  # subkeys parsed per key and read: RSA key parsing is the costly part
 MAX_REPORTS_PER_REPORTER = 16  # one reporter cannot fill the reports key on its own
-FULL_READ_BEAM = 3  # nodes a read of a whole key asks (of the 5 that store it); the summary asks fewer
+CONFIRM_ASK = 2  # more nodes asked when a read lacks a record that should still be alive
+CLOCK_MARGIN_S = 1.0  # how far a storing node's clock may run ahead before its missing record is doubted
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ class DirectoryConfig:
         """How often a writer refreshes its record: three chances before it expires."""
         return self.ttl_s / 3
 
+    @property
+    def summary_refresh_s(self) -> float:
+        """How often the planner stores an unchanged summary again: twice per summary_ttl_s, a failed store
+        retried at each planner check meanwhile (the planner writes one copy per 100 peers: each store counts)."""
+        return self.summary_ttl_s / 2
+
 
 @dataclass(frozen=True)
 class SwarmSnapshot:
@@ -109,6 +119,10 @@ class SwarmSnapshot:
 
     def serving(self) -> dict[str, PeerRecord]:
         return {pid: r for pid, r in self.peers.items() if r.state == "serving"}
+
+
+async def _nothing() -> dict[str, dict[Any, tuple[Any, float]]]:
+    return {}
 
 
 def coverage(snapshot: SwarmSnapshot, num_layers: int) -> list[int]:
@@ -215,6 +229,10 @@ class Directory:
         self._last_record: PeerRecord | None = None
         self._last_expiration = 0.0
         self.traffic = TrafficMeter()  # payload bytes of our reads and writes, by cause
+        self._seen: dict[str, dict[Any, float]] = {}  # key -> {subkey: expiration} of our last read of it
+        self.confirmations = 0  # keys read again from more nodes (see _read), for status and benchmarks
+        self._summary_copies = 1  # keys our last summary went to (a shrink keeps writing them a while)
+        self._summary_copies_until = float("-inf")
 
     @property
     def accepted_epoch(self) -> int | None:
@@ -232,6 +250,12 @@ class Directory:
     @property
     def write_timeout_s(self) -> float:
         return self.config.write_timeout_s
+
+    def key_names(self) -> tuple[str, ...]:
+        """The DHT keys of this model's records (the first summary copy only)."""
+        h = self.dht.model_hash
+        shards = tuple(peers_key(h, s) for s in range(PEER_SHARDS))
+        return (*shards, plan_key(h), lease_key(h), reports_key(h), summary_key(h))
 
     def now(self) -> float:
         """DHT time (unix seconds), the clock every record is dated by."""
@@ -252,7 +276,7 @@ class Directory:
         value = record.to_dht()
         self.traffic.add("announce", sent=payload_bytes(value))
         stored = await self.dht.store(
-            peers_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration
+            record_key(self.dht.model_hash, self.dht.peer_id), self.dht.own_subkey(), value, expiration
         )
         if stored:
             self._last_record, self._last_expiration = record, expiration
@@ -266,7 +290,8 @@ class Directory:
         expiration = self._last_expiration + 1e-3
         value = leaving.to_dht()
         self.traffic.add("announce", sent=payload_bytes(value))
-        await self.dht.store(peers_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration)
+        key = record_key(self.dht.model_hash, self.dht.peer_id)
+        await self.dht.store(key, self.dht.own_subkey(), value, expiration)
         self._last_record = None
         logger.info("withdrew from the directory")
 
@@ -282,19 +307,27 @@ class Directory:
         return await self.dht.store(plan_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration)
 
     async def publish_summary(self, summary: SummaryRecord) -> bool:
-        """Store the swarm's summary under our subkey; only the elected planner should call this."""
+        """Store the swarm's summary under our subkey of each of its ``copies`` keys (and, for summary_ttl_s
+        after their number shrank, of the keys readers may still read); only the elected planner should call
+        this. True if some node took each copy."""
         if summary.planner_peer_id != self.dht.peer_id:
             raise ValueError(f"summary names {summary.planner_peer_id}, but this node is {self.dht.peer_id}")
-        expiration = self.dht.now() + self.config.summary_ttl_s
+        now = self.dht.now()
+        expiration = now + self.config.summary_ttl_s
+        if summary.copies >= self._summary_copies or now >= self._summary_copies_until:
+            self._summary_copies, self._summary_copies_until = summary.copies, expiration
         value = summary.to_dht()
-        self.traffic.add("summary", sent=payload_bytes(value))
-        return await self.dht.store(
-            summary_key(self.dht.model_hash), self.dht.own_subkey(), value, expiration
+        keys = [summary_key(self.dht.model_hash, c) for c in range(self._summary_copies)]
+        self.traffic.add("summary", sent=len(keys) * payload_bytes(value))
+        stored = await asyncio.gather(
+            *(self.dht.store(key, self.dht.own_subkey(), value, expiration) for key in keys)
         )
+        return all(stored)
 
-    async def read_summaries(self) -> dict[str, SummaryRecord]:
-        """Valid summaries by signer, read from the few nodes that store the key (SwarmDHT.get_near)."""
-        raw = await self.dht.get_near(summary_key(self.dht.model_hash))
+    async def read_summaries(self, copy: int = 0) -> dict[str, SummaryRecord]:
+        """Valid summaries by signer, read from one of the nodes that store summary copy ``copy``."""
+        key = summary_key(self.dht.model_hash, copy)
+        raw = (await self._read((key,)))[key]
         self.traffic.add("summary", received=read_bytes(raw))
         return self._parse(raw, SummaryRecord, "summary")
 
@@ -316,38 +349,89 @@ class Directory:
         self.traffic.add("reports", sent=payload_bytes(value))
         return await self.dht.store(reports_key(self.dht.model_hash), subkey, value, expiration)
 
-    async def read_peers(self) -> dict[str, PeerRecord]:
-        raw = await self.dht.get_near(peers_key(self.dht.model_hash), FULL_READ_BEAM)
-        self.traffic.add("peer_reads", received=read_bytes(raw))
-        peers = self._parse(raw, PeerRecord, "peer")
+    async def _read(
+        self, keys: Sequence[str], thorough: bool = False
+    ) -> dict[str, dict[Any, tuple[Any, float]]]:
+        """Each of ``keys`` read from one of the nodes storing it (SwarmDHT.read_near). A key whose read lacks
+        a subkey our last read of it had, before that subkey's expiration, or has an older one (no honest
+        writer removes a subkey or dates one back, so the node asked missed stores, is new, or withholds
+        them), is read again from CONFIRM_ASK more nodes and the answers merged; a key we never read (or
+        every key, ``thorough``) is asked of 1 + CONFIRM_ASK nodes at once."""
+        new = [key for key in keys if thorough or key not in self._seen]  # first reads ask more nodes
+        known = [key for key in keys if key in self._seen]
+        first, again_ = await asyncio.gather(
+            self.dht.read_near(new, ask=1 + CONFIRM_ASK) if new else _nothing(),
+            self.dht.read_near(known) if known else _nothing(),
+        )
+        raws = {**first, **again_}
+        now = self.dht.now()
+        alive = now + CLOCK_MARGIN_S  # a node whose clock runs ahead drops records a little early
+        doubtful = [
+            k
+            for k in keys
+            if any(
+                e > alive and raws[k].get(sk, (None, 0.0))[1] < e for sk, e in self._seen.get(k, {}).items()
+            )
+        ]
+        if doubtful:
+            self.confirmations += len(doubtful)
+            again = await self.dht.read_near(doubtful, ask=CONFIRM_ASK)
+            for key in doubtful:
+                merged = dict(raws[key])
+                for subkey, item in again[key].items():
+                    if subkey not in merged or item[1] > merged[subkey][1]:
+                        merged[subkey] = item
+                raws[key] = merged
+        for key in keys:
+            self._seen[key] = {subkey: expiration for subkey, (_value, expiration) in raws[key].items()}
+        return raws
+
+    def _peers_of(self, raws: Mapping[str, Mapping[Any, tuple[Any, float]]]) -> dict[str, PeerRecord]:
+        """The valid peer records of every shard read, each only from the shard it belongs in."""
         kept = {}
-        for pid, r in peers.items():
-            if r.model_hash != self.dht.model_hash:
-                self.rejections.drop("peer", pid, f"announces model {r.model_hash[:16]}")
-            elif self.shape is not None and (r.num_layers, r.hidden_size) != (
-                self.shape.num_layers,
-                self.shape.hidden_size,
-            ):
-                self.rejections.drop("peer", pid, f"announces {r.num_layers} layers of {r.hidden_size}")
-            else:
-                kept[pid] = r
+        for shard in range(PEER_SHARDS):
+            raw = raws.get(peers_key(self.dht.model_hash, shard), {})
+            self.traffic.add("peer_reads", received=read_bytes(raw))
+            for pid, r in self._parse(raw, PeerRecord, "peer").items():
+                if shard_of(pid) != shard:
+                    self.rejections.drop("peer", pid, f"stored in peer shard {shard}, not {shard_of(pid)}")
+                elif r.model_hash != self.dht.model_hash:
+                    self.rejections.drop("peer", pid, f"announces model {r.model_hash[:16]}")
+                elif self.shape is not None and (r.num_layers, r.hidden_size) != (
+                    self.shape.num_layers,
+                    self.shape.hidden_size,
+                ):
+                    self.rejections.drop("peer", pid, f"announces {r.num_layers} layers of {r.hidden_size}")
+                else:
+                    kept[pid] = r
         return kept
 
+    async def read_peers(self) -> dict[str, PeerRecord]:
+        keys = [peers_key(self.dht.model_hash, s) for s in range(PEER_SHARDS)]
+        return self._peers_of(await self._read(keys))
+
     async def read_plans(self) -> dict[str, PlanRecord]:
-        raw = await self.dht.get_near(plan_key(self.dht.model_hash), FULL_READ_BEAM)
+        key = plan_key(self.dht.model_hash)
+        raw = (await self._read((key,)))[key]
         self.traffic.add("plan", received=read_bytes(raw))
         return self._parse(raw, PlanRecord, "plan")
 
     async def read_leases(self) -> dict[str, LeaseRecord]:
         """Live lease records with their times clamped to when we first saw them (swarm.dht.trust)."""
-        raw = await self.dht.get_near(lease_key(self.dht.model_hash), FULL_READ_BEAM)
+        key = lease_key(self.dht.model_hash)
+        return self._leases_of((await self._read((key,)))[key])
+
+    def _leases_of(self, raw: Mapping[Any, tuple[Any, float]]) -> dict[str, LeaseRecord]:
         self.traffic.add("lease", received=read_bytes(raw))
         leases = self._parse(raw, LeaseRecord, "lease")
         return self._witness.clamp(leases, self.dht.now(), self.config.lease_s)
 
     async def read_reports(self) -> list[ReportRecord]:
         """Live, valid reports, at most MAX_REPORTS_PER_REPORTER per reporter."""
-        raw = await self.dht.get_near(reports_key(self.dht.model_hash), FULL_READ_BEAM)
+        key = reports_key(self.dht.model_hash)
+        return self._reports_of((await self._read((key,)))[key])
+
+    def _reports_of(self, raw: Mapping[Any, tuple[Any, float]]) -> list[ReportRecord]:
         self.traffic.add("reports", received=read_bytes(raw))
         now, per_reporter = self.dht.now(), dict[str, int]()
         reports = []
@@ -376,19 +460,29 @@ class Directory:
             max_ttl_s=self.config.max_record_ttl_s,
         )
 
-    async def snapshot(self) -> SwarmSnapshot:
-        """One consistent-enough view: peers, leases, plans and reports read concurrently, with a deadline.
+    async def snapshot(self, plans: bool = True, thorough: bool = False) -> SwarmSnapshot:
+        """One consistent-enough view: peers, leases, plans and reports read at once (the keys a node stores
+        in one request to it), with a deadline. ``plans=False`` skips the plan key (the planner, which knows
+        its own plan): the snapshot has no plan then. ``thorough``: every key asked of 1 + CONFIRM_ASK nodes.
 
         The plan is the lease holder's, and only if it fits the peers read and its epoch did not jump."""
+        h = self.dht.model_hash
+        keys = [*(peers_key(h, s) for s in range(PEER_SHARDS)), lease_key(h), reports_key(h)]
+        if plans:
+            keys.append(plan_key(h))
         async with asyncio.timeout(self.config.read_timeout_s):
-            peers, plans, leases, reports = await asyncio.gather(
-                self.read_peers(), self.read_plans(), self.read_leases(), self.read_reports()
-            )
+            raws = await self._read(keys, thorough)
+        peers = self._peers_of(raws)
+        raw_plans = raws.get(plan_key(h), {})
+        self.traffic.add("plan", received=read_bytes(raw_plans))
+        plans_read = self._parse(raw_plans, PlanRecord, "plan")
+        leases = self._leases_of(raws[lease_key(h)])
+        reports = self._reports_of(raws[reports_key(h)])
         holder = lease_holder(leases, self.dht.model_hash)
         now = self.dht.now()
         return SwarmSnapshot(
             peers=peers,
-            plan=self._trusted_plan(pick_plan(plans, holder), peers, now),
+            plan=self._trusted_plan(pick_plan(plans_read, holder), peers, now),
             planner_peer_id=holder,
             fetched_at=now,
             leases=leases,

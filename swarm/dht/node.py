@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,6 +24,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
@@ -38,10 +41,11 @@ logger = logging.getLogger(__name__)
 # message's goroutines hop between threads that spin before they park: on this 2-core machine a 2.6 KB frame and
 # its echo on an open stream cost both daemons 350-440 us of CPU, and 260 us with one thread, in as much time.
 P2PD_THREADS = 1
-NEAR_BEAM = 2  # nodes asked by get_near: stores go to the 5 nearest (hivemind's num_replicas)
 REPLICAS_REFRESH_S = (
     120.0  # how long the nodes found for a key are stored to before they are looked for again
 )
+FEW_REPLICAS_REFRESH_S = 15.0  # the same, when fewer than FULL_REPLICAS were found (the swarm is growing)
+FULL_REPLICAS = 5  # nodes a key is stored at in a swarm large enough (hivemind's num_replicas)
 
 # How a peer's log line on its relay starts: it serves through one (and was dialled back through it), or it
 # cannot, followed by exactly why (swarm.peer.reach; tests and benchmarks look for these).
@@ -171,6 +175,7 @@ class SwarmDHT:
         self._temporary_identity = temporary_identity
         self._private_key = load_private_key(identity_path)
         self._replicas: dict[str, tuple[tuple[bytes, ...], float]] = {}  # key -> (its nodes, when found)
+        self._reads: dict[str, int] = {}  # key -> where our next read of it starts in its nodes (read_near)
         self.public_key_marker: bytes = RSASignatureValidator(self._private_key).local_public_key
         self.peer_id: str = dht.peer_id.to_base58()
         # The signing key is the libp2p identity, so the id a reader derives from it must be ours.
@@ -250,7 +255,7 @@ class SwarmDHT:
         if self.public_key_marker not in subkey:
             raise ValueError("a FlowSwarm subkey must carry this node's owner marker (see own_subkey)")
         known, found_at = self._replicas.get(key, ((), float("-inf")))
-        fresh = time.monotonic() - found_at < REPLICAS_REFRESH_S
+        fresh = time.monotonic() - found_at < _replicas_refresh_s(known)
         store = partial(
             _store_at,
             key=key,
@@ -274,11 +279,47 @@ class SwarmDHT:
         found = await self._dht.get(key, latest=latest, return_future=True)
         return _live_items(found)
 
-    async def get_near(self, key: str, beam: int = NEAR_BEAM) -> dict[bytes, tuple[Any, float]]:
-        """Like `get(key)`, the newest value, but asking only the ``beam`` nodes nearest to the key (the ones
-        that store it) rather than a whole bucket: for small keys read often (SummaryRecord)."""
-        found = await self._dht.get(key, latest=True, return_future=True, beam_size=beam)
-        return _live_items(found)
+    async def read_near(self, keys: Sequence[str], ask: int = 1) -> dict[str, dict[bytes, tuple[Any, float]]]:
+        """The live subkeys of each of ``keys``, read straight from the nodes that store it (found at most
+        REPLICAS_REFRESH_S ago, the ones our stores go to), with what we store ourselves merged in.
+
+        Each read asks ``ask`` of a key's nodes, the next ones in turn (starting where our id points), so the
+        reads of all peers spread evenly over every node storing the key rather than all landing on the
+        nearest; keys asked of the same node share one request. A node that does not answer is replaced by the
+        next in the same read. A key with no nodes found (a swarm of one) reads our own storage only."""
+        if ask < 1:
+            raise ValueError(f"ask must be >= 1, got {ask}")
+        keys = tuple(dict.fromkeys(keys))
+        now = time.monotonic()
+        known = {}
+        for key in keys:
+            targets, found_at = self._replicas.get(key, ((), float("-inf")))
+            known[key] = targets if now - found_at < _replicas_refresh_s(targets) else ()
+        starts = {key: self._next_reads(key, ask) for key in keys}
+        read = partial(_read_at, keys=keys, known=known, starts=starts, ask=ask)
+        values, targets, failed = await self._dht.run_coroutine(read, return_future=True)
+        for key in keys:
+            if key in failed or not targets.get(key):
+                self._replicas.pop(key, None)  # look for its nodes again next time
+            elif not known[key]:
+                self._replicas[key] = (targets[key], now)
+        return values
+
+    async def get_near(self, key: str, ask: int = 1) -> dict[bytes, tuple[Any, float]]:
+        """`read_near` of one key."""
+        return (await self.read_near((key,), ask))[key]
+
+    def _next_reads(self, key: str, ask: int) -> int:
+        """Where in ``key``'s list of nodes our next read starts (different for each reader, then in turn)."""
+        if key not in self._reads:
+            self._reads[key] = int.from_bytes(hashlib.sha256(f"{self.peer_id}/{key}".encode()).digest()[:4])
+        start = self._reads[key]
+        self._reads[key] = start + ask
+        return start
+
+    async def stored_keys(self, keys: tuple[str, ...]) -> list[str]:
+        """Which of ``keys`` this node stores a value of for others (for benchmarks and status)."""
+        return await self._dht.run_coroutine(partial(_stored_at, keys=keys), return_future=True)
 
     def own_subkey(self) -> bytes:
         """The subkey that only this node can write (its owner marker)."""
@@ -312,6 +353,12 @@ class SwarmDHT:
         return None
 
 
+def _replicas_refresh_s(nodes: tuple[bytes, ...]) -> float:
+    """How long the nodes found for a key are used: a short while if fewer than a full set were found, since
+    nodes joining the swarm then become the key's nodes too."""
+    return REPLICAS_REFRESH_S if len(nodes) >= FULL_REPLICAS else FEW_REPLICAS_REFRESH_S
+
+
 def _live_items(found: Any) -> dict[bytes, tuple[Any, float]]:
     """A dictionary value's live subkeys as {subkey: (value, expiration)}; {} for none or a plain value."""
     if found is None or not isinstance(found.value, dict):
@@ -322,6 +369,98 @@ def _live_items(found: Any) -> dict[bytes, tuple[Any, float]]:
         for subkey, item in found.value.items()
         if item.expiration_time > now
     }
+
+
+async def _nearest_nodes(node: DHTNode, keys: Sequence[str]) -> dict[str, tuple[bytes, ...]]:
+    """The nodes (peer ids) nearest to each key, ours excluded, nearest first. Searched for sibling ids (each
+    key's id with its last bit flipped): the same nearest nodes, but none holds a value under them, so the
+    search moves neighbour lists, not the keys' values."""
+    if not keys:
+        return {}
+    siblings = {key: DHTID(int(DHTID.generate(source=key)) ^ 1) for key in keys}
+    nearest = await node.find_nearest_nodes(
+        list(siblings.values()), k_nearest=node.num_replicas, exclude_self=True
+    )
+    return {
+        key: tuple(peer.to_bytes() for peer in nearest[sibling].values()) for key, sibling in siblings.items()
+    }
+
+
+async def _read_at(
+    _dht: hivemind.DHT,
+    node: DHTNode,
+    *,
+    keys: tuple[str, ...],
+    known: dict[str, tuple[bytes, ...]],
+    starts: dict[str, int],
+    ask: int,
+) -> tuple[dict[str, dict[Any, tuple[Any, float]]], dict[str, tuple[bytes, ...]], set[str]]:
+    """Runs in the DHT child (see SwarmDHT.read_near). Returns each key's live subkeys, the nodes found for
+    each key, and the keys none of whose nodes answered."""
+    targets = dict(known)
+    targets.update(await _nearest_nodes(node, [key for key in keys if not known[key]]))
+    key_ids = {key: DHTID.generate(source=key) for key in keys}
+    merged: dict[str, DictionaryDHTValue] = {key: DictionaryDHTValue() for key in keys}
+    for key in keys:
+        local = node.protocol.storage.get(key_ids[key])
+        if local is not None and isinstance(local.value, DictionaryDHTValue):
+            _merge(merged[key], local.value)
+    # Each key's nodes in the order this read tries them; the first ``ask`` at once, then one more for each
+    # that did not answer.
+    order = {
+        key: [ts[(starts[key] + i) % len(ts)] for i in range(len(ts))] for key, ts in targets.items() if ts
+    }
+    pending = {key: nodes[:ask] for key, nodes in order.items()}
+    tried = {key: len(nodes) for key, nodes in pending.items()}
+    answered: set[str] = set()
+    while pending:
+        by_node: dict[bytes, list[str]] = {}
+        for key, nodes in pending.items():
+            for peer in nodes:
+                by_node.setdefault(peer, []).append(key)
+        answers = await asyncio.gather(
+            *(node.protocol.call_find(PeerID(peer), [key_ids[k] for k in ks]) for peer, ks in by_node.items())
+        )
+        pending = {}
+        for ks, answer in zip(by_node.values(), answers, strict=True):
+            for key in ks:
+                if answer is None:  # no answer: ask the key's next node, if any is left
+                    if tried[key] < len(order[key]):
+                        pending.setdefault(key, []).append(order[key][tried[key]])
+                        tried[key] += 1
+                    continue
+                answered.add(key)
+                found, _neighbours = answer.get(key_ids[key], (None, {}))
+                if found is not None and isinstance(found.value, DictionaryDHTValue):
+                    _merge(merged[key], found.value)
+    failed = {key for key in order if key not in answered}
+    return {key: _plain(node, key_ids[key], merged[key]) for key in keys}, targets, failed
+
+
+def _merge(into: DictionaryDHTValue, other: DictionaryDHTValue) -> None:
+    """Each subkey of ``other`` into ``into``, the later expiration winning."""
+    into.maxsize = max(into.maxsize, other.maxsize)
+    for subkey, entry in other.items():
+        into.store(subkey, entry.value, entry.expiration_time)
+
+
+def _plain(node: DHTNode, key_id: DHTID, value: DictionaryDHTValue) -> dict[Any, tuple[Any, float]]:
+    """A dictionary value's live subkeys as {subkey: (value, expiration)}, signatures stripped."""
+    serializer, validator, now = node.protocol.serializer, node.protocol.record_validator, get_dht_time()
+    plain = {}
+    for subkey, (value_bytes, expiration) in value.items():
+        if expiration <= now:
+            continue
+        if validator is not None:
+            record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration)
+            value_bytes = validator.strip_value(record)
+        plain[subkey] = (serializer.loads(value_bytes), expiration)
+    return plain
+
+
+async def _stored_at(_dht: hivemind.DHT, node: DHTNode, *, keys: tuple[str, ...]) -> list[str]:
+    """Runs in the DHT child: which of ``keys`` its local storage holds."""
+    return [key for key in keys if node.protocol.storage.get(DHTID.generate(source=key)) is not None]
 
 
 async def _store_at(
@@ -338,11 +477,7 @@ async def _store_at(
     key's nearest nodes found first. Returns (how many stored it, the nodes asked)."""
     key_id = DHTID.generate(source=key)
     if not targets:
-        # Searched for a sibling id (the key's id with its last bit flipped): the same nearest nodes, but none
-        # holds a value under it, so the search moves neighbour lists, not the key's value.
-        sibling = DHTID(int(key_id) ^ 1)
-        nearest = await node.find_nearest_nodes([sibling], k_nearest=node.num_replicas, exclude_self=True)
-        targets = tuple(peer.to_bytes() for peer in nearest[sibling].values())
+        targets = (await _nearest_nodes(node, [key]))[key]
     serializer = node.protocol.serializer
     record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), serializer.dumps(value), expiration)
     signed = record.value

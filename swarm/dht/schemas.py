@@ -1,12 +1,16 @@
 """The records FlowSwarm keeps in the DHT, and the schema hivemind checks them against.
 
-Five DHT keys per model, each a dictionary with one subkey per writer:
+The DHT keys of a model, each a dictionary with one subkey per writer:
 
-    "<model_key>_peers"   subkey "[owner:<peer's RSA key>]" -> PeerRecord   (every peer, refreshed every TTL/3)
-    "<model_key>_plan"    subkey "[owner:<planner's key>]"  -> PlanRecord   (the elected planner)
-    "<model_key>_lease"   subkey "[owner:<candidate's key>]" -> LeaseRecord (planner candidates and the holder)
-    "<model_key>_reports" subkey "[owner:<reporter's key>]/<accused id>" -> ReportRecord (misbehaviour reports)
-    "<model_key>_summary" subkey "[owner:<planner's key>]"  -> SummaryRecord (the swarm's version, read often)
+    "<model_key>_peers<s>"   subkey "[owner:<peer's RSA key>]" -> PeerRecord (every peer, refreshed every TTL/3)
+    "<model_key>_plan"       subkey "[owner:<planner's key>]"  -> PlanRecord   (the elected planner)
+    "<model_key>_lease"      subkey "[owner:<candidate's key>]" -> LeaseRecord (planner candidates and the holder)
+    "<model_key>_reports"    subkey "[owner:<reporter's key>]/<accused id>" -> ReportRecord (misbehaviour reports)
+    "<model_key>_summary<c>" subkey "[owner:<planner's key>]"  -> SummaryRecord (the swarm's version, read often)
+
+The peer records are spread over PEER_SHARDS keys (shard ``s`` by a hash of the peer id; "" for shard 0), and
+the planner writes the same summary under `summary_copies` keys (copy ``c``; "" for copy 0), each reader
+reading the copy its own id picks: different DHT nodes store each key, so no node answers everyone.
 
 `model_key` is a prefix of the model hash, so one DHT hosts several models. The "[owner:...]" marker makes
 hivemind's RSASignatureValidator demand a signature by that key, so nobody can overwrite another peer's
@@ -23,6 +27,7 @@ string too: a record outside the bounds is invalid as a whole, on the storing no
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal, Self
 
 import pydantic
@@ -36,6 +41,9 @@ from swarm.wire import MAX_HIDDEN_SIZE, MAX_LAYER, MAX_MADDRS  # one set of limi
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
 DIGEST_CHARS = 16  # hex characters of a SummaryRecord's digest (64 bits)
+PEER_SHARDS = 24  # keys the peer records are spread over (each parsed up to directory.MAX_RECORDS_PER_KEY)
+MAX_SUMMARY_COPIES = 128  # keys the planner's summary may be written under
+READERS_PER_SUMMARY_COPY = 100  # the planner writes one summary copy per this many peers
 # Hard bounds: a value past these is not a measurement but garbage or an attack (the planner and routing
 # clamp further, to configurable plausible caps).
 MAX_TOKENS_S = 1e9  # tokens/s through one layer: ~1000x the fastest measured layer of any model we serve
@@ -290,6 +298,7 @@ class SummaryRecord(_Record):
     ]
     peer_count: Annotated[int, Field(ge=0, le=MAX_SESSIONS)]
     created_at: Seconds
+    copies: Annotated[int, Field(ge=1, le=MAX_SUMMARY_COPIES)] = 1  # keys it is written under (summary_key)
 
     def to_dht(self) -> dict[str, Any]:
         return self.model_dump(mode="python")
@@ -302,8 +311,24 @@ def model_key(model_hash: str) -> str:
     return model_hash[:MODEL_KEY_CHARS]
 
 
-def peers_key(model_hash: str) -> str:
-    return f"{model_key(model_hash)}_peers"
+def _numbered(n: int) -> str:
+    return str(n) if n else ""
+
+
+def shard_of(peer_id: str) -> int:
+    """The peer-records shard a peer's record belongs in (readers drop it anywhere else)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % PEER_SHARDS
+
+
+def peers_key(model_hash: str, shard: int = 0) -> str:
+    if not 0 <= shard < PEER_SHARDS:
+        raise ValueError(f"peer shard {shard} out of range 0..{PEER_SHARDS - 1}")
+    return f"{model_key(model_hash)}_peers{_numbered(shard)}"
+
+
+def record_key(model_hash: str, peer_id: str) -> str:
+    """The key ``peer_id``'s record is stored under."""
+    return peers_key(model_hash, shard_of(peer_id))
 
 
 def plan_key(model_hash: str) -> str:
@@ -318,8 +343,23 @@ def reports_key(model_hash: str) -> str:
     return f"{model_key(model_hash)}_reports"
 
 
-def summary_key(model_hash: str) -> str:
-    return f"{model_key(model_hash)}_summary"
+def summary_key(model_hash: str, copy: int = 0) -> str:
+    if not 0 <= copy < MAX_SUMMARY_COPIES:
+        raise ValueError(f"summary copy {copy} out of range 0..{MAX_SUMMARY_COPIES - 1}")
+    return f"{model_key(model_hash)}_summary{_numbered(copy)}"
+
+
+def summary_copies(peer_count: int) -> int:
+    """Keys the planner writes its summary under for a swarm of ``peer_count``: one per
+    READERS_PER_SUMMARY_COPY peers, so the nodes storing one answer at most about that many readers."""
+    return max(1, min(MAX_SUMMARY_COPIES, -(-peer_count // READERS_PER_SUMMARY_COPY)))
+
+
+def summary_copy_of(peer_id: str, copies: int) -> int:
+    """The summary copy ``peer_id`` reads, of ``copies``."""
+    if copies <= 1:
+        return 0
+    return int.from_bytes(hashlib.sha256(b"summary/" + peer_id.encode()).digest()[:4], "big") % copies
 
 
 def _v1_value_type(model: type[_Record]) -> type:
@@ -349,14 +389,24 @@ CheckedReportRecord = _v1_value_type(ReportRecord)
 CheckedSummaryRecord = _v1_value_type(SummaryRecord)
 
 
-class FlowSwarmSchema(pydantic_v1.BaseModel):
-    """The v1 schema for SchemaValidator(FlowSwarmSchema, prefix=model_key(model_hash))."""
+class _SchemaConfig:
+    extra = pydantic_v1.Extra.forbid
 
-    peers: dict[BytesWithPublicKey, CheckedPeerRecord]  # type: ignore[valid-type]
-    plan: dict[BytesWithPublicKey, CheckedPlanRecord]  # type: ignore[valid-type]
-    lease: dict[BytesWithPublicKey, CheckedLeaseRecord]  # type: ignore[valid-type]
-    reports: dict[BytesWithPublicKey, CheckedReportRecord]  # type: ignore[valid-type]
-    summary: dict[BytesWithPublicKey, CheckedSummaryRecord]  # type: ignore[valid-type]
 
-    class Config:
-        extra = pydantic_v1.Extra.forbid
+# The v1 schema for SchemaValidator(FlowSwarmSchema, prefix=model_key(model_hash)): one field per key suffix
+# (peers, peers1.., plan, lease, reports, summary, summary1..).
+FlowSwarmSchema: type[pydantic_v1.BaseModel] = pydantic_v1.create_model(  # type: ignore[call-overload]
+    "FlowSwarmSchema",
+    __config__=_SchemaConfig,
+    plan=(dict[BytesWithPublicKey, CheckedPlanRecord], None),  # type: ignore[valid-type]
+    lease=(dict[BytesWithPublicKey, CheckedLeaseRecord], None),  # type: ignore[valid-type]
+    reports=(dict[BytesWithPublicKey, CheckedReportRecord], None),  # type: ignore[valid-type]
+    **{
+        f"peers{_numbered(s)}": (dict[BytesWithPublicKey, CheckedPeerRecord], None)  # type: ignore[valid-type]
+        for s in range(PEER_SHARDS)
+    },
+    **{
+        f"summary{_numbered(c)}": (dict[BytesWithPublicKey, CheckedSummaryRecord], None)  # type: ignore[valid-type]
+        for c in range(MAX_SUMMARY_COPIES)
+    },
+)

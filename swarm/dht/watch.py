@@ -2,9 +2,12 @@
 
 The elected planner reads every record at its own pace anyway; after each look it writes a SummaryRecord: the
 digest of the membership it read (who, in which state, holding which layers) and its plan's epoch
-(swarm.peer.planner_service). Everyone else reads that one small record every ``poll_s`` from the few nodes
+(swarm.peer.planner_service). Everyone else reads that one small record every ``poll_s`` from one of the nodes
 that store it, and reads a full snapshot only when it changes. So an idle peer's reads do not grow with the
-swarm, while joins, leaves, moves and new plans are seen within one poll of the planner's next look.
+swarm, while joins, leaves, moves and new plans are seen within one poll of the planner's next look. The
+planner writes the same summary under several keys in a large swarm (its ``copies``); each reader reads the
+copy its own id picks (swarm.dht.schemas.summary_copy_of), and the first copy, which is always written, when
+its own holds no summary of the holder (the number of copies changed, or it is just being written).
 
 Trust: a summary only ever triggers a read; what is read is checked as always (swarm.dht.directory). Only the
 summary of the lease holder named by our last full snapshot counts. Without one (no planner yet, the holder
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarm.dht.directory import Directory, SwarmSnapshot, membership_digest
-from swarm.dht.schemas import SummaryRecord
+from swarm.dht.schemas import SummaryRecord, summary_copy_of
 from swarm.settings import positive, setting
 
 logger = logging.getLogger(__name__)
@@ -89,9 +92,11 @@ class SwarmWatch:
         self.version = 0  # full snapshots read so far
         self.full_reads = 0
         self.summary_reads = 0
+        self.thorough_reads = 0  # full reads made again from more nodes (a member the summary saw missed)
         self.on_snapshot: list[Callable[[SwarmSnapshot], None]] = []
         self._summary: SummaryRecord | None = None  # the trusted summary our snapshot is as new as
         self._read_at = float("-inf")  # clock of the last full read
+        self._copies = 1  # summary copies the last summary we trusted was written under
         self._new = asyncio.Condition()
         self._lock = asyncio.Lock()
 
@@ -110,9 +115,7 @@ class SwarmWatch:
         if self.snapshot is None:
             await self.read()
             return
-        summaries = await self.directory.read_summaries()
-        self.summary_reads += 1
-        summary, doubtful = trusted_summary(summaries, self.snapshot.planner_peer_id)
+        summary, doubtful = await self._read_summary(self.snapshot.planner_peer_id)
         full_due = self.config.full_read_s > 0 and since >= self.config.full_read_s
         if summary is not None and not doubtful:
             if full_due or is_news(summary, self._summary, self.snapshot):
@@ -123,10 +126,30 @@ class SwarmWatch:
         if since >= self.config.fallback_s or full_due:
             await self.read()
 
+    async def _read_summary(self, holder: str | None) -> tuple[SummaryRecord | None, bool]:
+        """The holder's summary from our copy (and from the first if ours has none), and whether it is
+        doubtful (see trusted_summary)."""
+        copy = summary_copy_of(self.directory.peer_id, self._copies)
+        summaries = await self.directory.read_summaries(copy)
+        self.summary_reads += 1
+        summary, doubtful = trusted_summary(summaries, holder)
+        if summary is None and copy != 0:
+            summaries = await self.directory.read_summaries(0)
+            self.summary_reads += 1
+            summary, doubtful = trusted_summary(summaries, holder)
+        if summary is not None and not doubtful:
+            self._copies = summary.copies
+        return summary, doubtful
+
     async def read(self, summary: SummaryRecord | None = None) -> SwarmSnapshot:
         """A full snapshot now (as new as ``summary``, the trusted one that made us read, if any)."""
         async with self._lock:
             snapshot = await self.directory.snapshot()
+            if summary is not None and membership_digest(snapshot.peers) != summary.peers_digest:
+                # The nodes we read from lack a record the planner saw (a store that reached only some of
+                # them): once more, asking more nodes of every key.
+                snapshot = await self.directory.snapshot(thorough=True)
+                self.thorough_reads += 1
             self._read_at = self.clock()
             self.full_reads += 1
             if (

@@ -173,10 +173,17 @@ class LinkConfig:
     bandwidth_refresh_s: float = setting(
         3600.0, "how often a nearest peer's bandwidth is probed again (RTT: every refresh)"
     )
+    later_payload_bytes: int = setting(
+        64 * 1024,
+        "largest bandwidth probe each way once the first k links are measured (a peer new among the k, a "
+        "re-measure)",
+    )
+    later_rounds: int = setting(2, "most bandwidth probes each way of such a later measurement")
+    later_gap_s: float = setting(300.0, "at most one such later measurement this often")
 
     def __post_init__(self) -> None:
         positive(self, "refresh_s", "payload_bytes", "min_payload_bytes", "probe_s", "timeout_s", "poll_s")
-        positive(self, "bandwidth_refresh_s")
+        positive(self, "bandwidth_refresh_s", "later_payload_bytes", "later_rounds", "later_gap_s")
         if self.min_payload_bytes > self.payload_bytes:
             raise ValueError("min_payload_bytes must be <= payload_bytes")
         if self.nearest < 0 or self.sample < 0:

@@ -183,7 +183,10 @@ class LinkMonitor:
     Every refresh_s, small pings give the RTT to those k and to a random sample of the others (how nearer
     peers are found); every poll_s, peers new to the swarm as last read are pinged too. Bandwidth costs real
     bytes, so it is probed (swarm.transport.linkprobe) only when a peer first becomes one of the k, and again
-    every bandwidth_refresh_s. Only the k are announced: the record stays small as the swarm grows."""
+    every bandwidth_refresh_s. Only the k are announced: the record stays small as the swarm grows. After the
+    first k measurements (tried, measured or not), a later one (a peer new among the k, a re-measure) uses
+    small probes (later_payload_bytes, later_rounds), one link per later_gap_s at most, the link it would
+    displace announced meanwhile: an idle peer's probes stay a trickle while RTT jitter reshuffles its k."""
 
     def __init__(
         self,
@@ -216,6 +219,14 @@ class LinkMonitor:
             max_bytes=self.config.payload_bytes,
             probe_s=self.config.probe_s,
         )
+        self.later_sizes = ProbeSizes(
+            min_bytes=min(self.config.min_payload_bytes, self.config.later_payload_bytes),
+            max_bytes=self.config.later_payload_bytes,
+            probe_s=self.config.probe_s,
+            rounds=self.config.later_rounds,
+        )
+        self._later_at = float("-inf")  # clock of the last later measurement
+        self._full_measurements = 0  # measurements tried with full probes (at most k)
 
     def heard_probe(self, peer_id: str) -> None:
         """A sized probe from ``peer_id`` reached us: it is measuring our link's bandwidth (the probe handler
@@ -269,11 +280,21 @@ class LinkMonitor:
         self.rtts = {p: r for p, r in self.rtts.items() if p in peers}
         self._bandwidth = {p: b for p, b in self._bandwidth.items() if p in peers}
         links: dict[str, LinkMeasure] = {}
+        # The first k measurements (tried, whether or not they succeeded) use full probes; the rest small ones.
+        settled = self._full_measurements >= self.config.nearest
         for peer_id in self.nearest():
             bandwidth = self._bandwidth.get(peer_id)
-            if bandwidth is None or self.clock() - bandwidth[2] >= self.config.bandwidth_refresh_s:
+            due = bandwidth is None or self.clock() - bandwidth[2] >= self.config.bandwidth_refresh_s
+            if due and settled and self.clock() - self._later_at < self.config.later_gap_s:
+                due = False  # one later measurement per later_gap_s: this one waits
+            if due:
+                if settled:
+                    self._later_at = self.clock()
+                else:
+                    self._full_measurements += 1
                 try:
-                    timing = await self._measure(peer_id, peers[peer_id].maddrs)
+                    sizes = self.later_sizes if settled else self.sizes
+                    timing = await self._measure(peer_id, peers[peer_id].maddrs, sizes)
                 except Exception as e:
                     logger.debug("bandwidth to %s not measured: %s", peer_id[-8:], e)
                 else:
@@ -282,6 +303,11 @@ class LinkMonitor:
                         self._bandwidth[peer_id] = bandwidth
             if bandwidth is not None:
                 links[peer_id] = link_measure(LinkTiming(self.rtts[peer_id], bandwidth[0], bandwidth[1]))
+        # A link a peer not measured yet displaced stays announced (and favoured) until that peer is measured.
+        for peer_id in self.links:
+            if len(links) < self.config.nearest and peer_id in self.rtts and peer_id in self._bandwidth:
+                up, down, _at = self._bandwidth[peer_id]
+                links.setdefault(peer_id, link_measure(LinkTiming(self.rtts[peer_id], up, down)))
         self.links = links
         self.on_change(self.links)
 
@@ -294,7 +320,7 @@ class LinkMonitor:
             best = min(best, time.perf_counter() - started)
         return best
 
-    async def _measure(self, peer_id: str, maddrs: list[str]) -> LinkTiming | None:
+    async def _measure(self, peer_id: str, maddrs: list[str], sizes: ProbeSizes) -> LinkTiming | None:
         """Both directions' bandwidth to ``peer_id``; None if we gave way to its own measurement of our link.
         The whole measurement has a deadline: a slow or hostile peer cannot stall the round."""
         if peer_id < self.own_peer_id and self._being_probed(peer_id):
@@ -304,7 +330,7 @@ class LinkMonitor:
             await self._probe(peer_id, maddrs, sent, back)
 
         give_way = self.yielding[peer_id] = asyncio.Event()
-        measuring = asyncio.ensure_future(measure_both_ways(probe, self.sizes))
+        measuring = asyncio.ensure_future(measure_both_ways(probe, sizes))
         yielded = asyncio.ensure_future(give_way.wait())
         try:
             async with asyncio.timeout(MEASURE_DEADLINE_PROBES * self.config.timeout_s):

@@ -13,7 +13,7 @@ Each check (every check_interval_s) reads a snapshot and decides, as pure functi
      moved by reflow_fraction of the flow. Nobody moves, and clients route around a link that became slow.
 Otherwise the current plan is only refreshed (stored again, same epoch), so clients never see churn. After each
 check the planner stores the swarm's summary (membership digest and plan epoch) when either changed, else every
-summary_ttl_s / 3: the other peers read only that, and the records when it changes (swarm.dht.watch). Only a
+summary_ttl_s / 2: the other peers read only that, and the records when it changes (swarm.dht.watch). Only a
 plan we made is refreshed: a predecessor's plan is replaced by our own (epoch + 1), never re-signed, since
 re-signing would lend our lease to whatever that plan says.
 The solve runs in a niced process of its own (swarm.peer.solver_process), with a time limit; the event
@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.dht.directory import membership_digest
-from swarm.dht.schemas import SummaryRecord
+from swarm.dht.schemas import SummaryRecord, summary_copies
 from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
@@ -270,6 +270,7 @@ class PlannerService:
         self._refreshed_at = float("-inf")
         self._mine: PlanRecord | None = None  # the newest plan we stored
         self.published = 0  # plans published with a new epoch by this peer (for tests and status)
+        self._term_began = True  # our first check since we took the lease reads the plan key
         self._summarized: tuple[str, int] | None = None  # (membership digest, epoch) of our last summary
         self._summarized_at = float("-inf")
 
@@ -284,6 +285,7 @@ class PlannerService:
                 else:
                     self._solved_cluster = None  # a new term starts from a fresh look at the swarm
                     self._flowed_cluster = None
+                    self._term_began = True
                 await asyncio.sleep(self.config.check_interval_s)
         finally:
             self.solver.close()
@@ -291,7 +293,10 @@ class PlannerService:
     async def check(self) -> PlanRecord | None:
         """One look at the swarm: re-solve if needed, publish if better, else refresh; then tell the swarm's
         summary readers (swarm.dht.watch) what we saw. Returns the plan stored, if any."""
-        snapshot = await self.directory.snapshot()
+        # Within a term we know our own plan (``_mine``): the plan key, which grows with the swarm, is not
+        # read again at every check.
+        snapshot = await self.directory.snapshot(plans=self._term_began or self._mine is None)
+        self._term_began = False
         try:
             return await self._plan(snapshot)
         finally:  # a failed solve must not leave the summary to expire (everyone would read every record)
@@ -299,13 +304,13 @@ class PlannerService:
 
     async def _summarize(self, snapshot: SwarmSnapshot) -> None:
         """Store the summary of ``snapshot`` and our plan's epoch when either changed, else every
-        summary_ttl_s / 3 (a failed store is retried at the next check)."""
+        summary_refresh_s (a failed store is retried at the next check)."""
         me = self.directory.peer_id
         epochs = [self._mine.epoch if self._mine is not None else 0]
         if snapshot.plan is not None and snapshot.plan.planner_peer_id == me:
             epochs.append(snapshot.plan.epoch)
         version = (membership_digest(snapshot.peers), max(epochs))
-        refresh_s = self.directory.config.summary_ttl_s / 3
+        refresh_s = self.directory.config.summary_refresh_s
         if version == self._summarized and time.monotonic() - self._summarized_at < refresh_s:
             return
         summary = SummaryRecord(
@@ -314,6 +319,7 @@ class PlannerService:
             peers_digest=version[0],
             peer_count=len(snapshot.peers),
             created_at=self.directory.now(),
+            copies=summary_copies(len(snapshot.peers)),
         )
         try:
             async with asyncio.timeout(self.directory.write_timeout_s):

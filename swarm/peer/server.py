@@ -280,12 +280,24 @@ async def _write_traffic(path: Path, directory: Directory, watch: SwarmWatch) ->
             "by_cause": directory.traffic.as_dict(),
             "summary_reads": watch.summary_reads,
             "full_reads": watch.full_reads,
+            "thorough_reads": watch.thorough_reads,
+            "confirmations": directory.confirmations,
+            "stores": await _stored_keys(directory),
         }
         try:
             _write_atomic(path, json.dumps(report) + "\n")
         except OSError as e:  # a full disk or a removed directory must not stop the peer
             logger.warning("could not write %s: %r", path, e)
         await asyncio.sleep(TRAFFIC_WRITE_S)
+
+
+async def _stored_keys(directory: Directory) -> list[str]:
+    """Which of the model's keys this peer stores for others (none if the DHT does not answer)."""
+    try:
+        async with asyncio.timeout(TRAFFIC_WRITE_S):
+            return await directory.dht.stored_keys(directory.key_names())
+    except (TimeoutError, OSError, RuntimeError):
+        return []
 
 
 def _faults(config: PeerConfig, name: str) -> OutputFaults | None:

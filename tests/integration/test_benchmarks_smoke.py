@@ -676,7 +676,9 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
             "idle_rx_bytes_s_per_peer": lambda v: set(v) == {"4"},
             "model_tx_bytes_s_per_peer": lambda v: {"4", "1000", "10000"} <= set(v),
             "model_by_cause": lambda v: set(v) >= {"1000", "10000"},
-            "model_hottest_tx_bytes_s": lambda v: set(v) >= {"1000", "10000"},
+            "idle_tx_bytes_s_busiest": lambda v: set(v) == {"4"},
+            "model_busiest_tx_bytes_s": lambda v: set(v) >= {"1000", "10000"},
+            "model_roles_tx_bytes_s": lambda v: set(v) >= {"1000", "10000"},
             "model_sizes": lambda v: _positive(v["message_bytes"]),
             "model_rates": lambda v: isinstance(v, dict),
             "settle_s": _non_negative,
@@ -691,6 +693,9 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
     assert math.isclose(tx["mean"], rx["mean"], rel_tol=0.05), (tx, rx)
     # the paper model: at the measured size and at 1,000 and 10,000 peers, an idle peer within issue 57's target
     assert 0 < out["model_tx_bytes_s_per_peer"]["1000"] <= 20 * 1024, out["model_tx_bytes_s_per_peer"]
+    assert out["idle_tx_bytes_s_busiest"]["4"] == tx["max"]
+    busiest, mean = out["model_busiest_tx_bytes_s"], out["model_tx_bytes_s_per_peer"]
+    assert all(busiest[n] > mean[n] for n in ("1000", "10000")), (busiest, mean)
 
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))

@@ -40,7 +40,7 @@ from swarm.dht import (
     SwarmSnapshot,
     coverage,
 )
-from swarm.dht.schemas import peers_key
+from swarm.dht.schemas import record_key
 from swarm.errors import TransportError
 from swarm.types import LayerRange, NodeID, Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
@@ -219,7 +219,7 @@ async def _test_forged_unsigned_and_invalid_records_are_rejected() -> None:
         async with observer(initial_peers=tuple(boot.visible_maddrs())) as evil:
             honest = Directory(boot, DirectoryConfig(ttl_s=30.0))
             assert await honest.announce(peer_record(boot.peer_id, 0, 4))
-            raw, key = evil.hivemind_dht, peers_key(MODEL_HASH)
+            raw, key = evil.hivemind_dht, record_key(MODEL_HASH, evil.peer_id)
             expiration = evil.now() + 60
             forged = peer_record(boot.peer_id, 0, 8).to_dht()  # claims to be boot, with more layers
             # Into the honest peer's subkey: evil cannot sign for that key.

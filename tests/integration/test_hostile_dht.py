@@ -25,7 +25,7 @@ import pytest
 
 from client import SwarmClient
 from swarm.dht import Directory, DirectoryConfig, ModelShape, PlanRecord, SwarmSnapshot
-from swarm.dht.schemas import lease_key, peers_key, plan_key
+from swarm.dht.schemas import lease_key, plan_key, record_key
 from swarm.models import resolve_model
 from swarm.models.head import SamplingParams
 from swarm.peer.planner_service import PlannerConfig, cluster_from_snapshot
@@ -216,7 +216,7 @@ def test_hijacked_lease_does_not_win_the_election(harness: Harness) -> None:
 
 def test_inflated_announcement_gets_no_more_flow_than_the_cap(harness: Harness) -> None:
     att = harness.attacker
-    key = peers_key(SPEC.weights_hash)
+    key = record_key(SPEC.weights_hash, att.peer_id)
 
     def fake(tokens_s: float) -> dict[str, Any]:
         record = peer_record(

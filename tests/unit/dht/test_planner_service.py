@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -181,12 +182,14 @@ class _Directory:
         self.config, self.write_timeout_s = DirectoryConfig(), 5.0
         self.published: list[PlanRecord] = []
         self.summaries: list[SummaryRecord] = []
+        self.plan_reads: list[bool] = []  # whether each snapshot read the plan key
 
     def now(self) -> float:
         return self.dht.now()
 
-    async def snapshot(self) -> SwarmSnapshot:
-        return self.snap
+    async def snapshot(self, plans: bool = True) -> SwarmSnapshot:
+        self.plan_reads.append(plans)
+        return self.snap if plans else dataclasses.replace(self.snap, plan=None)
 
     async def publish_plan(self, record: PlanRecord) -> bool:
         self.published.append(record)
@@ -212,7 +215,9 @@ def test_a_new_planner_publishes_its_own_plan_instead_of_re_signing_a_foreign_on
     (summary,) = directory.summaries
     assert summary.plan_epoch == 8 and summary.peers_digest == membership_digest(peers)
     asyncio.run(service.check())
-    assert len(directory.summaries) == 1  # nothing changed: no second summary within summary_ttl_s / 3
+    assert len(directory.summaries) == 1  # nothing changed: no second summary within summary_refresh_s
+    assert directory.plan_reads == [True, False]  # within its term the planner knows its plan
+    assert [r.epoch for r in directory.published] == [8]
     with pytest.raises(ValueError, match="re-sign"):
         asyncio.run(service._refresh(foreign))
 

@@ -13,7 +13,21 @@ from hivemind.p2p import P2P
 
 from swarm.dht.directory import SwarmSnapshot, coverage, parse_records, pick_plan
 from swarm.dht.identity import load_private_key, owner_peer_id, peer_id_of_public_key
-from swarm.dht.schemas import FlowSwarmSchema, LinkMeasure, PeerRecord, PlanRecord, model_key, peers_key
+from swarm.dht.schemas import (
+    MAX_SUMMARY_COPIES,
+    PEER_SHARDS,
+    FlowSwarmSchema,
+    LinkMeasure,
+    PeerRecord,
+    PlanRecord,
+    SummaryRecord,
+    model_key,
+    peers_key,
+    shard_of,
+    summary_copies,
+    summary_copy_of,
+    summary_key,
+)
 from swarm.types import Plan
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
@@ -267,3 +281,33 @@ def test_hostile_quant_kinds_are_rejected(signers, quant):
     with pytest.raises(pydantic.ValidationError):
         PeerRecord.from_dht(value)
     assert not a.validator.validate(a.record(peers_key(MODEL_HASH), a.subkey, value))
+
+
+def test_every_shard_and_summary_copy_key_is_checked_by_the_schema(signers):
+    a, _ = signers
+    record = peer_record(a.peer_id).to_dht()
+    for shard in (0, 1, PEER_SHARDS - 1):
+        assert a.validator.validate(a.record(peers_key(MODEL_HASH, shard), a.subkey, record))
+        # a summary is not a peer record: the shard keys are typed like the first
+        assert not a.validator.validate(a.record(peers_key(MODEL_HASH, shard), a.subkey, {"x": 1}))
+    summary = SummaryRecord(
+        planner_peer_id=a.peer_id,
+        plan_epoch=1,
+        peers_digest="0" * 16,
+        peer_count=250,
+        created_at=1.0,
+        copies=3,
+    ).to_dht()
+    for copy in (0, 2, MAX_SUMMARY_COPIES - 1):
+        assert a.validator.validate(a.record(summary_key(MODEL_HASH, copy), a.subkey, summary))
+        assert not a.validator.validate(a.record(summary_key(MODEL_HASH, copy), a.subkey, record))
+    with pytest.raises(ValueError):
+        peers_key(MODEL_HASH, PEER_SHARDS)
+
+
+def test_summary_copies_grow_with_the_swarm_and_readers_spread_over_them():
+    assert [summary_copies(n) for n in (0, 1, 100, 101, 1000, 10**6)] == [1, 1, 1, 2, 10, MAX_SUMMARY_COPIES]
+    assert summary_copy_of("QmA", 1) == 0
+    picks = {summary_copy_of(f"Qm{i}", 10) for i in range(200)}
+    assert picks == set(range(10))
+    assert {shard_of(f"Qm{i}") for i in range(500)} == set(range(PEER_SHARDS))

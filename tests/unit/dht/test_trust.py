@@ -16,10 +16,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
 from swarm.dht import Directory, DirectoryConfig, ModelShape, ReportRecord
-from swarm.dht.directory import parse_records
+from swarm.dht.directory import CONFIRM_ASK, parse_records
 from swarm.dht.identity import load_private_key, peer_id_of_public_key
 from swarm.dht.lease import lease_holder
 from swarm.dht.schemas import (
+    PEER_SHARDS,
     LeaseRecord,
     LinkMeasure,
     PeerRecord,
@@ -27,7 +28,9 @@ from swarm.dht.schemas import (
     lease_key,
     peers_key,
     plan_key,
+    record_key,
     reports_key,
+    shard_of,
 )
 from swarm.dht.trust import EpochGuard, LeaseWitness, Rejections, plan_problem, time_problem
 from swarm.types import LayerRange, NodeID, Plan
@@ -61,6 +64,7 @@ class MemoryDHT:
         self._subkey = me.subkey
         self.clock = NOW
         self.data: dict[str, dict[bytes, tuple[Any, float]]] = {}
+        self.reads: list[tuple[tuple[str, ...], int]] = []  # (keys, ask) of each read_near
 
     def now(self) -> float:
         return self.clock
@@ -78,8 +82,9 @@ class MemoryDHT:
     async def get(self, key: str) -> dict[bytes, tuple[Any, float]]:
         return {k: v for k, v in self.data.get(key, {}).items() if v[1] > self.clock}
 
-    async def get_near(self, key: str, beam: int = 2) -> dict[bytes, tuple[Any, float]]:
-        return await self.get(key)
+    async def read_near(self, keys: Any, ask: int = 1) -> dict[str, dict[bytes, tuple[Any, float]]]:
+        self.reads.append((tuple(keys), ask))
+        return {key: await self.get(key) for key in keys}
 
 
 def plan_value(planner: str, placement: dict[str, LayerRange], epoch: int) -> dict[str, Any]:
@@ -95,8 +100,12 @@ def swarm(keys: list[Key]) -> tuple[MemoryDHT, Directory]:
     """keys[0] reads; keys[1] holds 0:4, keys[2] 4:8 and the planner lease, with a plan of epoch 3."""
     dht = MemoryDHT(keys[0])
     a, b = keys[1], keys[2]
-    dht.put(peers_key(MODEL_HASH), a.subkey, peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht())
-    dht.put(peers_key(MODEL_HASH), b.subkey, peer_record(b.peer_id, 4, 8, updated_at=NOW).to_dht())
+    dht.put(
+        record_key(MODEL_HASH, a.peer_id), a.subkey, peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht()
+    )
+    dht.put(
+        record_key(MODEL_HASH, b.peer_id), b.subkey, peer_record(b.peer_id, 4, 8, updated_at=NOW).to_dht()
+    )
     dht.put(lease_key(MODEL_HASH), b.subkey, lease_value(b.peer_id, NOW - 100, NOW - 90))
     placement = {a.peer_id: LayerRange(0, 4), b.peer_id: LayerRange(4, 8)}
     dht.put(plan_key(MODEL_HASH), b.subkey, plan_value(b.peer_id, placement, 3))
@@ -196,16 +205,61 @@ def test_directory_drops_a_record_stored_to_live_forever(keys: list[Key]) -> Non
     dht, directory = swarm(keys)
     forever = keys[3]
     value = peer_record(forever.peer_id, 0, 8, updated_at=NOW).to_dht()
-    dht.put(peers_key(MODEL_HASH), forever.subkey, value, expiration=NOW + 10**7)
+    dht.put(record_key(MODEL_HASH, forever.peer_id), forever.subkey, value, expiration=NOW + 10**7)
     assert forever.peer_id not in read(directory).peers
     assert directory.rejections.counts["peer"] == 1
+
+
+def test_a_record_stored_in_another_peers_shard_is_dropped(keys: list[Key]) -> None:
+    dht, directory = swarm(keys)
+    stray = keys[3]
+    wrong = peers_key(MODEL_HASH, (shard_of(stray.peer_id) + 1) % PEER_SHARDS)
+    dht.put(wrong, stray.subkey, peer_record(stray.peer_id, 0, 8, updated_at=NOW).to_dht())
+    assert stray.peer_id not in read(directory).peers
+    assert directory.rejections.counts["peer"] == 1
+    dht.put(
+        record_key(MODEL_HASH, stray.peer_id),
+        stray.subkey,
+        peer_record(stray.peer_id, 0, 8, updated_at=NOW).to_dht(),
+    )
+    assert stray.peer_id in read(directory).peers
+
+
+def test_a_record_gone_before_its_expiry_is_asked_of_more_nodes(keys: list[Key]) -> None:
+    """One node answering without a live record (it missed the store, or withholds it) does not make the
+    peer vanish: the key is read again from more nodes. A record past its expiry is simply gone."""
+    dht, directory = swarm(keys)
+    a = keys[1]
+    read(directory)
+    read(directory)
+    # The first read asks more nodes of every key (nothing to compare with yet), the next one.
+    assert [ask for _keys, ask in dht.reads] == [1 + CONFIRM_ASK, 1]
+    first = len(dht.reads)
+    key = record_key(MODEL_HASH, a.peer_id)
+    held = dht.data[key].pop(a.subkey)
+    asked_again = []
+
+    async def one_node_missed_it(keys_: Any, ask: int = 1) -> dict[str, dict[bytes, tuple[Any, float]]]:
+        found = {k: await dht.get(k) for k in keys_}
+        if ask > 1:
+            asked_again.extend(keys_)
+            found[key] = {**found[key], a.subkey: held}
+        return found
+
+    dht.read_near = one_node_missed_it  # type: ignore[method-assign]
+    assert a.peer_id in read(directory).peers
+    assert asked_again == [key]
+    dht.clock = held[1] + 1  # expired: no second read, and the peer is gone
+    asked_again.clear()
+    assert a.peer_id not in read(directory).peers
+    assert asked_again == [] and first == 2
 
 
 def test_the_model_shape_comes_from_the_spec_not_from_a_record(keys: list[Key]) -> None:
     dht, directory = swarm(keys)
     odd = keys[3]
     value = peer_record(odd.peer_id, 0, 2, num_layers=2, max_layers=2, updated_at=NOW).to_dht()
-    dht.put(peers_key(MODEL_HASH), odd.subkey, value)
+    dht.put(record_key(MODEL_HASH, odd.peer_id), odd.subkey, value)
     assert set(read(directory).peers) == {keys[1].peer_id, keys[2].peer_id}
 
 
@@ -232,7 +286,9 @@ def test_the_holders_plan_must_fit_the_snapshot(keys: list[Key]) -> None:
     assert read(directory).plan is None
     too_many = plan_value(b.peer_id, {a.peer_id: LayerRange(0, 8)}, 4)  # a announced max_layers 8: fits
     dht.put(
-        peers_key(MODEL_HASH), a.subkey, peer_record(a.peer_id, 0, 4, max_layers=3, updated_at=NOW).to_dht()
+        record_key(MODEL_HASH, a.peer_id),
+        a.subkey,
+        peer_record(a.peer_id, 0, 4, max_layers=3, updated_at=NOW).to_dht(),
     )
     dht.put(plan_key(MODEL_HASH), b.subkey, too_many)
     assert read(directory).plan is None
@@ -355,3 +411,26 @@ def test_report_record_checks() -> None:
         ReportRecord(
             reporter_peer_id="a", accused_peer_id="b", layers=[0, 1], reason="x" * 600, created_at=NOW
         )
+
+
+def test_an_older_record_than_the_last_read_is_asked_of_more_nodes(keys: list[Key]) -> None:
+    """A node that missed a peer's latest stores answers with its older record: the reader, which saw the
+    newer one, asks more nodes and keeps the newest."""
+    dht, directory = swarm(keys)
+    a = keys[1]
+    key = record_key(MODEL_HASH, a.peer_id)
+    dht.put(key, a.subkey, peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht(), expiration=NOW + 30)
+    read(directory)
+    moved = peer_record(a.peer_id, 0, 6, updated_at=NOW).to_dht()
+    dht.put(key, a.subkey, moved, expiration=NOW + 40)
+    assert read(directory).peers[a.peer_id].range_end == 6
+    stale = (peer_record(a.peer_id, 0, 4, updated_at=NOW).to_dht(), NOW + 30)
+
+    async def one_node_is_behind(keys_: Any, ask: int = 1) -> dict[str, dict[bytes, tuple[Any, float]]]:
+        found = {k: await dht.get(k) for k in keys_}
+        if ask == 1 and key in found:
+            found[key] = {**found[key], a.subkey: stale}
+        return found
+
+    dht.read_near = one_node_is_behind  # type: ignore[method-assign]
+    assert read(directory).peers[a.peer_id].range_end == 6

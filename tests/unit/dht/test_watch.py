@@ -30,6 +30,9 @@ class Board:
         self.epoch = 1
         self.summaries: dict[str, SummaryRecord] = {}
         self.full_reads = 0
+        self.thorough_reads = 0
+        self.missed: set[str] = set()  # peers a plain read misses (the node asked lacks their records)
+        self.peer_id = "QmReader"
 
     def summarize(self, writer: str = PLANNER, created_at: float = 1.0) -> None:
         self.summaries[writer] = SummaryRecord(
@@ -40,13 +43,15 @@ class Board:
             created_at=created_at,
         )
 
-    async def snapshot(self) -> SwarmSnapshot:
+    async def snapshot(self, plans: bool = True, thorough: bool = False) -> SwarmSnapshot:
         self.full_reads += 1
+        self.thorough_reads += thorough
+        peers = {p: r for p, r in self.peers.items() if thorough or p not in self.missed}
         return SwarmSnapshot(
-            peers=dict(self.peers), plan=plan_record(self.epoch), planner_peer_id=PLANNER, fetched_at=0.0
+            peers=peers, plan=plan_record(self.epoch), planner_peer_id=PLANNER, fetched_at=0.0
         )
 
-    async def read_summaries(self) -> dict[str, SummaryRecord]:
+    async def read_summaries(self, copy: int = 0) -> dict[str, SummaryRecord]:
         return dict(self.summaries)
 
 
@@ -153,5 +158,22 @@ def test_a_read_that_missed_the_summarys_plan_is_made_again() -> None:
         clock.now += 1.0
         await watch.tick()
         assert board.full_reads == 3
+
+    asyncio.run(body())
+
+
+def test_a_read_that_misses_a_member_the_summary_saw_asks_more_nodes() -> None:
+    async def body() -> None:
+        board, clock = Board(), Clock()
+        board.summarize()
+        watch = watch_of(board, clock)
+        await watch.tick()
+        board.peers["QmB"] = peer_record("QmB", 0, 8)
+        board.missed = {"QmB"}
+        board.summarize(created_at=2.0)
+        clock.now += 1.0
+        await watch.tick()
+        assert watch.snapshot is not None and "QmB" in watch.snapshot.peers
+        assert board.thorough_reads == 1 and board.full_reads == 3
 
     asyncio.run(body())
