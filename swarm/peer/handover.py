@@ -205,13 +205,13 @@ class Handovers:
             if whole:
                 self._remember_moved(key, successor)
             logger.info(
-                "handed session %s (%d tokens of layers %s, %d KV bytes) over to %s in %.3f s",
+                "handed session %s (%d tokens, %d KV bytes) over to %s in %.3f s: layers %s",
                 key[:8],
                 snapshot.position,
-                snapshot.layers,
                 sent_bytes,
                 successor[-8:],
                 time.perf_counter() - began,
+                snapshot.layers,
             )
         finally:
             if not went:
