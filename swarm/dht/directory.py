@@ -358,7 +358,7 @@ class Directory:
         them), is read again from CONFIRM_ASK more nodes and the answers merged; a key we never read (or
         every key, ``thorough``) is asked of 1 + CONFIRM_ASK nodes at once."""
         new = [key for key in keys if thorough or key not in self._seen]  # first reads ask more nodes
-        known = [key for key in keys if key in self._seen]
+        known = [key for key in keys if key in self._seen and key not in new]  # else its wider answer is lost
         first, again_ = await asyncio.gather(
             self.dht.read_near(new, ask=1 + CONFIRM_ASK) if new else _nothing(),
             self.dht.read_near(known) if known else _nothing(),

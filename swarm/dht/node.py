@@ -297,12 +297,15 @@ class SwarmDHT:
             known[key] = targets if now - found_at < _replicas_refresh_s(targets) else ()
         starts = {key: self._next_reads(key, ask) for key in keys}
         read = partial(_read_at, keys=keys, known=known, starts=starts, ask=ask)
-        values, targets, failed = await self._dht.run_coroutine(read, return_future=True)
+        values, targets, failed, silent = await self._dht.run_coroutine(read, return_future=True)
         for key in keys:
-            if key in failed or not targets.get(key):
+            alive = tuple(t for t in targets.get(key, ()) if t not in silent)
+            if key in failed or not alive:
                 self._replicas.pop(key, None)  # look for its nodes again next time
-            elif not known[key]:
-                self._replicas[key] = (targets[key], now)
+            elif not known[key] or len(alive) < len(known[key]):
+                # a node that did not answer is asked no more (it left, or hangs): hivemind's routing table
+                # drops such a node at once too
+                self._replicas[key] = (alive, now if not known[key] else self._replicas[key][1])
         return values
 
     async def get_near(self, key: str, ask: int = 1) -> dict[bytes, tuple[Any, float]]:
@@ -394,9 +397,9 @@ async def _read_at(
     known: dict[str, tuple[bytes, ...]],
     starts: dict[str, int],
     ask: int,
-) -> tuple[dict[str, dict[Any, tuple[Any, float]]], dict[str, tuple[bytes, ...]], set[str]]:
+) -> tuple[dict[str, dict[Any, tuple[Any, float]]], dict[str, tuple[bytes, ...]], set[str], set[bytes]]:
     """Runs in the DHT child (see SwarmDHT.read_near). Returns each key's live subkeys, the nodes found for
-    each key, and the keys none of whose nodes answered."""
+    each key, the keys none of whose nodes answered, and the nodes that did not answer."""
     targets = dict(known)
     targets.update(await _nearest_nodes(node, [key for key in keys if not known[key]]))
     key_ids = {key: DHTID.generate(source=key) for key in keys}
@@ -413,6 +416,7 @@ async def _read_at(
     pending = {key: nodes[:ask] for key, nodes in order.items()}
     tried = {key: len(nodes) for key, nodes in pending.items()}
     answered: set[str] = set()
+    silent: set[bytes] = set()
     while pending:
         by_node: dict[bytes, list[str]] = {}
         for key, nodes in pending.items():
@@ -422,7 +426,9 @@ async def _read_at(
             *(node.protocol.call_find(PeerID(peer), [key_ids[k] for k in ks]) for peer, ks in by_node.items())
         )
         pending = {}
-        for ks, answer in zip(by_node.values(), answers, strict=True):
+        for peer, ks, answer in zip(by_node, by_node.values(), answers, strict=True):
+            if answer is None:
+                silent.add(peer)
             for key in ks:
                 if answer is None:  # no answer: ask the key's next node, if any is left
                     if tried[key] < len(order[key]):
@@ -434,14 +440,19 @@ async def _read_at(
                 if found is not None and isinstance(found.value, DictionaryDHTValue):
                     _merge(merged[key], found.value)
     failed = {key for key in order if key not in answered}
-    return {key: _plain(node, key_ids[key], merged[key]) for key in keys}, targets, failed
+    return {key: _plain(node, key_ids[key], merged[key]) for key in keys}, targets, failed, silent
 
 
-def _merge(into: DictionaryDHTValue, other: DictionaryDHTValue) -> None:
-    """Each subkey of ``other`` into ``into``, the later expiration winning."""
-    into.maxsize = max(into.maxsize, other.maxsize)
-    for subkey, entry in other.items():
-        into.store(subkey, entry.value, entry.expiration_time)
+def _merge(into: DictionaryDHTValue, other: DictionaryDHTValue) -> bool:
+    """Each subkey of ``other`` into ``into``, the later expiration winning; False (and nothing merged) where
+    ``other``, a node's answer, is malformed (its entries are checked by the validator, its fields are not)."""
+    try:
+        entries = [(subkey, entry.value, float(entry.expiration_time)) for subkey, entry in other.items()]
+        for subkey, value, expiration in entries:
+            into.store(subkey, value, expiration)
+    except Exception:  # a hostile node's bytes: not an answer
+        return False
+    return True
 
 
 def _plain(node: DHTNode, key_id: DHTID, value: DictionaryDHTValue) -> dict[Any, tuple[Any, float]]:

@@ -145,20 +145,25 @@ class SwarmWatch:
         """A full snapshot now (as new as ``summary``, the trusted one that made us read, if any)."""
         async with self._lock:
             snapshot = await self.directory.snapshot()
-            if summary is not None and membership_digest(snapshot.peers) != summary.peers_digest:
+            missed = summary is not None and membership_digest(snapshot.peers) != summary.peers_digest
+            if missed:
                 # The nodes we read from lack a record the planner saw (a store that reached only some of
                 # them): once more, asking more nodes of every key.
                 snapshot = await self.directory.snapshot(thorough=True)
                 self.thorough_reads += 1
+                assert summary is not None
+                missed = membership_digest(snapshot.peers) != summary.peers_digest
             self._read_at = self.clock()
             self.full_reads += 1
             if (
                 summary is None
+                or missed  # still not what the planner saw: the summary stays news, so the next poll reads
                 or summary.planner_peer_id != snapshot.planner_peer_id
                 or (snapshot.plan.epoch if snapshot.plan is not None else 0) < summary.plan_epoch
             ):
-                # Our first read, one without a trusted summary, or one that missed the plan the summary told
-                # of (a store that reached only some of its nodes): the next summary we trust is news.
+                # Our first read, one without a trusted summary, or one that missed a member or the plan the
+                # summary told of (a store that reached only some of its nodes): the next summary we trust is
+                # news.
                 summary = None
             self._summary = summary
             self.snapshot = snapshot
