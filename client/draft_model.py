@@ -99,8 +99,15 @@ class ModelDrafter:
             self.model.blocks.close_session(self.session_id)
         self.open, self.cached = False, []
 
+    def _limit(self) -> int:
+        """The most tokens a drafter session holds: the cache, or a sliding-window model's window (its blocks
+        refuse longer sessions rather than attend differently)."""
+        blocks = self.model.blocks
+        window = blocks.max_context_tokens
+        return min(blocks.cache.cache_tokens, window) if window else blocks.cache.cache_tokens
+
     def _fits(self, tokens: int) -> bool:
-        return tokens <= self.model.blocks.cache.cache_tokens
+        return tokens <= self._limit()
 
     def _draft(self, tokens: list[int], k: int) -> list[int]:
         if not self._fits(len(tokens) + k):
@@ -116,7 +123,7 @@ class ModelDrafter:
         """Cache tokens[:upto], reusing what the cache holds of them (at least the last is run): the greedy
         token after them."""
         if not self.open:
-            self.model.blocks.open_session(self.session_id, self.model.blocks.cache.cache_tokens)
+            self.model.blocks.open_session(self.session_id, self._limit())
             self.open, self.cached = True, []
         same = _common_prefix(self.cached, tokens[:upto])
         same = min(same, upto - 1)  # logits come from a token run now

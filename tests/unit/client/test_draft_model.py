@@ -293,3 +293,15 @@ def test_prepare_catches_up_only_a_drafter_more_than_a_token_behind(draft: Draft
     drafter.prepare(PROMPT_IDS[:9])  # five behind: run now
     assert (drafter.runs, drafter.fed, drafter.cached) == (runs + 1, 9, PROMPT_IDS[:9])
     drafter.close()
+
+
+def test_a_sliding_window_models_self_drafter_drafts_within_its_window(tmp_path: Path) -> None:
+    """A Mistral v0.1-style config (a window shorter than the drafter's cache): the drafter's sessions are
+    sized to the window, which its blocks accept, rather than refused and never drafting."""
+    write_tiny_checkpoint(tmp_path, seed=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
+    source = ModelSource(tmp_path)
+    draft = load_draft_model(ClientConfig(speculate="self", draft_layers=3), source, source.load_head())
+    assert draft is not None
+    assert draft.drafter().propose([5, 17, 42, 99, 7], 4)
