@@ -139,3 +139,16 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # How a peer may hold its layers' projection weights: as loaded (none), or quantized through bitsandbytes
 # (int8: LLM.int8(); nf4: 4-bit NormalFloat with double-quantized block scales). swarm/models/quant.py.
 QUANT_KINDS: tuple[str, ...] = ("none", "int8", "nf4")
+
+# The DHT's layout, which the paper model of background traffic (swarm/sim/background.py) shares with the DHT
+# code (swarm/dht/schemas.py): peer records spread over PEER_SHARDS keys, and the planner's summary written
+# under one key per READERS_PER_SUMMARY_COPY peers, at most MAX_SUMMARY_COPIES.
+PEER_SHARDS = 24
+MAX_SUMMARY_COPIES = 128
+READERS_PER_SUMMARY_COPY = 100
+
+
+def summary_copies(peer_count: int) -> int:
+    """Keys the planner writes its summary under for a swarm of ``peer_count``: one per
+    READERS_PER_SUMMARY_COPY peers, so the nodes storing one answer at most about that many readers."""
+    return max(1, min(MAX_SUMMARY_COPIES, -(-peer_count // READERS_PER_SUMMARY_COPY)))

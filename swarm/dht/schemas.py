@@ -35,15 +35,19 @@ import pydantic.v1 as pydantic_v1
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swarm.types import EdgeFlow, LayerRange, NodeID, Plan
+from swarm.types import (
+    MAX_SUMMARY_COPIES,
+    PEER_SHARDS,
+    EdgeFlow,
+    LayerRange,
+    NodeID,
+    Plan,
+)
 from swarm.wire import MAX_HIDDEN_SIZE, MAX_LAYER, MAX_MADDRS  # one set of limits for messages and records
 
 MODEL_KEY_CHARS = 16  # model_key = model_hash[:16]: short keys, still unique among hosted models
 MAX_LINKS = 64  # a record carries links to k nearest + a random sample, never the whole swarm
 DIGEST_CHARS = 16  # hex characters of a SummaryRecord's digest (64 bits)
-PEER_SHARDS = 24  # keys the peer records are spread over (each parsed up to directory.MAX_RECORDS_PER_KEY)
-MAX_SUMMARY_COPIES = 128  # keys the planner's summary may be written under
-READERS_PER_SUMMARY_COPY = 100  # the planner writes one summary copy per this many peers
 # Hard bounds: a value past these is not a measurement but garbage or an attack (the planner and routing
 # clamp further, to configurable plausible caps).
 MAX_TOKENS_S = 1e9  # tokens/s through one layer: ~1000x the fastest measured layer of any model we serve
@@ -347,12 +351,6 @@ def summary_key(model_hash: str, copy: int = 0) -> str:
     if not 0 <= copy < MAX_SUMMARY_COPIES:
         raise ValueError(f"summary copy {copy} out of range 0..{MAX_SUMMARY_COPIES - 1}")
     return f"{model_key(model_hash)}_summary{_numbered(copy)}"
-
-
-def summary_copies(peer_count: int) -> int:
-    """Keys the planner writes its summary under for a swarm of ``peer_count``: one per
-    READERS_PER_SUMMARY_COPY peers, so the nodes storing one answer at most about that many readers."""
-    return max(1, min(MAX_SUMMARY_COPIES, -(-peer_count // READERS_PER_SUMMARY_COPY)))
 
 
 def summary_copy_of(peer_id: str, copies: int) -> int:

@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from swarm.dht import Directory, Election, PeerRecord, PlanRecord, SwarmSnapshot, excluded_peers
 from swarm.dht.directory import membership_digest
-from swarm.dht.schemas import SummaryRecord, summary_copies
+from swarm.dht.schemas import SummaryRecord
 from swarm.dht.trust import MIN_REPORTERS
 from swarm.errors import PlanningError
 from swarm.peer.config import PlannerConfig
@@ -44,7 +44,7 @@ from swarm.planner import Cluster, ClusterLink, ClusterNode, ModelInfo, max_flow
 from swarm.planner.graph import link_cost_s
 from swarm.planner.replan import ReplanConfig, publish_reason, replan
 from swarm.planner.split import KV_KEY, PREFILL_KEY, SplitConfig, split_plan
-from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan
+from swarm.types import DTYPE_BYTES, SINK, SOURCE, LayerRange, NodeID, Plan, summary_copies
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from swarm.dht.schemas import PEER_SHARDS, summary_copies
+from swarm.types import PEER_SHARDS, summary_copies
 
 
 @dataclass(frozen=True)

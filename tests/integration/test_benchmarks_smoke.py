@@ -700,14 +700,15 @@ def test_bench_dht_quick(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 def test_bench_spec_quick(tmp_path: Path) -> None:
-    """Plain and prompt-lookup speculative greedy (fixed and adaptive length) over the emulated swarm on the
-    tiny model: every figure by
-    delay, drafter and prompt, the edit prompt's drafts accepted, and every session's tokens equal."""
+    """Plain greedy against speculative greedy over the emulated swarm on the tiny model, with prompt lookup
+    (fixed and adaptive length) and the model drafters (the served model on the client, its first layers):
+    every figure by delay, drafter and prompt, the edit prompt's drafts accepted, and every session's tokens
+    equal."""
     out_file = tmp_path / "spec.json"
     out = _run_json(["scripts/bench_spec.py", "--quick", "--json", str(out_file)], 360)
     assert isinstance(out, dict) and json.loads(out_file.read_text()) == out
     prompts = {"essay", "edit"}
-    drafters = {"lookup-k4", "lookup-auto"}  # a fixed length, and the length each session adapts
+    drafters = {"lookup-k4", "lookup-auto", "model", "self"}  # lookup: a fixed length and an adapted one
     assert set(out["tok_s"]) == {"0", "10"} and set(out["tok_s"]["0"]) == {"plain", *drafters}
     assert all(_positive(v) for by in out["tok_s"].values() for row in by.values() for v in row.values())
     for key in ("speedup", "acceptance", "mean_accepted"):
@@ -720,7 +721,7 @@ def test_bench_spec_quick(tmp_path: Path) -> None:
         assert 0 < out["acceptance"][d]["lookup-k4"]["edit"] <= 1
         assert 0 < out["mean_accepted"][d]["lookup-k4"]["edit"] <= 4
     # speculative tokens equal plain ones, and plain ones equal local transformers'
-    assert out["tokens_equal"] is True and len(out["tokens_equal_by"]) == 2 * 2 * 3
+    assert out["tokens_equal"] is True and len(out["tokens_equal_by"]) == 2 * 2 * (1 + len(drafters))
 
 
 def test_bench_kv_quick(tmp_path: Path) -> None:

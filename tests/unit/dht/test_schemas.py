@@ -24,11 +24,10 @@ from swarm.dht.schemas import (
     model_key,
     peers_key,
     shard_of,
-    summary_copies,
     summary_copy_of,
     summary_key,
 )
-from swarm.types import Plan
+from swarm.types import Plan, summary_copies
 from tests.unit.dht.records import MODEL_HASH, peer_record
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from swarm.dht.schemas import summary_copies
 from swarm.sim.background import Rates, busiest_bytes_s, holder_bytes_s, model_bytes_s, search_calls
+from swarm.types import summary_copies
 
 
 def test_a_search_asks_the_beam_per_round_and_a_round_more_per_bucket_factor() -> None:
